@@ -1,0 +1,59 @@
+"""``opd``: a thin command line over the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from opd.config import ConfigError, load_config
+from opd.data.prompts import DataError
+from opd.models import ModelLoadError
+
+USER_ERRORS = (ConfigError, DataError, ModelLoadError, NotADirectoryError, PermissionError)
+
+
+def _train(args: argparse.Namespace) -> None:
+    from opd.trainer.loop import train
+
+    config = load_config(args.config, args.overrides)
+    train(config, progress=not args.no_progress)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from opd.demo.run import DEFAULT_STEPS, run_demo
+
+    run_demo(log_path=args.log_path, steps=args.steps or DEFAULT_STEPS, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(prog="opd", description="On-policy distillation of language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a student from a YAML config")
+    train.add_argument("config", help="path to the YAML config")
+    train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. training.max_steps=5")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(handler=_train)
+
+    demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")
+    demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
+    demo.add_argument("--steps", type=int, default=None, help="distillation steps (default 400)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; user errors print one clear line and exit 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except USER_ERRORS as error:
+        print(f"opd: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prompt sources, chat rendering and batching: everything before the student samples."""

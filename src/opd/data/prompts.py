@@ -1,0 +1,99 @@
+"""Prompt sources: JSONL files and built-in generated tasks, validated line by line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(ValueError):
+    """A problem in a prompt source, naming the file and line."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: the conversation so far, and the reference answer when the task has one."""
+
+    messages: tuple[dict[str, str], ...]
+    answer: str | None = None
+    completion: str | None = None
+
+
+def _messages_from(record: dict, where: str) -> tuple[dict[str, str], ...]:
+    if "prompt" in record:
+        text = record["prompt"]
+        if not isinstance(text, str):
+            raise DataError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise DataError(f"{where}: empty prompt")
+        return ({"role": "user", "content": text},)
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    checked = []
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: messages[{j}] needs a string 'content'")
+        if message.get("role") not in VALID_ROLES:
+            raise DataError(f"{where}: messages[{j}].role must be one of {VALID_ROLES}")
+        checked.append({"role": message["role"], "content": message["content"]})
+    if not any(m["content"].strip() for m in checked):
+        raise DataError(f"{where}: empty prompt (every message is blank)")
+    return tuple(checked)
+
+
+def _optional_text(record: dict, key: str, where: str) -> str | None:
+    value = record.get(key)
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise DataError(f"{where}: '{key}' must be a string or number")
+    return value
+
+
+def parse_prompt_record(record: object, where: str) -> Prompt:
+    """Validate one decoded JSON object: ``prompt`` or ``messages``, optional answer/completion."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "prompt" not in record and "messages" not in record:
+        raise DataError(f"{where}: needs a 'prompt' string or a 'messages' list")
+    return Prompt(
+        messages=_messages_from(record, where),
+        answer=_optional_text(record, "answer", where),
+        completion=_optional_text(record, "completion", where),
+    )
+
+
+def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
+    """Read a JSONL prompt file; any bad line raises :class:`DataError` with ``file:line``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: prompt file not found")
+    prompts = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
+            prompts.append(parse_prompt_record(record, where))
+    if not prompts:
+        raise DataError(f"{path}: no prompts in the file")
+    return prompts
+
+
+def load_prompts(source: str, *, seed: int = 0) -> list[Prompt]:
+    """Load a source string from the config: a JSONL path, or ``demo:<task>`` (generated)."""
+    if source.startswith("demo:"):
+        from opd.data.builtin_tasks import generate_task_prompts
+
+        return generate_task_prompts(source.removeprefix("demo:"), seed=seed)
+    return load_jsonl_prompts(source)

@@ -1,0 +1,1 @@
+"""The out-of-the-box demo: a tiny teacher and a smaller student on a checkable task."""

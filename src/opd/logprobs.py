@@ -1,0 +1,199 @@
+"""Token log-probabilities without ever holding the B x T x V logits tensor.
+
+The language-model head is applied a chunk of positions at a time; the backward pass
+recomputes each chunk's logits instead of keeping them. Peak extra memory is one
+``chunk_size x V`` block, whatever the batch or sequence length.
+
+Logits go through the same transforms the model's own forward applies (``logit_scale``,
+``logits_scaling``, ``final_logit_softcapping``), then a sampling temperature, and are
+sliced to the tokenizer's vocabulary when the embedding matrix is padded beyond it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """How raw lm-head outputs become the logits a distribution is taken over.
+
+    ``z = softcap * tanh(scale * raw / softcap) / temperature`` (no tanh when ``softcap`` is None).
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    def apply(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Return the transformed logits and dz/draw (a tensor, or a constant)."""
+        scaled = raw * self.scale
+        if self.softcap is None:
+            return scaled / self.temperature, self.scale / self.temperature
+        squashed = torch.tanh(scaled / self.softcap)
+        derivative = (1.0 - squashed.square()) * (self.scale / self.temperature)
+        return squashed * (self.softcap / self.temperature), derivative
+
+
+def logit_transform_for(model: nn.Module, temperature: float = 1.0) -> LogitTransform:
+    """Read the logit scaling a Hugging Face model applies in its own forward."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    scale = float(getattr(config, "logit_scale", None) or 1.0)
+    logits_scaling = getattr(config, "logits_scaling", None)
+    if logits_scaling:
+        scale /= float(logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None, temperature=temperature)
+
+
+def _chunk_logits(
+    hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
+) -> tuple[torch.Tensor, torch.Tensor | float]:
+    raw = hidden_chunk @ weight.T
+    if bias is not None:
+        raw = raw + bias
+    return transform.apply(raw.float())
+
+
+class _SelectedTokenLogProbs(torch.autograd.Function):
+    """log softmax(z)[token] and the entropy of softmax(z), chunk by chunk, recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, bias_V, token_ids_N, chunk_size, transform):
+        logprobs_N = hidden_ND.new_empty(hidden_ND.shape[0], dtype=torch.float32)
+        entropy_N = torch.empty_like(logprobs_N)
+        logsumexp_N = torch.empty_like(logprobs_N)
+        for start in range(0, hidden_ND.shape[0], chunk_size):
+            end = start + chunk_size
+            logits, _ = _chunk_logits(hidden_ND[start:end], weight_VD, bias_V, transform)
+            lse = torch.logsumexp(logits, dim=-1)
+            ids = token_ids_N[start:end]
+            logprobs_N[start:end] = logits.gather(-1, ids[:, None]).squeeze(-1) - lse
+            probs = torch.exp(logits - lse[:, None])
+            entropy_N[start:end] = lse - (probs * logits).sum(-1)
+            logsumexp_N[start:end] = lse
+        ctx.save_for_backward(hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N)
+        ctx.chunk_size = chunk_size
+        ctx.transform = transform
+        ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_N, _grad_entropy_N):
+        hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden_ND) if need_hidden else None
+        grad_weight = torch.zeros_like(weight_VD, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias_V, dtype=torch.float32) if need_bias else None
+        for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            hidden_chunk = hidden_ND[start:end]
+            logits, dz_draw = _chunk_logits(hidden_chunk, weight_VD, bias_V, ctx.transform)
+            grad_out = grad_logprobs_N[start:end]
+            grad_logits = torch.exp(logits - logsumexp_N[start:end, None]) * -grad_out[:, None]
+            rows = torch.arange(hidden_chunk.shape[0], device=hidden_chunk.device)
+            grad_logits[rows, token_ids_N[start:end]] += grad_out
+            grad_raw = grad_logits * dz_draw
+            if need_hidden:
+                grad_hidden[start:end] = (grad_raw.to(weight_VD.dtype) @ weight_VD).to(hidden_ND.dtype)
+            if need_weight:
+                grad_weight += grad_raw.T @ hidden_chunk.float()
+            if need_bias:
+                grad_bias += grad_raw.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight_VD.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias_V.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def selected_token_logprobs(
+    hidden_ND: torch.Tensor,
+    lm_head: nn.Linear,
+    token_ids_N: torch.Tensor,
+    *,
+    chunk_size: int = 1024,
+    transform: LogitTransform = LogitTransform(),
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``token_ids_N`` under ``lm_head(hidden_ND)``, and the entropies.
+
+    Args:
+        hidden_ND: final hidden states, one row per scored position (the position *before*
+            the token it predicts).
+        lm_head: the output projection (tied embeddings work: its weight is the embedding).
+        token_ids_N: the token each row is scored on.
+        chunk_size: rows whose logits exist at once; memory is ``chunk_size x V`` floats.
+        transform: logit scaling, soft-capping and temperature.
+        vocab_size: normalise over the first ``vocab_size`` rows only (an embedding padded
+            beyond the tokenizer), so two models with padded vocabularies stay comparable.
+
+    Returns:
+        ``(logprobs_N, entropy_N)`` in float32; gradients flow into ``logprobs_N`` only.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden_ND.dim() != 2 or token_ids_N.dim() != 1 or hidden_ND.shape[0] != token_ids_N.shape[0]:
+        raise ValueError(
+            f"hidden states must be (N, D) and token ids (N,); got {tuple(hidden_ND.shape)} "
+            f"and {tuple(token_ids_N.shape)}"
+        )
+    weight = lm_head.weight
+    bias = lm_head.bias
+    if vocab_size is not None and vocab_size < weight.shape[0]:
+        weight = weight[:vocab_size]
+        bias = bias[:vocab_size] if bias is not None else None
+    if token_ids_N.numel() and int(token_ids_N.max()) >= weight.shape[0]:
+        raise ValueError(
+            f"token id {int(token_ids_N.max())} is outside the model's vocabulary of {weight.shape[0]}"
+        )
+    return _SelectedTokenLogProbs.apply(hidden_ND, weight, bias, token_ids_N, chunk_size, transform)
+
+
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """The transformer body (returns hidden states) and the lm head of a causal LM, PEFT or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(base, base.base_model_prefix, None)
+    head = base.get_output_embeddings()
+    if backbone is None or head is None:
+        raise TypeError(f"{type(base).__name__} has no '{base.base_model_prefix}' body or no lm head")
+    return backbone, head
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    score_mask_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log p(x_t | x_<t) and entropy at every position where ``score_mask_BT`` is set.
+
+    Only the scored positions go through the lm head. Position 0 cannot be scored (nothing
+    predicts it); outputs are (B, T) and zero where not scored.
+    """
+    backbone, head = backbone_and_head(model)
+    hidden_BTD = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
+    selected_BT = score_mask_BT[:, 1:].bool()
+    hidden_ND = hidden_BTD[:, :-1][selected_BT]
+    token_ids_N = input_ids_BT[:, 1:][selected_BT]
+    logprobs_N, entropy_N = selected_token_logprobs(
+        hidden_ND,
+        head,
+        token_ids_N,
+        chunk_size=chunk_size,
+        transform=logit_transform_for(model, temperature),
+        vocab_size=vocab_size,
+    )
+    batch, length = input_ids_BT.shape
+    logprobs_BT = hidden_BTD.new_zeros(batch, length - 1, dtype=torch.float32)
+    logprobs_BT = logprobs_BT.masked_scatter(selected_BT, logprobs_N)
+    entropy_BT = torch.zeros_like(logprobs_BT).masked_scatter(selected_BT, entropy_N)
+    pad = logprobs_BT.new_zeros(batch, 1)
+    return torch.cat([pad, logprobs_BT], dim=1), torch.cat([pad, entropy_BT], dim=1)

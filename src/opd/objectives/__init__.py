@@ -1,0 +1,1 @@
+"""Advantages and losses: pure tensor functions, no I/O, no models."""

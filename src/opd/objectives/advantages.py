@@ -1,0 +1,47 @@
+"""Per-token advantages from the teacher's judgement of the student's own samples.
+
+The student's sampled log-prob minus the teacher's log-prob of the same token is a
+one-sample estimate of the reverse KL at that position; its negative is the reward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reverse_kl_per_token(
+    sampled_logprobs_BT: torch.Tensor, teacher_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """``(log p_student - log q_teacher) * mask``: the sampled-token reverse-KL estimate."""
+    return (sampled_logprobs_BT - teacher_logprobs_BT) * mask_BT
+
+
+def discounted_future_sum(values_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``out_t = sum_k gamma^k values_{t+k}`` along the last dimension (a reverse scan)."""
+    out_BT = torch.empty_like(values_BT)
+    running = torch.zeros_like(values_BT[..., 0])
+    for t in range(values_BT.shape[-1] - 1, -1, -1):
+        running = values_BT[..., t] + gamma * running
+        out_BT[..., t] = running
+    return out_BT
+
+
+def kl_advantages(
+    sampled_logprobs_BT: torch.Tensor,
+    teacher_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    kl_penalty_coef: float,
+    kl_discount_factor: float = 0.0,
+) -> torch.Tensor:
+    """``-coef * mask * reverse_kl``, replaced by its discounted future sum when the factor is > 0.
+
+    With a discount, a token is also charged for the divergence of what it led to; the sum
+    runs over completion positions only because the advantages are already masked.
+    """
+    advantages_BT = -kl_penalty_coef * mask_BT * reverse_kl_per_token(
+        sampled_logprobs_BT, teacher_logprobs_BT, mask_BT
+    )
+    if kl_discount_factor > 0:
+        advantages_BT = discounted_future_sum(advantages_BT, kl_discount_factor) * mask_BT
+    return advantages_BT

@@ -1,0 +1,75 @@
+"""Policy-gradient losses on sampled tokens, as in the reference recipe.
+
+Each returns a per-token loss (B, T); :func:`aggregate` reduces it. ``r`` is the importance
+ratio ``exp(logp_theta - logp_sampler)``, equal to 1 on the first substep of on-policy data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
+
+
+def importance_sampling(logp_BT, sampler_logp_BT, advantages_BT, config: Mapping) -> torch.Tensor:
+    """``-r * A``: REINFORCE with an importance weight for off-policy substeps."""
+    return -torch.exp(logp_BT - sampler_logp_BT) * advantages_BT
+
+
+def ppo(logp_BT, sampler_logp_BT, advantages_BT, config: Mapping) -> torch.Tensor:
+    """``-min(r * A, clip(r, low, high) * A)``: the clipped surrogate; bounds are ratio values."""
+    ratio = torch.exp(logp_BT - sampler_logp_BT)
+    clipped = ratio.clamp(config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    return -torch.minimum(ratio * advantages_BT, clipped * advantages_BT)
+
+
+def cispo(logp_BT, sampler_logp_BT, advantages_BT, config: Mapping) -> torch.Tensor:
+    """``-sg(clip(r, low, high)) * logp * A``: clipped weights, gradient through log-probs only."""
+    ratio = torch.exp(logp_BT - sampler_logp_BT).detach()
+    weight = ratio.clamp(config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    return -weight * logp_BT * advantages_BT
+
+
+def dro(logp_BT, sampler_logp_BT, advantages_BT, config: Mapping) -> torch.Tensor:
+    """``-(logp * A - beta/2 * (logp - logp_sampler)^2)``: a quadratic pull to the sampler."""
+    beta = config.get("beta", 0.05)
+    return -(logp_BT * advantages_BT - 0.5 * beta * (logp_BT - sampler_logp_BT).square())
+
+
+POLICY_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+}
+
+LOSS_FN_CONFIG_KEYS = {
+    "importance_sampling": set(),
+    "ppo": {"clip_low_threshold", "clip_high_threshold"},
+    "cispo": {"clip_low_threshold", "clip_high_threshold"},
+    "dro": {"beta"},
+}
+
+
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, how: str, num_tokens: int, num_sequences: int):
+    """Reduce a per-token loss over a (micro-)batch that is part of a larger optimizer batch.
+
+    ``num_tokens`` / ``num_sequences`` count the whole optimizer batch, so gradient
+    accumulation over micro-batches gives the same gradient as one big batch.
+
+    - ``sum``: sum over tokens (the reference recipe); the step size grows with batch and length.
+    - ``token_mean``: sum / tokens in the batch; transfers across batch sizes (the default).
+    - ``sequence_mean``: each sequence's token mean, averaged over sequences; short and long
+      completions weigh the same.
+    """
+    masked = loss_BT * mask_BT
+    if how == "sum":
+        return masked.sum()
+    if how == "token_mean":
+        return masked.sum() / max(num_tokens, 1)
+    if how == "sequence_mean":
+        per_sequence = masked.sum(-1) / mask_BT.sum(-1).clamp(min=1)
+        return per_sequence.sum() / max(num_sequences, 1)
+    raise ValueError(f"unknown loss aggregation {how!r}; choose one of {LOSS_AGGREGATIONS}")

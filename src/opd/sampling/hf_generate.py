@@ -1,0 +1,121 @@
+"""Sampling with Hugging Face ``generate`` (KV cache), recording sampled-token log-probs."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from opd.sampling.base import Completion
+
+
+class _SampledLogprobRecorder(LogitsProcessor):
+    """Applies the temperature and remembers log-softmax of each step.
+
+    At step t+1 ``input_ids`` ends with the token sampled at step t, so that token's
+    log-prob is read from the previous step's distribution: only one B x V row is held.
+    """
+
+    def __init__(self, temperature: float, vocab_size: int | None):
+        self.temperature = temperature
+        self.vocab_size = vocab_size
+        self.previous_logprobs: torch.Tensor | None = None
+        self.recorded: list[torch.Tensor] = []
+
+    def _gather_previous(self, last_tokens: torch.Tensor) -> None:
+        if self.previous_logprobs is not None:
+            self.recorded.append(self.previous_logprobs.gather(-1, last_tokens[:, None]).squeeze(-1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._gather_previous(input_ids[:, -1])
+        scores = scores.float() / self.temperature
+        if self.vocab_size is not None and self.vocab_size < scores.shape[-1]:
+            scores[:, self.vocab_size :] = float("-inf")
+        self.previous_logprobs = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """Log-probs of all generated tokens, (B, generated)."""
+        self._gather_previous(sequences[:, -1])
+        return torch.stack(self.recorded, dim=1)
+
+
+class HFGenerateSampler:
+    """Samples from a causal LM with ``model.generate``; stops at any stop id or stop string.
+
+    The distribution sampled from is exactly ``softmax(logits / temperature)`` over the
+    tokenizer's vocabulary (no top-k/top-p, and none of the model's own generation
+    defaults), so the recorded log-probs are the behaviour policy's.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        stop_token_ids: list[int],
+        stop_strings: list[str] | None = None,
+        batch_size: int | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.stop_strings = stop_strings or []
+        self.batch_size = batch_size
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
+
+    @torch.no_grad()
+    def sample(
+        self, prompts: list[list[int]], *, temperature: float, max_tokens: int, greedy: bool = False
+    ) -> list[Completion]:
+        size = self.batch_size or len(prompts)
+        completions: list[Completion] = []
+        for start in range(0, len(prompts), size):
+            completions += self._sample_batch(prompts[start : start + size], temperature, max_tokens, greedy)
+        return completions
+
+    def _sample_batch(self, prompts, temperature, max_tokens, greedy) -> list[Completion]:
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        recorder = _SampledLogprobRecorder(1.0 if greedy else temperature, len(self.tokenizer))
+        generation_config = GenerationConfig(
+            do_sample=not greedy,
+            max_new_tokens=max_tokens,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.pad_id,
+            stop_strings=self.stop_strings or None,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            sequences = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=generation_config,
+                logits_processor=LogitsProcessorList([recorder]),
+                tokenizer=self.tokenizer if self.stop_strings else None,
+            )
+        finally:
+            self.model.train(was_training)
+        generated = sequences[:, width:].cpu()
+        logprobs = recorder.finish(sequences).cpu()
+        return [self._cut(generated[row].tolist(), logprobs[row].tolist()) for row in range(len(prompts))]
+
+    def _cut(self, token_ids: list[int], logprobs: list[float]) -> Completion:
+        """Keep tokens up to and including the first stop token or completed stop string."""
+        stops = set(self.stop_token_ids)
+        for end, token in enumerate(token_ids, start=1):
+            if token in stops or (self.stop_strings and self._ends_stop_string(token_ids[:end])):
+                return Completion(token_ids[:end], logprobs[:end], finished=True)
+        return Completion(token_ids, logprobs, finished=False)
+
+    def _ends_stop_string(self, token_ids: list[int]) -> bool:
+        text = self.tokenizer.decode(token_ids)
+        return any(stop in text for stop in self.stop_strings)

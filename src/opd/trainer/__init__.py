@@ -1,0 +1,1 @@
+"""The training loop: sample, score, compute advantages, update."""

@@ -1,0 +1,310 @@
+"""The synchronous on-policy distillation loop.
+
+Each step: take prompts from every dataset -> the student samples ``group_size``
+completions per prompt -> each dataset's teacher scores the same tokens -> advantages are
+the negative sampled-token reverse KL -> ``num_substeps`` optimizer steps on the batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from peft import LoraConfig, get_peft_model
+from tqdm.auto import tqdm
+
+from opd.config import Config, TeacherConfig, config_to_dict
+from opd.data.batching import CompositeBatches
+from opd.data.prompts import Prompt, load_prompts
+from opd.data.render import ChatRenderer
+from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
+from opd.objectives.advantages import kl_advantages, reverse_kl_per_token
+from opd.runs.display import colorize_example
+from opd.runs.metrics import MetricsWriter
+from opd.sampling.hf_generate import HFGenerateSampler
+from opd.teachers.local import LocalTeacher
+from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
+from opd.trainer.update import policy_update
+
+PROGRESS_KEYS = ("teacher_kl", "entropy", "kl_sample_train", "completion_len_mean")
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` hands back: the trained student and every step's metrics."""
+
+    student: torch.nn.Module
+    tokenizer: object
+    renderer: ChatRenderer
+    metrics: list[dict] = field(default_factory=list)
+    log_path: Path = Path(".")
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Sampling at step ``step`` depends only on (seed, step): a resumed run samples the same."""
+    return (seed * 1_000_003 + step) % (2**63)
+
+
+def prepare_student(model, config: Config):
+    """Wrap in LoRA adapters (``lora_rank > 0``) or leave every weight trainable."""
+    student = config.student
+    if student.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if student.lora_rank > 0:
+            model.enable_input_require_grads()
+    if student.lora_rank == 0:
+        model.requires_grad_(True)
+        return model
+    lora = LoraConfig(
+        r=student.lora_rank,
+        lora_alpha=student.lora_alpha if student.lora_alpha is not None else student.lora_rank,
+        lora_dropout=student.lora_dropout,
+        target_modules=student.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def build_optimizer(model, config: Config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with the reference's betas; constant LR after a linear warmup."""
+    training = config.training
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        parameters,
+        lr=training.learning_rate,
+        betas=(training.adam_beta1, training.adam_beta2),
+        eps=training.adam_eps,
+        weight_decay=training.weight_decay,
+    )
+    warmup = training.warmup_steps
+
+    def lr_factor(optimizer_step: int) -> float:
+        return min(1.0, (optimizer_step + 1) / warmup) if warmup > 0 else 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def _prepare_log_path(log_path: Path) -> None:
+    if log_path.exists() and not log_path.is_dir():
+        raise NotADirectoryError(f"log_path: '{log_path}' exists and is not a directory")
+    log_path.mkdir(parents=True, exist_ok=True)
+    if not os.access(log_path, os.W_OK):
+        raise PermissionError(f"log_path: '{log_path}' is not writable")
+
+
+class Trainer:
+    """Holds the models, data and optimizer of one run; :meth:`run` trains.
+
+    Construction loads everything and fails early (bad paths, mismatched vocabularies,
+    datasets smaller than a batch) before any file in ``log_path`` is written.
+    """
+
+    def __init__(self, config: Config, *, progress: bool = True):
+        self.config = config
+        self.progress = progress
+        torch.manual_seed(config.seed)
+        student_cfg = config.student
+        self.tokenizer = load_tokenizer(
+            student_cfg.tokenizer or student_cfg.model, "student.model", trust_remote_code=student_cfg.trust_remote_code
+        )
+        self.vocab_size = len(self.tokenizer)
+        base = load_causal_lm(
+            student_cfg.model,
+            "student.model",
+            dtype=student_cfg.dtype,
+            device=student_cfg.device,
+            trust_remote_code=student_cfg.trust_remote_code,
+        )
+        generation_eos = base.generation_config.eos_token_id if base.generation_config else None
+        extra_stops = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+        self.renderer = ChatRenderer(self.tokenizer, student_cfg.chat_template, extra_stop_ids=extra_stops)
+        self.student = prepare_student(base, config)
+        self.sampler = HFGenerateSampler(
+            self.student,
+            self.tokenizer,
+            stop_token_ids=self.renderer.stop_token_ids,
+            stop_strings=self.renderer.stop_strings,
+        )
+        self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
+        self.batches = CompositeBatches(
+            self.datasets,
+            [d.groups_per_batch for d in config.datasets],
+            [d.name for d in config.datasets],
+            config.seed,
+        )
+        self.teachers = self._load_teachers()
+        self.optimizer, self.scheduler = build_optimizer(self.student, config)
+        self.num_steps = config.training.max_steps or len(self.batches)
+
+    def _load_dataset(self, index: int) -> list[Prompt]:
+        dataset = self.config.datasets[index]
+        prompts = load_prompts(dataset.source, seed=self.config.seed)
+        return prompts[: dataset.num_prompts] if dataset.num_prompts else prompts
+
+    def _load_teachers(self) -> list[LocalTeacher]:
+        loaded: dict[tuple, LocalTeacher] = {}
+        per_dataset = []
+        for index, dataset in enumerate(self.config.datasets):
+            teacher_cfg: TeacherConfig = self.config.teacher_for(dataset)
+            field_name = f"datasets[{index}].teacher.model" if dataset.teacher else "teacher.model"
+            key = (teacher_cfg.model, teacher_cfg.dtype, teacher_cfg.device)
+            if key not in loaded:
+                teacher_tokenizer = load_tokenizer(
+                    teacher_cfg.model, field_name, trust_remote_code=teacher_cfg.trust_remote_code
+                )
+                check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
+                model = load_causal_lm(
+                    teacher_cfg.model,
+                    field_name,
+                    dtype=teacher_cfg.dtype,
+                    device=teacher_cfg.device,
+                    trust_remote_code=teacher_cfg.trust_remote_code,
+                )
+                loaded[key] = LocalTeacher(
+                    model,
+                    vocab_size=self.vocab_size,
+                    pad_id=self.sampler.pad_id,
+                    batch_size=self.config.training.teacher_batch_size,
+                    chunk_size=self.config.training.logprob_chunk_size,
+                )
+            per_dataset.append(loaded[key])
+        return per_dataset
+
+    def sample_batch(self, step: int) -> RolloutBatch:
+        """Render the step's prompts and sample ``group_size`` completions for each."""
+        prompts, dataset_indices = [], []
+        for item in self.batches.batch(step):
+            prompt_ids = self.renderer.prompt_ids(item.prompt.messages)
+            group_size = self.config.datasets[item.dataset_index].group_size
+            prompts += [prompt_ids] * group_size
+            dataset_indices += [item.dataset_index] * group_size
+        torch.manual_seed(step_seed(self.config.seed, step))
+        training = self.config.training
+        completions = self.sampler.sample(prompts, temperature=training.temperature, max_tokens=training.max_tokens)
+        return build_rollout_batch(prompts, completions, dataset_indices, self.sampler.pad_id)
+
+    def score_with_teachers(self, batch: RolloutBatch) -> torch.Tensor:
+        """Teacher log-probs (B, T) of the sampled tokens, each row by its dataset's teacher."""
+        teacher_logprobs = torch.zeros_like(batch.sampled_logprobs_BT)
+        sequences = batch.sequences
+        masks = [row.bool().tolist() for row in batch.mask_BT]
+        by_teacher: dict[int, list[int]] = {}
+        for row, dataset_index in enumerate(batch.dataset_index_B.tolist()):
+            by_teacher.setdefault(id(self.teachers[dataset_index]), []).append(row)
+        for rows in by_teacher.values():
+            teacher = self.teachers[int(batch.dataset_index_B[rows[0]])]
+            scored = teacher.score([sequences[r] for r in rows], [masks[r] for r in rows])
+            for row, values in zip(rows, scored, strict=True):
+                teacher_logprobs[row, : values.shape[0]] = values
+        return teacher_logprobs
+
+    def kl_metrics(self, batch: RolloutBatch, reverse_kl_BT: torch.Tensor) -> dict[str, float]:
+        """``teacher_kl`` = sum(reverse KL) / completion tokens, overall and per dataset."""
+        metrics = {"teacher_kl": float(reverse_kl_BT.sum() / batch.mask_BT.sum().clamp(min=1))}
+        for index, dataset in enumerate(self.config.datasets):
+            rows = batch.dataset_index_B == index
+            tokens = batch.mask_BT[rows].sum()
+            if tokens > 0:
+                metrics[f"teacher_kl/{dataset.name}"] = float(reverse_kl_BT[rows].sum() / tokens)
+        return metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Sample, score, compute advantages, update; returns the step's metrics."""
+        training = self.config.training
+        started = time.perf_counter()
+        batch = self.sample_batch(step)
+        sampled_at = time.perf_counter()
+        teacher_logprobs = self.score_with_teachers(batch)
+        scored_at = time.perf_counter()
+        mask = batch.mask_BT
+        reverse_kl = reverse_kl_per_token(batch.sampled_logprobs_BT, teacher_logprobs, mask)
+        lengths = mask.sum(-1)
+        metrics: dict[str, float] = {"step": step, **self.kl_metrics(batch, reverse_kl)}
+        metrics |= {
+            "num_tokens": int(lengths.sum()),
+            "num_sequences": int(mask.shape[0]),
+            "completion_len_mean": float(lengths.mean()),
+            "frac_truncated": float((~batch.finished_B).float().mean()),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        if training.show_examples:
+            self._print_examples(batch, reverse_kl)
+        if not torch.isfinite((batch.sampled_logprobs_BT - teacher_logprobs)[mask.bool()]).all():
+            warnings.warn(f"step {step}: non-finite log-probs from the sampler or teacher; step skipped", stacklevel=2)
+            metrics |= {"skipped": 1, "time/sample": sampled_at - started, "time/teacher": scored_at - sampled_at}
+            return metrics
+        advantages = kl_advantages(
+            batch.sampled_logprobs_BT,
+            teacher_logprobs,
+            mask,
+            kl_penalty_coef=training.kl_penalty_coef,
+            kl_discount_factor=training.kl_discount_factor,
+        )
+        stats = policy_update(
+            self.student, self.optimizer, self.scheduler, batch, advantages, training, self.vocab_size
+        )
+        finished_at = time.perf_counter()
+        metrics |= {
+            "loss": stats.loss,
+            "entropy": stats.entropy,
+            "kl_sample_train": stats.kl_sample_train,
+            "grad_norm": stats.grad_norm,
+            "skipped": int(stats.applied_substeps == 0),
+            "time/sample": sampled_at - started,
+            "time/teacher": scored_at - sampled_at,
+            "time/train": finished_at - scored_at,
+            "time/total": finished_at - started,
+        }
+        return metrics
+
+    def _print_examples(self, batch: RolloutBatch, reverse_kl: torch.Tensor) -> None:
+        printed = set()
+        for row, dataset_index in enumerate(batch.dataset_index_B.tolist()):
+            if dataset_index in printed:
+                continue
+            printed.add(dataset_index)
+            length = int(batch.attention_mask_BT[row].sum())
+            text = colorize_example(
+                self.tokenizer,
+                batch.input_ids_BT[row, :length].tolist(),
+                batch.mask_BT[row, :length].tolist(),
+                reverse_kl[row],
+            )
+            tqdm.write(f"--- {self.config.datasets[dataset_index].name}\n{text}")
+
+    def run(self) -> TrainResult:
+        """Train for ``num_steps`` steps, writing metrics and the final student to ``log_path``."""
+        log_path = Path(self.config.log_path)
+        _prepare_log_path(log_path)
+        (log_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
+        writer = MetricsWriter(log_path / "metrics.jsonl")
+        result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
+        bar = tqdm(total=self.num_steps, desc="opd", disable=not self.progress, dynamic_ncols=True)
+        try:
+            for step in range(self.num_steps):
+                metrics = self.train_step(step)
+                metrics["progress/done_frac"] = (step + 1) / self.num_steps
+                writer.write(metrics)
+                result.metrics.append(metrics)
+                bar.set_postfix({k: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics}, refresh=False)
+                bar.update(1)
+        finally:
+            bar.close()
+            writer.close()
+        self.save_student(log_path / "final")
+        return result
+
+    def save_student(self, directory: Path) -> None:
+        """The student as PEFT adapter or full HF model (safetensors), with its tokenizer."""
+        self.student.save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
+
+
+def train(config: Config, *, progress: bool = True) -> TrainResult:
+    """Run on-policy distillation as configured; the Python twin of ``opd train``."""
+    return Trainer(config, progress=progress).run()

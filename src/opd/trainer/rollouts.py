@@ -1,0 +1,72 @@
+"""Turn prompts and sampled completions into the padded tensors the update works on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from opd.sampling.base import Completion
+
+
+@dataclass
+class RolloutBatch:
+    """Sequences ``prompt + completion``, right-padded to (B, T).
+
+    ``mask_BT`` is 1 exactly on sampled completion tokens (the stop token included) and 0 on
+    prompt and padding; ``sampled_logprobs_BT`` holds the sampler's log-probs there.
+    """
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    sampled_logprobs_BT: torch.Tensor
+    dataset_index_B: torch.Tensor
+    finished_B: torch.Tensor
+    prompt_lengths: list[int]
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """The unpadded token ids of each sequence."""
+        lengths = self.attention_mask_BT.sum(-1).tolist()
+        return [row[:n].tolist() for row, n in zip(self.input_ids_BT, lengths, strict=True)]
+
+    def select(self, rows: slice) -> RolloutBatch:
+        """A contiguous slice of sequences (for substeps and micro-batches)."""
+        return RolloutBatch(
+            self.input_ids_BT[rows],
+            self.attention_mask_BT[rows],
+            self.mask_BT[rows],
+            self.sampled_logprobs_BT[rows],
+            self.dataset_index_B[rows],
+            self.finished_B[rows],
+            self.prompt_lengths[rows],
+        )
+
+
+def build_rollout_batch(
+    prompts: list[list[int]], completions: list[Completion], dataset_indices: list[int], pad_id: int
+) -> RolloutBatch:
+    """Lay out each prompt followed by its completion; only completion positions are trained."""
+    width = max(len(p) + len(c.token_ids) for p, c in zip(prompts, completions, strict=True))
+    batch = len(prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.float32)
+    sampled = torch.zeros((batch, width), dtype=torch.float32)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        start, end = len(prompt), len(prompt) + len(completion.token_ids)
+        input_ids[row, :start] = torch.tensor(prompt)
+        input_ids[row, start:end] = torch.tensor(completion.token_ids, dtype=torch.long)
+        attention[row, :end] = 1
+        mask[row, start:end] = 1.0
+        sampled[row, start:end] = torch.tensor(completion.logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        input_ids,
+        attention,
+        mask,
+        sampled,
+        torch.tensor(dataset_indices),
+        torch.tensor([c.finished for c in completions]),
+        [len(p) for p in prompts],
+    )

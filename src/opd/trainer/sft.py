@@ -1,0 +1,65 @@
+"""Supervised fine-tuning on given completions: the off-policy baseline, and how the demo builds its models."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from opd.data.prompts import Prompt
+from opd.data.render import ChatRenderer
+from opd.logprobs import sequence_logprobs
+from opd.teachers.local import pad_right
+
+
+def completion_tokens(renderer: ChatRenderer, prompt: Prompt) -> tuple[list[int], list[int]]:
+    """Prompt ids and target ids (the reference completion, or the answer, then the stop token)."""
+    prompt_ids = renderer.prompt_ids(prompt.messages)
+    text = prompt.completion if prompt.completion is not None else prompt.answer
+    if text is None:
+        raise ValueError("supervised fine-tuning needs a 'completion' or 'answer' on every prompt")
+    target = renderer.tokenizer(text, add_special_tokens=False)["input_ids"] + [renderer.stop_token_ids[0]]
+    return prompt_ids, target
+
+
+def supervised_finetune(
+    model,
+    renderer: ChatRenderer,
+    prompts: list[Prompt],
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int = 0,
+) -> list[float]:
+    """Minimise the completion tokens' negative log-likelihood; LR decays linearly to 0.
+
+    Returns the per-step losses (mean NLL per completion token).
+    """
+    device = next(model.parameters()).device
+    rng = random.Random(seed)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 - i / max(steps, 1))
+    pad_id = renderer.tokenizer.pad_token_id or 0
+    losses = []
+    model.train()
+    for _ in range(steps):
+        sequences, masks = [], []
+        for prompt in rng.sample(prompts, min(batch_size, len(prompts))):
+            prompt_ids, target = completion_tokens(renderer, prompt)
+            sequences.append(prompt_ids + target)
+            masks.append([0] * len(prompt_ids) + [1] * len(target))
+        ids, attention = pad_right(sequences, pad_id)
+        mask, _ = pad_right(masks, 0)
+        mask = mask.float().to(device)
+        logprobs, _ = sequence_logprobs(model, ids.to(device), attention.to(device), mask)
+        loss = -(logprobs * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses

@@ -1,0 +1,80 @@
+"""Tiny random models and tokenizers built from configs: no download, fast on two cores."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from opd.demo.char_tokenizer import build_char_tokenizer
+
+warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
+
+
+def tiny_llama(vocab_size: int, *, hidden: int = 32, layers: int = 2, seed: int = 0, tie: bool = True, **extra):
+    """A randomly initialised Llama small enough for unit tests.
+
+    The large init scale makes the next-token distributions peaked, so two such models
+    disagree clearly (the default scale gives near-uniform, near-identical outputs).
+    """
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+        tie_word_embeddings=tie,
+        initializer_range=0.3,
+        **extra,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, char_tokenizer):
+    """Two saved tiny models sharing the char tokenizer: 'student' and a different 'teacher'."""
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, seed in (("student", 1), ("teacher", 2)):
+        path = root / name
+        tiny_llama(len(char_tokenizer), seed=seed).save_pretrained(path)
+        char_tokenizer.save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah", "fed")]
+    lines.append({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse ab"}]})
+    lines.append({"messages": [{"role": "user", "content": "reverse cab"}], "answer": "bac"})
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def base_config(model_dirs, prompts_file, tmp_path):
+    """A config dict for a 2-step full fine-tune run on the tiny models."""
+    return {
+        "log_path": str(tmp_path / "run"),
+        "seed": 0,
+        "student": {"model": str(model_dirs["student"]), "lora_rank": 0},
+        "teacher": {"model": str(model_dirs["teacher"])},
+        "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}],
+        "training": {"learning_rate": 1e-3, "max_tokens": 6, "max_steps": 2},
+    }

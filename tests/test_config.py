@@ -1,0 +1,121 @@
+"""Config loading: every mistake names its field."""
+
+import pytest
+import yaml
+
+from opd.config import ConfigError, config_from_dict, config_to_dict, load_config
+
+MINIMAL = {
+    "student": {"model": "s"},
+    "teacher": {"model": "t"},
+    "datasets": [{"name": "a", "source": "p.jsonl"}],
+}
+
+
+def issue_example() -> dict:
+    """The config the core issue says a user must be able to write."""
+    return yaml.safe_load(
+        """
+log_path: runs/demo
+seed: 0
+student: {model: PATH_OR_ID, lora_rank: 32, dtype: auto, device: auto}
+teacher: {model: PATH_OR_ID}
+datasets:
+  - {name: arith, source: prompts.jsonl, groups_per_batch: 4, group_size: 2}
+training:
+  learning_rate: 1.0e-4
+  max_tokens: 64
+  temperature: 1.0
+  kl_penalty_coef: 1.0
+  kl_discount_factor: 0.0
+  loss_fn: importance_sampling
+  num_substeps: 1
+  max_steps: 20
+"""
+    )
+
+
+def test_issue_example_is_accepted_and_round_trips():
+    config = config_from_dict(issue_example())
+    assert config.student.lora_rank == 32
+    assert config.training.learning_rate == pytest.approx(1e-4)
+    assert config.datasets[0].group_size == 2
+    assert config_from_dict(config_to_dict(config)) == config
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    data = issue_example()
+    data["training"]["learnig_rate"] = 1.0
+    with pytest.raises(ConfigError, match=r"training\.learnig_rate: unknown key; did you mean 'training\.learning_rate'"):
+        config_from_dict(data)
+
+
+def test_unknown_nested_dataset_key():
+    data = dict(MINIMAL, datasets=[{"name": "a", "source": "p", "group_sise": 2}])
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.group_sise: unknown key; did you mean 'datasets\[0\]\.group_size'"):
+        config_from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("training.learning_rate=fast", r"training\.learning_rate: expected float"),
+        ("training.loss_fn=ppo2", r"training\.loss_fn: 'ppo2' is not one of .* \(did you mean 'ppo'\?\)"),
+        ("datasets.0.group_size=0", r"datasets\[0\]\.group_size: must be >= 1, got 0"),
+        ("datasets.0.groups_per_batch=-1", r"datasets\[0\]\.groups_per_batch: must be >= 1"),
+        ("training.temperature=0", r"training\.temperature: must be > 0"),
+        ("training.kl_discount_factor=1.0", r"training\.kl_discount_factor: must be in \[0, 1\)"),
+        ("training.loss_fn_config.beta=0.1", r"training\.loss_fn_config\.beta: not a knob of loss_fn 'importance_sampling'"),
+        ("training.max_steps=2.5", r"training\.max_steps: .*integer"),
+        ("student.lora_rank=-4", r"student\.lora_rank: must be >= 0"),
+    ],
+)
+def test_bad_values_are_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(MINIMAL, [override])
+
+
+def test_missing_required_key():
+    with pytest.raises(ConfigError, match=r"^teacher: required key is missing"):
+        config_from_dict({"student": {"model": "s"}, "datasets": [{"name": "a", "source": "p"}]})
+
+
+def test_overrides_parse_yaml_values_and_reach_list_items():
+    config = config_from_dict(
+        MINIMAL,
+        ["training.max_steps=5", "training.learning_rate=3e-5", "datasets.0.name=b", "student.lora_rank=0",
+         "training.loss_fn=ppo", "training.loss_fn_config.clip_high_threshold=1.3"],
+    )
+    assert config.training.max_steps == 5
+    assert config.training.learning_rate == pytest.approx(3e-5)
+    assert config.datasets[0].name == "b"
+    assert config.student.lora_rank == 0
+    assert config.training.loss_fn_config == {"clip_high_threshold": 1.3}
+
+
+def test_override_does_not_mutate_the_input():
+    data = {"student": {"model": "s"}, "teacher": {"model": "t"}, "datasets": [{"name": "a", "source": "p"}]}
+    config_from_dict(data, ["student.lora_rank=0"])
+    assert "lora_rank" not in data["student"]
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        config_from_dict(MINIMAL, ["training.max_steps"])
+    with pytest.raises(ConfigError, match="not an index"):
+        config_from_dict(MINIMAL, ["datasets.3.name=x"])
+
+
+def test_duplicate_dataset_names():
+    data = dict(MINIMAL, datasets=[{"name": "a", "source": "p"}, {"name": "a", "source": "q"}])
+    with pytest.raises(ConfigError, match="names must be unique"):
+        config_from_dict(data)
+
+
+def test_load_config_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(MINIMAL, sed=1)))
+    with pytest.raises(ConfigError, match=rf"{path}: sed: unknown key; did you mean 'seed'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")

@@ -1,0 +1,100 @@
+"""Chunked log-probs and their gradients against the naive full-logits computation."""
+
+import pytest
+import torch
+
+from opd.logprobs import LogitTransform, logit_transform_for, selected_token_logprobs, sequence_logprobs
+from tests.conftest import tiny_llama
+
+
+def naive(hidden, weight, bias, ids, transform: LogitTransform, vocab_size=None):
+    if vocab_size is not None:
+        weight = weight[:vocab_size]
+        bias = bias[:vocab_size] if bias is not None else None
+    raw = hidden @ weight.T + (bias if bias is not None else 0)
+    z = raw * transform.scale
+    if transform.softcap is not None:
+        z = transform.softcap * torch.tanh(z / transform.softcap)
+    z = z / transform.temperature
+    logp = torch.log_softmax(z, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, ids[:, None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 50])
+@pytest.mark.parametrize(
+    "transform",
+    [LogitTransform(), LogitTransform(scale=0.5, softcap=3.0, temperature=0.7), LogitTransform(temperature=1.3)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_values_and_gradients_match_naive(chunk_size, transform, with_bias):
+    torch.manual_seed(0)
+    n, d, v = 13, 8, 29
+    hidden = torch.randn(n, d, requires_grad=True)
+    head = torch.nn.Linear(d, v, bias=with_bias)
+    ids = torch.randint(0, v, (n,))
+    upstream = torch.randn(n)
+
+    logp, entropy = selected_token_logprobs(hidden, head, ids, chunk_size=chunk_size, transform=transform)
+    (logp * upstream).sum().backward()
+    grads = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone() if with_bias else None)
+
+    hidden.grad = None
+    head.zero_grad()
+    ref_logp, ref_entropy = naive(hidden, head.weight, head.bias, ids, transform)
+    (ref_logp * upstream).sum().backward()
+
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1], head.weight.grad, atol=1e-5, rtol=1e-5)
+    if with_bias:
+        torch.testing.assert_close(grads[2], head.bias.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_vocab_slice_normalises_over_tokenizer_rows_only():
+    torch.manual_seed(1)
+    hidden = torch.randn(5, 4)
+    head = torch.nn.Linear(4, 12, bias=False)
+    ids = torch.tensor([0, 3, 9, 9, 1])
+    logp, _ = selected_token_logprobs(hidden, head, ids, chunk_size=2, vocab_size=10)
+    ref, _ = naive(hidden, head.weight, None, ids, LogitTransform(), vocab_size=10)
+    torch.testing.assert_close(logp, ref, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        selected_token_logprobs(hidden, head, torch.tensor([0, 0, 0, 0, 11]), vocab_size=10)
+
+
+def test_shape_errors_name_both_shapes():
+    head = torch.nn.Linear(4, 6)
+    with pytest.raises(ValueError, match=r"\(3, 4\).*\(2,\)"):
+        selected_token_logprobs(torch.zeros(3, 4), head, torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_sequence_logprobs_with_padding_match_model_logits(tie):
+    """Right-padded batch, tied or untied embeddings: values and parameter gradients equal the naive path."""
+    model = tiny_llama(40, tie=tie, seed=3).train()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]])
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    score = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]])
+
+    logp, _ = sequence_logprobs(model, ids, attention, score, chunk_size=3)
+    logp.sum().backward()
+    chunked_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * score[:, 1:]
+    ref.sum().backward()
+    torch.testing.assert_close(logp[:, 1:], ref, atol=1e-5, rtol=1e-5)
+    assert torch.all(logp[score == 0] == 0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(chunked_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_logit_transform_reads_model_config():
+    model = tiny_llama(20, seed=0)
+    model.config.final_logit_softcapping = 30.0
+    model.config.logit_scale = 0.25
+    transform = logit_transform_for(model, temperature=2.0)
+    assert transform == LogitTransform(scale=0.25, softcap=30.0, temperature=2.0)

@@ -1,0 +1,86 @@
+"""The sampler's recorded log-probs, stopping, and the masks built from its completions."""
+
+import pytest
+import torch
+
+from opd.data.render import ChatRenderer
+from opd.logprobs import sequence_logprobs
+from opd.sampling.base import Completion
+from opd.sampling.hf_generate import HFGenerateSampler
+from opd.trainer.rollouts import build_rollout_batch
+from tests.conftest import tiny_llama
+
+
+@pytest.fixture
+def setup(char_tokenizer):
+    model = tiny_llama(len(char_tokenizer), seed=7)
+    renderer = ChatRenderer(char_tokenizer)
+    sampler = HFGenerateSampler(model, char_tokenizer, stop_token_ids=renderer.stop_token_ids)
+    prompts = [renderer.prompt_ids([{"role": "user", "content": q}]) for q in ("ab", "reverse hello", "x")]
+    return model, renderer, sampler, prompts
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_trainer_recomputation(setup, temperature):
+    model, _, sampler, prompts = setup
+    torch.manual_seed(0)
+    completions = sampler.sample(prompts * 2, temperature=temperature, max_tokens=12)
+    batch = build_rollout_batch(prompts * 2, completions, [0] * 6, pad_id=0)
+    with torch.no_grad():
+        recomputed, _ = sequence_logprobs(
+            model, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT, temperature=temperature
+        )
+    mask = batch.mask_BT.bool()
+    assert mask.sum() > 20
+    torch.testing.assert_close(recomputed[mask], batch.sampled_logprobs_BT[mask], atol=1e-4, rtol=0)
+    # so the first importance ratio is 1
+    ratio = torch.exp(recomputed[mask] - batch.sampled_logprobs_BT[mask])
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)
+
+
+def test_completions_stop_at_end_of_turn_or_are_marked_truncated(setup, char_tokenizer):
+    model, renderer, sampler, prompts = setup
+    eos = renderer.stop_token_ids[0]
+    with torch.no_grad():
+        model.lm_head.weight[eos] += 3.0  # make stopping likely
+    torch.manual_seed(1)
+    completions = sampler.sample(prompts * 4, temperature=1.0, max_tokens=5)
+    assert any(c.finished for c in completions)
+    for c in completions:
+        assert len(c.token_ids) == len(c.logprobs) <= 5
+        if c.finished:
+            assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+        else:
+            assert len(c.token_ids) == 5 and eos not in c.token_ids
+
+
+def test_greedy_is_deterministic(setup):
+    _, _, sampler, prompts = setup
+    a = sampler.sample(prompts, temperature=1.0, max_tokens=6, greedy=True)
+    b = sampler.sample(prompts, temperature=1.0, max_tokens=6, greedy=True)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+def test_masks_cover_exactly_the_completion_including_eos():
+    prompts = [[1, 5, 6], [1, 7]]
+    completions = [Completion([9, 10, 2], [-0.1, -0.2, -0.3], True), Completion([11], [-0.4], False)]
+    batch = build_rollout_batch(prompts, completions, [0, 1], pad_id=0)
+    assert batch.input_ids_BT.tolist() == [[1, 5, 6, 9, 10, 2], [1, 7, 11, 0, 0, 0]]
+    assert batch.mask_BT.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 1, 0, 0, 0]]
+    assert batch.attention_mask_BT.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    assert batch.sampled_logprobs_BT[0, 3:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert batch.sampled_logprobs_BT[1].tolist() == pytest.approx([0, 0, -0.4, 0, 0, 0])
+    assert batch.finished_B.tolist() == [True, False]
+    assert batch.sequences == [[1, 5, 6, 9, 10, 2], [1, 7, 11]]
+
+
+def test_plain_renderer_stop_string_cuts_the_completion(char_tokenizer):
+    from opd.demo.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(chat_template=None)
+    sampler = HFGenerateSampler(
+        tiny_llama(len(tokenizer)), tokenizer, stop_token_ids=[2], stop_strings=["\n\nUser:"]
+    )
+    ids = tokenizer("ab\n\nUser: more", add_special_tokens=False)["input_ids"]
+    cut = sampler._cut(ids, [0.0] * len(ids))
+    assert tokenizer.decode(cut.token_ids) == "ab\n\nUser:" and cut.finished

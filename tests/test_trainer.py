@@ -1,0 +1,159 @@
+"""The training loop on tiny random models: invariants, bad input, LoRA, CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from opd.cli import main
+from opd.config import config_from_dict
+from opd.models import ModelLoadError
+from opd.runs.metrics import read_metrics
+from opd.trainer.loop import Trainer, train
+from tests.conftest import tiny_llama
+
+REQUIRED_METRICS = {
+    "step", "teacher_kl", "teacher_kl/rev", "entropy", "kl_sample_train", "num_tokens", "completion_len_mean",
+    "frac_truncated", "lr", "grad_norm", "time/sample", "time/teacher", "time/train", "time/total",
+}
+
+
+def test_teacher_equal_to_student_gives_zero_kl_and_unit_ratio(base_config, model_dirs):
+    base_config["teacher"]["model"] = str(model_dirs["student"])
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    batch = trainer.sample_batch(0)
+    teacher_logprobs = trainer.score_with_teachers(batch)
+    mask = batch.mask_BT.bool()
+    torch.testing.assert_close(teacher_logprobs[mask], batch.sampled_logprobs_BT[mask], atol=1e-5, rtol=0)
+    metrics = trainer.train_step(0)
+    assert abs(metrics["teacher_kl"]) < 1e-5
+    assert abs(metrics["kl_sample_train"]) < 1e-5
+    assert metrics["grad_norm"] < 1e-4  # zero advantages: nothing to learn
+
+
+def test_run_writes_every_metric_and_the_student(base_config):
+    result = train(config_from_dict(base_config), progress=False)
+    rows = read_metrics(result.log_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1]
+    for row in rows:
+        assert REQUIRED_METRICS <= row.keys(), REQUIRED_METRICS - row.keys()
+        assert math.isfinite(row["teacher_kl"]) and row["teacher_kl/rev"] == row["teacher_kl"]
+        assert row["num_tokens"] > 0 and row["skipped"] == 0
+    assert (result.log_path / "config.yaml").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(result.log_path / "final")
+    for name, param in reloaded.state_dict().items():
+        torch.testing.assert_close(param, result.student.state_dict()[name])
+
+
+def test_one_pass_over_the_shortest_dataset_without_max_steps(base_config):
+    base_config["training"]["max_steps"] = None
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    assert trainer.num_steps == 4  # 8 prompts, 2 per batch
+
+
+def test_substeps_take_one_optimizer_step_each(base_config):
+    base_config["training"].update(num_substeps=2, micro_batch_size=1, max_steps=1)
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    trainer.train_step(0)
+    states = [s["step"] for s in trainer.optimizer.state.values()]
+    assert states and all(int(s) == 2 for s in states)
+
+
+def test_micro_batches_give_the_same_gradient_as_one_batch(base_config):
+    """Plain SGD with lr 1: the parameter change is exactly minus the accumulated gradient."""
+    changes = []
+    for micro in (None, 1):
+        base_config["training"].update(micro_batch_size=micro, max_steps=1, max_grad_norm=None)
+        trainer = Trainer(config_from_dict(base_config), progress=False)
+        trainer.optimizer = torch.optim.SGD(trainer.student.parameters(), lr=1.0)
+        trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+        before = {k: v.detach().clone() for k, v in trainer.student.named_parameters()}
+        trainer.train_step(0)
+        changes.append({k: v.detach() - before[k] for k, v in trainer.student.named_parameters()})
+    assert any(change.abs().max() > 1e-4 for change in changes[0].values())
+    for name, change in changes[0].items():
+        torch.testing.assert_close(change, changes[1][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
+    monkeypatch.setattr(trainer, "score_with_teachers", lambda batch: torch.full_like(batch.sampled_logprobs_BT, float("nan")))
+    with pytest.warns(UserWarning, match="non-finite log-probs"):
+        metrics = trainer.train_step(0)
+    assert metrics["skipped"] == 1
+    for name, value in trainer.student.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_lora_trains_only_adapters_and_saves_a_peft_adapter(base_config, model_dirs):
+    base_config["student"]["lora_rank"] = 4
+    base_config["training"]["learning_rate"] = 1e-2
+    result = train(config_from_dict(base_config), progress=False)
+    trainable = [n for n, p in result.student.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert (result.log_path / "final" / "adapter_model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(model_dirs["student"])
+    loaded = PeftModel.from_pretrained(base, result.log_path / "final")
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, result.student(ids).logits)
+        assert not torch.allclose(loaded(ids).logits, AutoModelForCausalLM.from_pretrained(model_dirs["student"])(ids).logits)
+
+
+def test_missing_model_path_is_named(base_config, tmp_path):
+    base_config["student"]["model"] = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelLoadError, match=r"student\.model: path '.*no-such-model' does not exist"):
+        Trainer(config_from_dict(base_config), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_teacher_with_another_vocabulary_is_refused(base_config, tmp_path):
+    from opd.demo.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(alphabet="0123456789abc")
+    path = tmp_path / "other-teacher"
+    tiny_llama(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    base_config["teacher"]["model"] = str(path)
+    with pytest.raises(ModelLoadError, match=r"teacher\.model: the teacher's tokenizer differs.*cross-tokenizer"):
+        Trainer(config_from_dict(base_config), progress=False)
+
+
+def test_per_dataset_teachers_and_metrics(base_config, model_dirs, prompts_file):
+    base_config["datasets"].append(
+        {"name": "self", "source": str(prompts_file), "groups_per_batch": 1, "group_size": 2,
+         "teacher": {"model": str(model_dirs["student"])}}
+    )
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    assert trainer.teachers[0] is not trainer.teachers[1]
+    metrics = trainer.train_step(0)
+    assert abs(metrics["teacher_kl/self"]) < 1e-5  # scored by the student itself
+    assert metrics["teacher_kl/rev"] > 0.1
+
+
+def test_show_examples_prints_colored_tokens(base_config, capsys):
+    base_config["training"].update(show_examples=True, max_steps=1)
+    train(config_from_dict(base_config), progress=False)
+    out = capsys.readouterr().out
+    assert "--- rev" in out and "\033[2m<|im_start|>" in out and "[KL>=1]" in out
+
+
+def test_cli_train_with_overrides(base_config, tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    assert main(["train", str(path), "training.max_steps=1", f"log_path={tmp_path / 'cli-run'}", "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "cli-run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1
+
+
+def test_cli_reports_config_errors_without_writing(base_config, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    assert main(["train", str(path), "training.max_stepz=1"]) == 2
+    assert "training.max_stepz: unknown key; did you mean 'training.max_steps'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
