@@ -14,7 +14,9 @@ from opd.demo.char_tokenizer import build_char_tokenizer
 warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
 
 
-def tiny_llama(vocab_size: int, *, hidden: int = 32, layers: int = 2, seed: int = 0, tie: bool = True, **extra):
+def tiny_llama(
+    vocab_size: int, *, hidden: int = 32, layers: int = 2, seed: int = 0, tie: bool = True, **extra
+):
     """A randomly initialised Llama small enough for unit tests.
 
     The large init scale makes the next-token distributions peaked, so two such models
@@ -60,8 +62,12 @@ def model_dirs(tmp_path_factory, char_tokenizer):
 @pytest.fixture
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah", "fed")]
-    lines.append({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse ab"}]})
+    lines = [
+        {"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah", "fed")
+    ]
+    lines.append(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse ab"}]}
+    )
     lines.append({"messages": [{"role": "user", "content": "reverse cab"}], "answer": "bac"})
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return path

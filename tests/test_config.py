@@ -46,13 +46,17 @@ def test_issue_example_is_accepted_and_round_trips():
 def test_unknown_key_is_named_with_a_suggestion():
     data = issue_example()
     data["training"]["learnig_rate"] = 1.0
-    with pytest.raises(ConfigError, match=r"training\.learnig_rate: unknown key; did you mean 'training\.learning_rate'"):
+    with pytest.raises(
+        ConfigError, match=r"training\.learnig_rate: unknown key; did you mean 'training\.learning_rate'"
+    ):
         config_from_dict(data)
 
 
 def test_unknown_nested_dataset_key():
     data = dict(MINIMAL, datasets=[{"name": "a", "source": "p", "group_sise": 2}])
-    with pytest.raises(ConfigError, match=r"datasets\[0\]\.group_sise: unknown key; did you mean 'datasets\[0\]\.group_size'"):
+    with pytest.raises(
+        ConfigError, match=r"datasets\[0\]\.group_sise: unknown key; did you mean 'datasets\[0\]\.group_size'"
+    ):
         config_from_dict(data)
 
 
@@ -65,7 +69,10 @@ def test_unknown_nested_dataset_key():
         ("datasets.0.groups_per_batch=-1", r"datasets\[0\]\.groups_per_batch: must be >= 1"),
         ("training.temperature=0", r"training\.temperature: must be > 0"),
         ("training.kl_discount_factor=1.0", r"training\.kl_discount_factor: must be in \[0, 1\)"),
-        ("training.loss_fn_config.beta=0.1", r"training\.loss_fn_config\.beta: not a knob of loss_fn 'importance_sampling'"),
+        (
+            "training.loss_fn_config.beta=0.1",
+            r"training\.loss_fn_config\.beta: not a knob of loss_fn 'importance_sampling'",
+        ),
         ("training.max_steps=2.5", r"training\.max_steps: .*integer"),
         ("student.lora_rank=-4", r"student\.lora_rank: must be >= 0"),
     ],
@@ -83,8 +90,14 @@ def test_missing_required_key():
 def test_overrides_parse_yaml_values_and_reach_list_items():
     config = config_from_dict(
         MINIMAL,
-        ["training.max_steps=5", "training.learning_rate=3e-5", "datasets.0.name=b", "student.lora_rank=0",
-         "training.loss_fn=ppo", "training.loss_fn_config.clip_high_threshold=1.3"],
+        [
+            "training.max_steps=5",
+            "training.learning_rate=3e-5",
+            "datasets.0.name=b",
+            "student.lora_rank=0",
+            "training.loss_fn=ppo",
+            "training.loss_fn_config.clip_high_threshold=1.3",
+        ],
     )
     assert config.training.max_steps == 5
     assert config.training.learning_rate == pytest.approx(3e-5)
@@ -100,7 +113,7 @@ def test_override_does_not_mutate_the_input():
 
 
 def test_bad_override_syntax():
-    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+    with pytest.raises(ConfigError, match=r"expected dotted\.key=value"):
         config_from_dict(MINIMAL, ["training.max_steps"])
     with pytest.raises(ConfigError, match="not an index"):
         config_from_dict(MINIMAL, ["datasets.3.name=x"])

@@ -61,7 +61,9 @@ def test_base_model_without_template_falls_back_to_plain_format():
     text = renderer.render_text([{"role": "user", "content": "2+2?"}])
     assert text == "User: 2+2?\n\nAssistant:"
     assert renderer.stop_strings == ["\n\nUser:"]
-    custom = ChatRenderer(build_char_tokenizer(chat_template=None), chat_template="Q: {{ messages[0]['content'] }}\nA:")
+    custom = ChatRenderer(
+        build_char_tokenizer(chat_template=None), chat_template="Q: {{ messages[0]['content'] }}\nA:"
+    )
     assert custom.render_text([{"role": "user", "content": "x"}]) == "Q: x\nA:"
 
 
@@ -82,7 +84,9 @@ def test_batches_are_seeded_reproducible_and_cover_each_prompt_once_per_pass():
 
 def test_dataset_smaller_than_a_batch_is_refused():
     prompts = generate_task_prompts("reverse", seed=0, count=3)
-    with pytest.raises(DataError, match="dataset 'small': 3 prompts, fewer than one batch of groups_per_batch=4"):
+    with pytest.raises(
+        DataError, match="dataset 'small': 3 prompts, fewer than one batch of groups_per_batch=4"
+    ):
         CompositeBatches([prompts], [4], ["small"], seed=0)
 
 

@@ -24,7 +24,11 @@ def naive(hidden, weight, bias, ids, transform: LogitTransform, vocab_size=None)
 @pytest.mark.parametrize("chunk_size", [1, 3, 7, 50])
 @pytest.mark.parametrize(
     "transform",
-    [LogitTransform(), LogitTransform(scale=0.5, softcap=3.0, temperature=0.7), LogitTransform(temperature=1.3)],
+    [
+        LogitTransform(),
+        LogitTransform(scale=0.5, softcap=3.0, temperature=0.7),
+        LogitTransform(temperature=1.3),
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_values_and_gradients_match_naive(chunk_size, transform, with_bias):

@@ -20,7 +20,9 @@ def test_kl_advantages_by_hand_and_masking():
     sampled = torch.tensor([[0.0, -1.0, -0.5, -2.0]])
     teacher = torch.tensor([[-9.0, -0.5, -1.5, -7.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
-    torch.testing.assert_close(reverse_kl_per_token(sampled, teacher, mask), torch.tensor([[0.0, -0.5, 1.0, 0.0]]))
+    torch.testing.assert_close(
+        reverse_kl_per_token(sampled, teacher, mask), torch.tensor([[0.0, -0.5, 1.0, 0.0]])
+    )
     adv = kl_advantages(sampled, teacher, mask, kl_penalty_coef=2.0)
     torch.testing.assert_close(adv, torch.tensor([[0.0, 1.0, -2.0, 0.0]]))
     discounted = kl_advantages(sampled, teacher, mask, kl_penalty_coef=2.0, kl_discount_factor=0.5)
@@ -31,7 +33,9 @@ def test_kl_advantages_by_hand_and_masking():
 def test_identical_teacher_gives_zero_advantages():
     logp = torch.randn(3, 5)
     mask = torch.ones(3, 5)
-    assert torch.all(kl_advantages(logp, logp.clone(), mask, kl_penalty_coef=1.0, kl_discount_factor=0.9) == 0)
+    assert torch.all(
+        kl_advantages(logp, logp.clone(), mask, kl_penalty_coef=1.0, kl_discount_factor=0.9) == 0
+    )
 
 
 R = math.exp(0.2)  # exp(-1.0 - (-1.2))

@@ -38,6 +38,22 @@ def test_recorded_logprobs_equal_trainer_recomputation(setup, temperature):
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)
 
 
+def test_model_generation_defaults_do_not_change_the_sampled_distribution(setup):
+    """A checkpoint's generation_config (repetition penalty, forced length) must not leak in."""
+    model, _, sampler, prompts = setup
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.min_new_tokens = 8
+    model.generation_config.top_k = 2
+    torch.manual_seed(0)
+    completions = sampler.sample(prompts * 2, temperature=1.0, max_tokens=10)
+    batch = build_rollout_batch(prompts * 2, completions, [0] * 6, pad_id=0)
+    with torch.no_grad():
+        recomputed, _ = sequence_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+    mask = batch.mask_BT.bool()
+    torch.testing.assert_close(recomputed[mask], batch.sampled_logprobs_BT[mask], atol=1e-4, rtol=0)
+    assert model.generation_config.repetition_penalty == 3.0  # restored afterwards
+
+
 def test_completions_stop_at_end_of_turn_or_are_marked_truncated(setup, char_tokenizer):
     model, renderer, sampler, prompts = setup
     eos = renderer.stop_token_ids[0]

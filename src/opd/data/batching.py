@@ -23,9 +23,13 @@ class CompositeBatches:
     one pass is set by the dataset that runs out first.
     """
 
-    def __init__(self, datasets: list[list[Prompt]], groups_per_batch: list[int], names: list[str], seed: int):
+    def __init__(
+        self, datasets: list[list[Prompt]], groups_per_batch: list[int], names: list[str], seed: int
+    ):
         self.orders: list[list[Prompt]] = []
-        for index, (prompts, per_batch, name) in enumerate(zip(datasets, groups_per_batch, names, strict=True)):
+        for index, (prompts, per_batch, name) in enumerate(
+            zip(datasets, groups_per_batch, names, strict=True)
+        ):
             if len(prompts) < per_batch:
                 raise DataError(
                     f"dataset '{name}': {len(prompts)} prompts, fewer than one batch of "

@@ -39,7 +39,9 @@ class ChatRenderer:
         vocab = self.tokenizer.get_vocab()
         ids += [vocab[token] for token in END_OF_TURN_TOKENS if token in template and token in vocab]
         if not ids:
-            raise ValueError("the tokenizer has no EOS token and no end-of-turn token; cannot tell when to stop")
+            raise ValueError(
+                "the tokenizer has no EOS token and no end-of-turn token; cannot tell when to stop"
+            )
         return sorted(set(ids))
 
     def render_text(self, messages: Sequence[dict[str, str]]) -> str:

@@ -39,8 +39,8 @@ def kl_advantages(
     With a discount, a token is also charged for the divergence of what it led to; the sum
     runs over completion positions only because the advantages are already masked.
     """
-    advantages_BT = -kl_penalty_coef * mask_BT * reverse_kl_per_token(
-        sampled_logprobs_BT, teacher_logprobs_BT, mask_BT
+    advantages_BT = (
+        -kl_penalty_coef * mask_BT * reverse_kl_per_token(sampled_logprobs_BT, teacher_logprobs_BT, mask_BT)
     )
     if kl_discount_factor > 0:
         advantages_BT = discounted_future_sum(advantages_BT, kl_discount_factor) * mask_BT

@@ -92,6 +92,10 @@ class HFGenerateSampler:
             pad_token_id=self.pad_id,
             stop_strings=self.stop_strings or None,
         )
+        # generate() fills every unset field from the model's own generation_config
+        # (repetition_penalty, min_new_tokens, ...); hide it so only our settings apply.
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        model_defaults, base.generation_config = base.generation_config, GenerationConfig()
         was_training = self.model.training
         self.model.eval()
         try:
@@ -104,6 +108,7 @@ class HFGenerateSampler:
             )
         finally:
             self.model.train(was_training)
+            base.generation_config = model_defaults
         generated = sequences[:, width:].cpu()
         logprobs = recorder.finish(sequences).cpu()
         return [self._cut(generated[row].tolist(), logprobs[row].tolist()) for row in range(len(prompts))]

@@ -37,7 +37,9 @@ class LocalTeacher:
             chunk = sequences[start : start + self.batch_size]
             ids, attention = pad_right(chunk, self.pad_id)
             masks = score_masks[start : start + self.batch_size]
-            mask, _ = pad_right([[int(m) for m in ms[: len(seq)]] for ms, seq in zip(masks, chunk, strict=True)], 0)
+            mask, _ = pad_right(
+                [[int(m) for m in ms[: len(seq)]] for ms, seq in zip(masks, chunk, strict=True)], 0
+            )
             logprobs, _ = sequence_logprobs(
                 self.model,
                 ids.to(device),

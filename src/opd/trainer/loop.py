@@ -110,7 +110,9 @@ class Trainer:
         torch.manual_seed(config.seed)
         student_cfg = config.student
         self.tokenizer = load_tokenizer(
-            student_cfg.tokenizer or student_cfg.model, "student.model", trust_remote_code=student_cfg.trust_remote_code
+            student_cfg.tokenizer or student_cfg.model,
+            "student.model",
+            trust_remote_code=student_cfg.trust_remote_code,
         )
         self.vocab_size = len(self.tokenizer)
         base = load_causal_lm(
@@ -185,7 +187,9 @@ class Trainer:
             dataset_indices += [item.dataset_index] * group_size
         torch.manual_seed(step_seed(self.config.seed, step))
         training = self.config.training
-        completions = self.sampler.sample(prompts, temperature=training.temperature, max_tokens=training.max_tokens)
+        completions = self.sampler.sample(
+            prompts, temperature=training.temperature, max_tokens=training.max_tokens
+        )
         return build_rollout_batch(prompts, completions, dataset_indices, self.sampler.pad_id)
 
     def score_with_teachers(self, batch: RolloutBatch) -> torch.Tensor:
@@ -235,8 +239,14 @@ class Trainer:
         if training.show_examples:
             self._print_examples(batch, reverse_kl)
         if not torch.isfinite((batch.sampled_logprobs_BT - teacher_logprobs)[mask.bool()]).all():
-            warnings.warn(f"step {step}: non-finite log-probs from the sampler or teacher; step skipped", stacklevel=2)
-            metrics |= {"skipped": 1, "time/sample": sampled_at - started, "time/teacher": scored_at - sampled_at}
+            warnings.warn(
+                f"step {step}: non-finite log-probs from the sampler or teacher; step skipped", stacklevel=2
+            )
+            metrics |= {
+                "skipped": 1,
+                "time/sample": sampled_at - started,
+                "time/teacher": scored_at - sampled_at,
+            }
             return metrics
         advantages = kl_advantages(
             batch.sampled_logprobs_BT,
@@ -291,7 +301,9 @@ class Trainer:
                 metrics["progress/done_frac"] = (step + 1) / self.num_steps
                 writer.write(metrics)
                 result.metrics.append(metrics)
-                bar.set_postfix({k: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics}, refresh=False)
+                bar.set_postfix(
+                    {k: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics}, refresh=False
+                )
                 bar.update(1)
         finally:
             bar.close()

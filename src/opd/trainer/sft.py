@@ -1,8 +1,9 @@
-"""Supervised fine-tuning on given completions: the off-policy baseline, and how the demo builds its models."""
+"""Supervised fine-tuning on given completions: the off-policy baseline; also builds the demo models."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -31,9 +32,11 @@ def supervised_finetune(
     batch_size: int,
     learning_rate: float,
     seed: int = 0,
+    should_stop: Callable[[int], bool] | None = None,
 ) -> list[float]:
     """Minimise the completion tokens' negative log-likelihood; LR decays linearly to 0.
 
+    ``should_stop(steps_done)`` is asked after every step and ends training early when True.
     Returns the per-step losses (mean NLL per completion token).
     """
     device = next(model.parameters()).device
@@ -61,5 +64,7 @@ def supervised_finetune(
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
+        if should_stop is not None and should_stop(len(losses)):
+            break
     model.eval()
     return losses

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -28,7 +29,7 @@ class UpdateStats:
 def contiguous_slices(total: int, parts: int) -> list[slice]:
     """``parts`` near-equal contiguous slices of ``range(total)`` (empty ones dropped)."""
     bounds = [round(i * total / parts) for i in range(parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
 def policy_update(
