@@ -59,6 +59,26 @@ def model_dirs(tmp_path_factory, char_tokenizer):
     return paths
 
 
+@pytest.fixture(scope="session")
+def demo_models(tmp_path_factory):
+    """The demo's trained teacher and warmed-up student, built once per session."""
+    import os
+
+    from opd.demo import run as demo
+
+    previous = os.environ.get("OPD_CACHE")
+    os.environ["OPD_CACHE"] = str(tmp_path_factory.mktemp("opd-cache"))
+    try:
+        teacher = demo.ensure_model("teacher", demo.TEACHER_SPEC, seed=0, log=lambda *_: None)
+        student = demo.ensure_model("student", demo.STUDENT_SPEC, seed=1, log=lambda *_: None)
+        yield {"teacher": teacher, "student": student, "cache": os.environ["OPD_CACHE"]}
+    finally:
+        if previous is None:
+            os.environ.pop("OPD_CACHE", None)
+        else:
+            os.environ["OPD_CACHE"] = previous
+
+
 @pytest.fixture
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"

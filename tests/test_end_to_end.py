@@ -3,8 +3,8 @@
 from opd.demo.run import run_demo
 
 
-def test_distillation_lowers_teacher_kl_and_raises_accuracy(tmp_path, monkeypatch):
-    monkeypatch.setenv("OPD_CACHE", str(tmp_path / "cache"))
+def test_distillation_lowers_teacher_kl_and_raises_accuracy(demo_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPD_CACHE", demo_models["cache"])
     lines: list[str] = []
     results = run_demo(log_path=str(tmp_path / "run"), steps=200, seed=0, log=lines.append)
     before, after, teacher = results["student before"], results["student after"], results["teacher"]

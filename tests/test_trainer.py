@@ -14,6 +14,7 @@ from opd.config import config_from_dict
 from opd.models import ModelLoadError
 from opd.runs.metrics import read_metrics
 from opd.trainer.loop import Trainer, train
+from opd.trainer.update import TeacherTargets
 from tests.conftest import tiny_llama
 
 REQUIRED_METRICS = {
@@ -37,8 +38,9 @@ REQUIRED_METRICS = {
 def test_teacher_equal_to_student_gives_zero_kl_and_unit_ratio(base_config, model_dirs):
     base_config["teacher"]["model"] = str(model_dirs["student"])
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    batch = trainer.sample_batch(0)
-    teacher_logprobs = trainer.score_with_teachers(batch)
+    batch, source = trainer.sample_batch(0)
+    assert source == "student"
+    teacher_logprobs = trainer.score_with_teachers(batch).logprobs_BT
     mask = batch.mask_BT.bool()
     torch.testing.assert_close(teacher_logprobs[mask], batch.sampled_logprobs_BT[mask], atol=1e-5, rtol=0)
     metrics = trainer.train_step(0)
@@ -95,7 +97,9 @@ def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
     monkeypatch.setattr(
-        trainer, "score_with_teachers", lambda batch: torch.full_like(batch.sampled_logprobs_BT, float("nan"))
+        trainer,
+        "score_with_teachers",
+        lambda batch: TeacherTargets(torch.full_like(batch.sampled_logprobs_BT, float("nan"))),
     )
     with pytest.warns(UserWarning, match="non-finite log-probs"):
         metrics = trainer.train_step(0)

@@ -90,6 +90,26 @@ class DatasetConfig:
 class TrainingConfig:
     """The optimisation loop."""
 
+    objective: Literal["sampled_reverse_kl", "k3", "jsd", "topk_forward_kl", "nll"] = "sampled_reverse_kl"
+    """What the student minimises on each batch:
+    ``sampled_reverse_kl``: negative per-token reverse KL as the advantage of a policy-gradient ``loss_fn``;
+    ``k3``: the differentiable k3 estimate on the sampled tokens (``kl_direction``);
+    ``jsd``: full-distribution generalized JSD (``beta``), teacher in process only;
+    ``topk_forward_kl``: forward KL over the teacher's ``topk`` tokens plus a tail bucket;
+    ``nll``: negative log-likelihood of the tokens (SFT on teacher or dataset completions)."""
+    kl_direction: Literal["reverse", "forward"] = "reverse"
+    """``k3`` only: ``reverse`` is k3(teacher, student), an estimate of KL(student || teacher) on
+    student samples; ``forward`` is k3(student, teacher), KL(teacher || student) on teacher samples."""
+    beta: float = 0.5
+    """``jsd`` only: 0 is forward KL(teacher || student), 1 is reverse KL(student || teacher)."""
+    topk: int = 32
+    """``topk_forward_kl`` only: teacher tokens kept per position (the rest is one bucket)."""
+    data_source: Literal["student", "teacher", "mixed", "dataset"] = "student"
+    """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
+    (sequence-level KD), ``mixed`` (on-policy with probability ``lmbda`` per step, else
+    teacher), or ``dataset`` (each prompt's ``completion``, else ``answer``; one per prompt)."""
+    lmbda: float = 0.5
+    """``mixed`` only: fraction of steps whose batch the student samples (GKD's lambda)."""
     learning_rate: float = 1e-4
     """Peak learning rate (constant after warmup)."""
     warmup_steps: int = 0
@@ -267,6 +287,17 @@ def validate(config: Config) -> Config:
     if not 0.0 <= training.kl_discount_factor < 1.0:
         raise ConfigError(
             f"training.kl_discount_factor: must be in [0, 1), got {training.kl_discount_factor}"
+        )
+    for key in ("beta", "lmbda"):
+        value = getattr(training, key)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"training.{key}: must be in [0, 1], got {value}")
+    _positive(training.topk, "training.topk")
+    if training.objective == "sampled_reverse_kl" and training.data_source != "student":
+        raise ConfigError(
+            f"training.data_source: '{training.data_source}' gives batches the student did not sample, but "
+            "objective 'sampled_reverse_kl' is a policy gradient on the student's own samples; use "
+            "data_source: student, or an objective that works off-policy (k3, jsd, topk_forward_kl, nll)"
         )
     allowed = LOSS_FN_CONFIG_KEYS[training.loss_fn]
     for key in training.loss_fn_config:

@@ -11,10 +11,12 @@ sliced to the tokenizer's vocabulary when the embedding matrix is padded beyond 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,63 @@ def selected_token_logprobs(
     return _SelectedTokenLogProbs.apply(hidden_ND, weight, bias, token_ids_N, chunk_size, transform)
 
 
+RowLoss = Callable[[torch.Tensor, slice], torch.Tensor]
+"""``(student_log_probs_cV, rows) -> loss_c``: a divergence for rows ``rows`` of the batch."""
+
+
+def _head_chunk(hidden_chunk, weight, bias, token_ids_chunk, rows, row_loss, transform):
+    logits, _ = _chunk_logits(hidden_chunk, weight, bias, transform)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    selected = log_probs.gather(-1, token_ids_chunk[:, None]).squeeze(-1)
+    return row_loss(log_probs, rows), selected.detach(), entropy
+
+
+def chunked_head_objective(
+    hidden_ND: torch.Tensor,
+    lm_head: nn.Linear,
+    token_ids_N: torch.Tensor,
+    row_loss: RowLoss,
+    *,
+    chunk_size: int = 1024,
+    transform: LogitTransform = LogitTransform(),
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A full-distribution loss per row, computed ``chunk_size`` rows at a time.
+
+    Each chunk runs under activation checkpointing: its logits are rebuilt in backward
+    instead of stored, so memory stays at one ``chunk_size x V`` block. ``row_loss`` gets
+    the student's log-softmax rows and the slice of rows they are (to find the matching
+    teacher rows). Returns ``(loss_N, selected_logprobs_N, entropy_N)``, the last two detached.
+    """
+    weight = lm_head.weight if vocab_size is None else lm_head.weight[:vocab_size]
+    bias = lm_head.bias
+    if bias is not None and vocab_size is not None:
+        bias = bias[:vocab_size]
+    losses, selected, entropies = [], [], []
+    for start in range(0, hidden_ND.shape[0], chunk_size):
+        rows = slice(start, min(start + chunk_size, hidden_ND.shape[0]))
+        outputs = checkpoint(
+            _head_chunk,
+            hidden_ND[rows],
+            weight,
+            bias,
+            token_ids_N[rows],
+            rows,
+            row_loss,
+            transform,
+            use_reentrant=False,
+        )
+        losses.append(outputs[0])
+        selected.append(outputs[1])
+        entropies.append(outputs[2])
+    if not losses:
+        empty = hidden_ND.new_zeros(0, dtype=torch.float32)
+        return empty, empty, empty
+    return torch.cat(losses), torch.cat(selected), torch.cat(entropies)
+
+
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     """The transformer body (returns hidden states) and the lm head of a causal LM, PEFT or not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -161,6 +220,27 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     if backbone is None or head is None:
         raise TypeError(f"{type(base).__name__} has no '{base.base_model_prefix}' body or no lm head")
     return backbone, head
+
+
+def scored_hidden_states(
+    model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, score_mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Final hidden states that predict each scored token, without applying the lm head.
+
+    Returns ``(hidden_ND, token_ids_N, selected_BT)``: one row per position t >= 1 with
+    ``score_mask_BT[t]`` set (the hidden state at t - 1 predicts token t), row-major order,
+    and the (B, T - 1) boolean map of those positions for :func:`scatter_rows`.
+    """
+    backbone, _ = backbone_and_head(model)
+    hidden_BTD = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
+    selected_BT = score_mask_BT[:, 1:].bool()
+    return hidden_BTD[:, :-1][selected_BT], input_ids_BT[:, 1:][selected_BT], selected_BT
+
+
+def scatter_rows(values_N: torch.Tensor, selected_BT: torch.Tensor) -> torch.Tensor:
+    """Put per-row values back at their (B, T) positions (zeros elsewhere, column 0 unscored)."""
+    out = values_N.new_zeros(selected_BT.shape).masked_scatter(selected_BT, values_N)
+    return torch.cat([out.new_zeros(out.shape[0], 1), out], dim=1)
 
 
 def sequence_logprobs(
@@ -178,11 +258,10 @@ def sequence_logprobs(
     Only the scored positions go through the lm head. Position 0 cannot be scored (nothing
     predicts it); outputs are (B, T) and zero where not scored.
     """
-    backbone, head = backbone_and_head(model)
-    hidden_BTD = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
-    selected_BT = score_mask_BT[:, 1:].bool()
-    hidden_ND = hidden_BTD[:, :-1][selected_BT]
-    token_ids_N = input_ids_BT[:, 1:][selected_BT]
+    hidden_ND, token_ids_N, selected_BT = scored_hidden_states(
+        model, input_ids_BT, attention_mask_BT, score_mask_BT
+    )
+    _, head = backbone_and_head(model)
     logprobs_N, entropy_N = selected_token_logprobs(
         hidden_ND,
         head,
@@ -191,9 +270,28 @@ def sequence_logprobs(
         transform=logit_transform_for(model, temperature),
         vocab_size=vocab_size,
     )
-    batch, length = input_ids_BT.shape
-    logprobs_BT = hidden_BTD.new_zeros(batch, length - 1, dtype=torch.float32)
-    logprobs_BT = logprobs_BT.masked_scatter(selected_BT, logprobs_N)
-    entropy_BT = torch.zeros_like(logprobs_BT).masked_scatter(selected_BT, entropy_N)
-    pad = logprobs_BT.new_zeros(batch, 1)
-    return torch.cat([pad, logprobs_BT], dim=1), torch.cat([pad, entropy_BT], dim=1)
+    return scatter_rows(logprobs_N, selected_BT), scatter_rows(entropy_N, selected_BT)
+
+
+@torch.no_grad()
+def topk_logprobs(
+    hidden_ND: torch.Tensor,
+    lm_head: nn.Linear,
+    k: int,
+    *,
+    chunk_size: int = 1024,
+    transform: LogitTransform = LogitTransform(),
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely token ids and their log-probs per row, chunk by chunk (no gradient)."""
+    weight = lm_head.weight if vocab_size is None else lm_head.weight[:vocab_size]
+    bias = lm_head.bias if lm_head.bias is None or vocab_size is None else lm_head.bias[:vocab_size]
+    ids, values = [], []
+    for start in range(0, hidden_ND.shape[0], chunk_size):
+        logits, _ = _chunk_logits(hidden_ND[start : start + chunk_size], weight, bias, transform)
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        ids.append(top.indices)
+        values.append(top.values)
+    if not ids:
+        return hidden_ND.new_zeros(0, k, dtype=torch.long), hidden_ND.new_zeros(0, k, dtype=torch.float32)
+    return torch.cat(ids), torch.cat(values)

@@ -8,6 +8,7 @@ the negative sampled-token reverse KL -> ``num_substeps`` optimizer steps on the
 from __future__ import annotations
 
 import os
+import random
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -18,18 +19,21 @@ import yaml
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 
-from opd.config import Config, TeacherConfig, config_to_dict
+from opd.config import Config, ConfigError, TeacherConfig, TrainingConfig, config_to_dict
 from opd.data.batching import CompositeBatches
 from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
+from opd.logprobs import logit_transform_for
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
 from opd.objectives.advantages import kl_advantages, reverse_kl_per_token
 from opd.runs.display import colorize_example
 from opd.runs.metrics import MetricsWriter
+from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
 from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
-from opd.trainer.update import policy_update
+from opd.trainer.sft import completion_tokens
+from opd.trainer.update import TeacherTargets, policy_update
 
 PROGRESS_KEYS = ("teacher_kl", "entropy", "kl_sample_train", "completion_len_mean")
 
@@ -140,6 +144,20 @@ class Trainer:
             config.seed,
         )
         self.teachers = self._load_teachers()
+        training = config.training
+        if training.objective == "topk_forward_kl" and training.topk > self.vocab_size:
+            raise ConfigError(
+                f"training.topk: {training.topk} is larger than the vocabulary ({self.vocab_size} tokens)"
+            )
+        self.teacher_samplers = {
+            id(teacher): HFGenerateSampler(
+                teacher.model,
+                self.tokenizer,
+                stop_token_ids=self.renderer.stop_token_ids,
+                stop_strings=self.renderer.stop_strings,
+            )
+            for teacher in self.teachers
+        }
         self.optimizer, self.scheduler = build_optimizer(self.student, config)
         self.num_steps = config.training.max_steps or len(self.batches)
 
@@ -177,35 +195,104 @@ class Trainer:
             per_dataset.append(loaded[key])
         return per_dataset
 
-    def sample_batch(self, step: int) -> RolloutBatch:
-        """Render the step's prompts and sample ``group_size`` completions for each."""
-        prompts, dataset_indices = [], []
-        for item in self.batches.batch(step):
-            prompt_ids = self.renderer.prompt_ids(item.prompt.messages)
-            group_size = self.config.datasets[item.dataset_index].group_size
+    def data_source_at(self, step: int) -> str:
+        """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""
+        source = self.config.training.data_source
+        if source == "mixed":
+            on_policy = (
+                random.Random(f"{self.config.seed}/mixed/{step}").random() < self.config.training.lmbda
+            )
+            return "student" if on_policy else "teacher"
+        return source
+
+    def sample_batch(self, step: int) -> tuple[RolloutBatch, str]:
+        """Render the step's prompts and get their completions from the step's data source.
+
+        The student and teachers sample ``group_size`` completions per prompt; a dataset
+        gives its one completion per prompt.
+        """
+        source = self.data_source_at(step)
+        items = self.batches.batch(step)
+        prompts, targets, dataset_indices = [], [], []
+        for item in items:
+            group_size = 1 if source == "dataset" else self.config.datasets[item.dataset_index].group_size
+            if source == "dataset":
+                prompt_ids, target = completion_tokens(self.renderer, item.prompt)
+                targets.append(Completion(target, [0.0] * len(target), finished=True))
+            else:
+                prompt_ids = self.renderer.prompt_ids(item.prompt.messages)
             prompts += [prompt_ids] * group_size
             dataset_indices += [item.dataset_index] * group_size
         torch.manual_seed(step_seed(self.config.seed, step))
         training = self.config.training
-        completions = self.sampler.sample(
-            prompts, temperature=training.temperature, max_tokens=training.max_tokens
-        )
-        return build_rollout_batch(prompts, completions, dataset_indices, self.sampler.pad_id)
+        if source == "dataset":
+            completions = targets
+        elif source == "student":
+            completions = self.sampler.sample(
+                prompts, temperature=training.temperature, max_tokens=training.max_tokens
+            )
+        else:
+            completions = [None] * len(prompts)
+            for rows in self._rows_by_teacher(dataset_indices).values():
+                sampler = self.teacher_samplers[id(self.teachers[dataset_indices[rows[0]]])]
+                sampled = sampler.sample(
+                    [prompts[r] for r in rows],
+                    temperature=training.temperature,
+                    max_tokens=training.max_tokens,
+                )
+                for row, completion in zip(rows, sampled, strict=True):
+                    completions[row] = completion
+        return build_rollout_batch(prompts, completions, dataset_indices, self.sampler.pad_id), source
 
-    def score_with_teachers(self, batch: RolloutBatch) -> torch.Tensor:
-        """Teacher log-probs (B, T) of the sampled tokens, each row by its dataset's teacher."""
-        teacher_logprobs = torch.zeros_like(batch.sampled_logprobs_BT)
+    def _rows_by_teacher(self, dataset_indices: list[int]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for row, dataset_index in enumerate(dataset_indices):
+            groups.setdefault(id(self.teachers[dataset_index]), []).append(row)
+        return groups
+
+    def score_with_teachers(
+        self, batch: RolloutBatch, training: TrainingConfig | None = None
+    ) -> TeacherTargets:
+        """Each row scored by its dataset's teacher, with what the objective needs (top-k, hidden).
+
+        ``training`` overrides the run's objective settings (to evaluate another divergence).
+        """
+        training = training or self.config.training
+        topk = training.topk if training.objective == "topk_forward_kl" else 0
+        hidden = training.objective == "jsd"
+        shape = batch.sampled_logprobs_BT.shape
+        targets = TeacherTargets(torch.zeros(shape))
+        if topk:
+            targets.topk_ids_BTK = torch.zeros(*shape, topk, dtype=torch.long)
+            targets.topk_logprobs_BTK = torch.zeros(*shape, topk)
         sequences = batch.sequences
         masks = [row.bool().tolist() for row in batch.mask_BT]
-        by_teacher: dict[int, list[int]] = {}
-        for row, dataset_index in enumerate(batch.dataset_index_B.tolist()):
-            by_teacher.setdefault(id(self.teachers[dataset_index]), []).append(row)
-        for rows in by_teacher.values():
+        for rows in self._rows_by_teacher(batch.dataset_index_B.tolist()).values():
             teacher = self.teachers[int(batch.dataset_index_B[rows[0]])]
-            scored = teacher.score([sequences[r] for r in rows], [masks[r] for r in rows])
-            for row, values in zip(rows, scored, strict=True):
-                teacher_logprobs[row, : values.shape[0]] = values
-        return teacher_logprobs
+            scores = teacher.score(
+                [sequences[r] for r in rows],
+                [masks[r] for r in rows],
+                topk=topk,
+                hidden=hidden,
+                temperature=training.temperature,
+            )
+            for i, row in enumerate(rows):
+                values = scores.logprobs[i]
+                targets.logprobs_BT[row, : values.shape[0]] = values
+                scored = batch.mask_BT[row].bool()
+                if topk:
+                    targets.topk_ids_BTK[row][scored] = scores.topk_ids[i]
+                    targets.topk_logprobs_BTK[row][scored] = scores.topk_logprobs[i]
+                if hidden:
+                    if targets.hidden_BTD is None:
+                        width = scores.hidden[i].shape[-1]
+                        targets.hidden_BTD = torch.zeros(*shape, width, device=scores.hidden[i].device)
+                        targets.head, targets.transform = (
+                            teacher.lm_head,
+                            logit_transform_for(teacher.model, training.temperature),
+                        )
+                    targets.hidden_BTD[row][scored.to(targets.hidden_BTD.device)] = scores.hidden[i].float()
+        return targets
 
     def kl_metrics(self, batch: RolloutBatch, reverse_kl_BT: torch.Tensor) -> dict[str, float]:
         """``teacher_kl`` = sum(reverse KL) / completion tokens, overall and per dataset."""
@@ -218,17 +305,20 @@ class Trainer:
         return metrics
 
     def train_step(self, step: int) -> dict[str, float]:
-        """Sample, score, compute advantages, update; returns the step's metrics."""
+        """Get completions, score them, compute advantages, update; returns the step's metrics."""
         training = self.config.training
         started = time.perf_counter()
-        batch = self.sample_batch(step)
+        batch, source = self.sample_batch(step)
         sampled_at = time.perf_counter()
-        teacher_logprobs = self.score_with_teachers(batch)
+        teacher = self.score_with_teachers(batch)
         scored_at = time.perf_counter()
         mask = batch.mask_BT
-        reverse_kl = reverse_kl_per_token(batch.sampled_logprobs_BT, teacher_logprobs, mask)
+        on_policy = source == "student"
         lengths = mask.sum(-1)
-        metrics: dict[str, float] = {"step": step, **self.kl_metrics(batch, reverse_kl)}
+        metrics: dict[str, float] = {"step": step, "on_policy": int(on_policy)}
+        reverse_kl = reverse_kl_per_token(batch.sampled_logprobs_BT, teacher.logprobs_BT, mask)
+        if on_policy:
+            metrics |= self.kl_metrics(batch, reverse_kl)
         metrics |= {
             "num_tokens": int(lengths.sum()),
             "num_sequences": int(mask.shape[0]),
@@ -238,7 +328,10 @@ class Trainer:
         }
         if training.show_examples:
             self._print_examples(batch, reverse_kl)
-        if not torch.isfinite((batch.sampled_logprobs_BT - teacher_logprobs)[mask.bool()]).all():
+        if (
+            not torch.isfinite(teacher.logprobs_BT[mask.bool()]).all()
+            or not torch.isfinite(batch.sampled_logprobs_BT[mask.bool()]).all()
+        ):
             warnings.warn(
                 f"step {step}: non-finite log-probs from the sampler or teacher; step skipped", stacklevel=2
             )
@@ -248,21 +341,30 @@ class Trainer:
                 "time/teacher": scored_at - sampled_at,
             }
             return metrics
-        advantages = kl_advantages(
-            batch.sampled_logprobs_BT,
-            teacher_logprobs,
-            mask,
-            kl_penalty_coef=training.kl_penalty_coef,
-            kl_discount_factor=training.kl_discount_factor,
-        )
+        advantages = torch.zeros_like(mask)
+        if training.objective == "sampled_reverse_kl":
+            advantages = kl_advantages(
+                batch.sampled_logprobs_BT,
+                teacher.logprobs_BT,
+                mask,
+                kl_penalty_coef=training.kl_penalty_coef,
+                kl_discount_factor=training.kl_discount_factor,
+            )
         stats = policy_update(
-            self.student, self.optimizer, self.scheduler, batch, advantages, training, self.vocab_size
+            self.student,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            teacher,
+            advantages,
+            training,
+            self.vocab_size,
         )
         finished_at = time.perf_counter()
         metrics |= {
             "loss": stats.loss,
+            f"objective/{training.objective}": stats.objective_value,
             "entropy": stats.entropy,
-            "kl_sample_train": stats.kl_sample_train,
             "grad_norm": stats.grad_norm,
             "skipped": int(stats.applied_substeps == 0),
             "time/sample": sampled_at - started,
@@ -270,6 +372,8 @@ class Trainer:
             "time/train": finished_at - scored_at,
             "time/total": finished_at - started,
         }
+        if on_policy:
+            metrics["kl_sample_train"] = stats.kl_sample_train
         return metrics
 
     def _print_examples(self, batch: RolloutBatch, reverse_kl: torch.Tensor) -> None:

@@ -1,18 +1,60 @@
-"""One batch's policy update: ``num_substeps`` optimizer steps, each with gradient accumulation."""
+"""One batch's update: ``num_substeps`` optimizer steps, each with gradient accumulation."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from itertools import pairwise
 
 import torch
+from torch import nn
 
 from opd.config import TrainingConfig
-from opd.logprobs import sequence_logprobs
+from opd.logprobs import (
+    LogitTransform,
+    backbone_and_head,
+    chunked_head_objective,
+    logit_transform_for,
+    scatter_rows,
+    scored_hidden_states,
+    sequence_logprobs,
+)
+from opd.losses import k3_kl_token_estimate
+from opd.objectives.distribution import generalized_jsd, topk_forward_kl
 from opd.objectives.policy_losses import POLICY_LOSSES, aggregate
 from opd.trainer.rollouts import RolloutBatch
+
+
+@dataclass
+class TeacherTargets:
+    """The teacher's side of a batch, laid out like the batch: position t is about token t.
+
+    ``logprobs_BT`` always; ``topk_*_BTK`` for ``topk_forward_kl``; ``hidden_BTD`` with the
+    teacher's lm head and logit transform for ``jsd``.
+    """
+
+    logprobs_BT: torch.Tensor
+    topk_ids_BTK: torch.Tensor | None = None
+    topk_logprobs_BTK: torch.Tensor | None = None
+    hidden_BTD: torch.Tensor | None = None
+    head: nn.Linear | None = None
+    transform: LogitTransform | None = None
+
+    def select(self, rows: slice) -> TeacherTargets:
+        """The same contiguous rows as :meth:`RolloutBatch.select`."""
+
+        def cut(tensor):
+            return None if tensor is None else tensor[rows]
+
+        return replace(
+            self,
+            logprobs_BT=self.logprobs_BT[rows],
+            topk_ids_BTK=cut(self.topk_ids_BTK),
+            topk_logprobs_BTK=cut(self.topk_logprobs_BTK),
+            hidden_BTD=cut(self.hidden_BTD),
+        )
 
 
 @dataclass
@@ -20,6 +62,7 @@ class UpdateStats:
     """What the update measured on the batch, for the step's metrics."""
 
     loss: float
+    objective_value: float
     entropy: float
     kl_sample_train: float
     grad_norm: float
@@ -32,11 +75,96 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
+def _jsd_rows(student_log_cV, rows, *, teacher_hidden_ND, teacher, vocab_size, beta):
+    with torch.no_grad():
+        weight = teacher.head.weight[:vocab_size]
+        bias = None if teacher.head.bias is None else teacher.head.bias[:vocab_size]
+        raw = teacher_hidden_ND[rows] @ weight.T
+        logits, _ = teacher.transform.apply((raw + bias if bias is not None else raw).float())
+        teacher_log = torch.log_softmax(logits, dim=-1)
+    return generalized_jsd(student_log_cV, teacher_log, beta)
+
+
+def _topk_rows(student_log_cV, rows, *, ids_NK, logprobs_NK):
+    return topk_forward_kl(student_log_cV, ids_NK[rows], logprobs_NK[rows])
+
+
+def objective_per_token(
+    model,
+    piece: RolloutBatch,
+    teacher: TeacherTargets,
+    advantages_BT: torch.Tensor,
+    training: TrainingConfig,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss (B, T) of ``training.objective``, and the student's log-probs and entropy."""
+    device = next(model.parameters()).device
+    ids, attention, mask = (
+        t.to(device) for t in (piece.input_ids_BT, piece.attention_mask_BT, piece.mask_BT)
+    )
+    objective = training.objective
+    if objective in ("jsd", "topk_forward_kl"):
+        hidden_ND, token_ids_N, selected_BT = scored_hidden_states(model, ids, attention, mask)
+        scored = mask.bool()
+        if objective == "jsd":
+            row_loss = partial(
+                _jsd_rows,
+                teacher_hidden_ND=teacher.hidden_BTD.to(device)[scored],
+                teacher=teacher,
+                vocab_size=vocab_size,
+                beta=training.beta,
+            )
+        else:
+            row_loss = partial(
+                _topk_rows,
+                ids_NK=teacher.topk_ids_BTK.to(device)[scored],
+                logprobs_NK=teacher.topk_logprobs_BTK.to(device)[scored],
+            )
+        loss_N, logprobs_N, entropy_N = chunked_head_objective(
+            hidden_ND,
+            backbone_and_head(model)[1],
+            token_ids_N,
+            row_loss,
+            chunk_size=training.logprob_chunk_size,
+            transform=logit_transform_for(model, training.temperature),
+            vocab_size=vocab_size,
+        )
+        return (
+            scatter_rows(loss_N, selected_BT),
+            scatter_rows(logprobs_N, selected_BT),
+            scatter_rows(entropy_N, selected_BT),
+        )
+    logprobs, entropy = sequence_logprobs(
+        model,
+        ids,
+        attention,
+        mask,
+        temperature=training.temperature,
+        chunk_size=training.logprob_chunk_size,
+        vocab_size=vocab_size,
+    )
+    if objective == "sampled_reverse_kl":
+        sampled = piece.sampled_logprobs_BT.to(device)
+        per_token = POLICY_LOSSES[training.loss_fn](
+            logprobs, sampled, advantages_BT.to(device), training.loss_fn_config
+        )
+    elif objective == "k3":
+        teacher_logprobs = teacher.logprobs_BT.to(device)
+        if training.kl_direction == "reverse":
+            per_token = k3_kl_token_estimate(teacher_logprobs, logprobs)
+        else:
+            per_token = k3_kl_token_estimate(logprobs, teacher_logprobs)
+    else:
+        per_token = -logprobs
+    return per_token, logprobs, entropy
+
+
 def policy_update(
     model,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: RolloutBatch,
+    teacher: TeacherTargets,
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
     vocab_size: int,
@@ -45,15 +173,17 @@ def policy_update(
 
     A substep whose gradient is not finite is skipped (weights untouched) with a warning.
     """
-    loss_fn = POLICY_LOSSES[training.loss_fn]
     device = next(model.parameters()).device
     parameters = [p for p in model.parameters() if p.requires_grad]
-    totals = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+    totals = {"loss": 0.0, "objective": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     applied = 0
     model.train()
     for substep in contiguous_slices(len(batch.prompt_lengths), training.num_substeps):
-        part = batch.select(substep)
-        part_advantages = advantages_BT[substep]
+        part, part_teacher, part_advantages = (
+            batch.select(substep),
+            teacher.select(substep),
+            advantages_BT[substep],
+        )
         num_tokens = int(part.mask_BT.sum())
         num_sequences = part.mask_BT.shape[0]
         micro = training.micro_batch_size or num_sequences
@@ -61,22 +191,15 @@ def policy_update(
         for rows in contiguous_slices(num_sequences, math.ceil(num_sequences / micro)):
             piece = part.select(rows)
             mask = piece.mask_BT.to(device)
-            logprobs, entropy = sequence_logprobs(
-                model,
-                piece.input_ids_BT.to(device),
-                piece.attention_mask_BT.to(device),
-                mask,
-                temperature=training.temperature,
-                chunk_size=training.logprob_chunk_size,
-                vocab_size=vocab_size,
+            per_token, logprobs, entropy = objective_per_token(
+                model, piece, part_teacher.select(rows), part_advantages[rows], training, vocab_size
             )
-            sampled = piece.sampled_logprobs_BT.to(device)
-            per_token = loss_fn(logprobs, sampled, part_advantages[rows].to(device), training.loss_fn_config)
             loss = aggregate(per_token, mask, training.loss_aggregation, num_tokens, num_sequences)
             loss.backward()
             totals["loss"] += float(loss.detach())
+            totals["objective"] += float((per_token.detach() * mask).sum())
             totals["entropy"] += float((entropy * mask).sum())
-            totals["kl"] += float(((sampled - logprobs.detach()) * mask).sum())
+            totals["kl"] += float(((piece.sampled_logprobs_BT.to(device) - logprobs.detach()) * mask).sum())
             totals["tokens"] += float(mask.sum())
         max_norm = training.max_grad_norm if training.max_grad_norm is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
@@ -91,6 +214,7 @@ def policy_update(
     tokens = max(totals["tokens"], 1.0)
     return UpdateStats(
         loss=totals["loss"],
+        objective_value=totals["objective"] / tokens,
         entropy=totals["entropy"] / tokens,
         kl_sample_train=totals["kl"] / tokens,
         grad_norm=totals["grad_norm"] / max(applied, 1),
