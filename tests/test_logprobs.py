@@ -56,6 +56,21 @@ def test_values_and_gradients_match_naive(chunk_size, transform, with_bias):
         torch.testing.assert_close(grads[2], head.bias.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_without_entropy_gives_the_same_logprobs_and_gradients():
+    torch.manual_seed(2)
+    hidden = torch.randn(11, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 23, bias=False)
+    ids = torch.randint(0, 23, (11,))
+    with_entropy, entropy = selected_token_logprobs(hidden, head, ids, chunk_size=4)
+    without, zeros = selected_token_logprobs(hidden, head, ids, chunk_size=4, with_entropy=False)
+    torch.testing.assert_close(with_entropy, without)
+    assert torch.all(zeros == 0) and torch.all(entropy > 0)
+    ref, _ = naive(hidden, head.weight, None, ids, LogitTransform())
+    (grad_chunked,) = torch.autograd.grad(without.sum(), hidden)
+    (grad_naive,) = torch.autograd.grad(ref.sum(), hidden)
+    torch.testing.assert_close(grad_chunked, grad_naive, atol=1e-5, rtol=1e-5)
+
+
 def test_vocab_slice_normalises_over_tokenizer_rows_only():
     torch.manual_seed(1)
     hidden = torch.randn(5, 4)

@@ -10,7 +10,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from opd.cli import main
-from opd.config import config_from_dict
+from opd.config import ConfigError, config_from_dict
 from opd.models import ModelLoadError
 from opd.runs.metrics import read_metrics
 from opd.trainer.loop import Trainer, train
@@ -123,6 +123,14 @@ def test_lora_trains_only_adapters_and_saves_a_peft_adapter(base_config, model_d
         assert not torch.allclose(
             loaded(ids).logits, AutoModelForCausalLM.from_pretrained(model_dirs["student"])(ids).logits
         )
+
+
+def test_topk_larger_than_the_vocabulary_is_refused(base_config):
+    base_config["training"].update(objective="topk_forward_kl", topk=500)
+    with pytest.raises(
+        ConfigError, match=r"training\.topk: 500 is larger than the vocabulary \(103 tokens\)"
+    ):
+        Trainer(config_from_dict(base_config), progress=False)
 
 
 def test_missing_model_path_is_named(base_config, tmp_path):

@@ -299,6 +299,12 @@ def validate(config: Config) -> Config:
             "objective 'sampled_reverse_kl' is a policy gradient on the student's own samples; use "
             "data_source: student, or an objective that works off-policy (k3, jsd, topk_forward_kl, nll)"
         )
+    if training.objective == "nll" and training.data_source in ("student", "mixed"):
+        raise ConfigError(
+            f"training.data_source: '{training.data_source}' includes student samples, and objective "
+            "'nll' on them would fit the student to itself without the teacher; use data_source: teacher "
+            "or dataset"
+        )
     allowed = LOSS_FN_CONFIG_KEYS[training.loss_fn]
     for key in training.loss_fn_config:
         if key not in allowed:

@@ -60,23 +60,52 @@ def _chunk_logits(
     return transform.apply(raw.float())
 
 
+def _chunk_logits_inplace(
+    hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
+) -> torch.Tensor:
+    """Transformed float32 logits of a chunk in one buffer (no derivative kept)."""
+    logits = (hidden_chunk @ weight.T).float()
+    if bias is not None:
+        logits += bias
+    if transform.softcap is not None:
+        return transform.apply(logits)[0]
+    factor = transform.scale / transform.temperature
+    if factor != 1.0:
+        logits *= factor
+    return logits
+
+
 class _SelectedTokenLogProbs(torch.autograd.Function):
-    """log softmax(z)[token] and the entropy of softmax(z), chunk by chunk, recomputed in backward."""
+    """log softmax(z)[token] and the entropy of softmax(z), chunk by chunk, recomputed in backward.
+
+    Every V-wide step works in place, so a chunk needs one float32 ``chunk x V`` buffer (two
+    when the entropy is asked for), and backward redoes one matmul per chunk instead of
+    keeping the logits.
+    """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, bias_V, token_ids_N, chunk_size, transform):
+    def forward(ctx, hidden_ND, weight_VD, bias_V, token_ids_N, chunk_size, transform, with_entropy):
         logprobs_N = hidden_ND.new_empty(hidden_ND.shape[0], dtype=torch.float32)
-        entropy_N = torch.empty_like(logprobs_N)
+        entropy_N = torch.zeros_like(logprobs_N)
         logsumexp_N = torch.empty_like(logprobs_N)
         for start in range(0, hidden_ND.shape[0], chunk_size):
             end = start + chunk_size
-            logits, _ = _chunk_logits(hidden_ND[start:end], weight_VD, bias_V, transform)
-            lse = torch.logsumexp(logits, dim=-1)
-            ids = token_ids_N[start:end]
-            logprobs_N[start:end] = logits.gather(-1, ids[:, None]).squeeze(-1) - lse
-            probs = torch.exp(logits - lse[:, None])
-            entropy_N[start:end] = lse - (probs * logits).sum(-1)
+            shifted = _chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
+            row_max = shifted.amax(dim=-1)
+            selected = shifted.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
+            shifted -= row_max[:, None]
+            if with_entropy:
+                exps = torch.exp(shifted)
+                total = exps.sum(-1)
+                weighted = (exps.unsqueeze(-2) @ shifted.unsqueeze(-1)).view(-1)
+                entropy_N[start:end] = torch.log(total) - weighted / total
+                del exps
+            else:
+                total = shifted.exp_().sum(-1)
+            lse = row_max + torch.log(total)
+            logprobs_N[start:end] = selected - lse
             logsumexp_N[start:end] = lse
+            del shifted
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N)
         ctx.chunk_size = chunk_size
         ctx.transform = transform
@@ -87,29 +116,39 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs_N, _grad_entropy_N):
         hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        transform = ctx.transform
         grad_hidden = torch.zeros_like(hidden_ND) if need_hidden else None
         grad_weight = torch.zeros_like(weight_VD, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias_V, dtype=torch.float32) if need_bias else None
+        constant_factor = transform.scale / transform.temperature if transform.softcap is None else 1.0
         for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             hidden_chunk = hidden_ND[start:end]
-            logits, dz_draw = _chunk_logits(hidden_chunk, weight_VD, bias_V, ctx.transform)
-            grad_out = grad_logprobs_N[start:end]
-            grad_logits = torch.exp(logits - logsumexp_N[start:end, None]) * -grad_out[:, None]
+            if transform.softcap is None:
+                grad_raw = _chunk_logits_inplace(hidden_chunk, weight_VD, bias_V, transform)
+                derivative = None
+            else:
+                grad_raw, derivative = _chunk_logits(hidden_chunk, weight_VD, bias_V, transform)
+            grad_out = grad_logprobs_N[start:end] * constant_factor
+            grad_raw -= logsumexp_N[start:end, None]
+            grad_raw.exp_()
+            grad_raw *= -grad_out[:, None]
             rows = torch.arange(hidden_chunk.shape[0], device=hidden_chunk.device)
-            grad_logits[rows, token_ids_N[start:end]] += grad_out
-            grad_raw = grad_logits * dz_draw
+            grad_raw[rows, token_ids_N[start:end]] += grad_out
+            if derivative is not None:
+                grad_raw *= derivative
             if need_hidden:
                 grad_hidden[start:end] = (grad_raw.to(weight_VD.dtype) @ weight_VD).to(hidden_ND.dtype)
             if need_weight:
-                grad_weight += grad_raw.T @ hidden_chunk.float()
+                grad_weight.addmm_(grad_raw.T, hidden_chunk.float())
             if need_bias:
                 grad_bias += grad_raw.sum(0)
+            del grad_raw
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight_VD.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias_V.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def selected_token_logprobs(
@@ -120,6 +159,7 @@ def selected_token_logprobs(
     chunk_size: int = 1024,
     transform: LogitTransform = LogitTransform(),
     vocab_size: int | None = None,
+    with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of ``token_ids_N`` under ``lm_head(hidden_ND)``, and the entropies.
 
@@ -132,6 +172,8 @@ def selected_token_logprobs(
         transform: logit scaling, soft-capping and temperature.
         vocab_size: normalise over the first ``vocab_size`` rows only (an embedding padded
             beyond the tokenizer), so two models with padded vocabularies stay comparable.
+        with_entropy: also compute each row's entropy (one more V-wide buffer and pass);
+            zeros are returned when False.
 
     Returns:
         ``(logprobs_N, entropy_N)`` in float32; gradients flow into ``logprobs_N`` only.
@@ -152,7 +194,9 @@ def selected_token_logprobs(
         raise ValueError(
             f"token id {int(token_ids_N.max())} is outside the model's vocabulary of {weight.shape[0]}"
         )
-    return _SelectedTokenLogProbs.apply(hidden_ND, weight, bias, token_ids_N, chunk_size, transform)
+    return _SelectedTokenLogProbs.apply(
+        hidden_ND, weight, bias, token_ids_N, chunk_size, transform, with_entropy
+    )
 
 
 RowLoss = Callable[[torch.Tensor, slice], torch.Tensor]

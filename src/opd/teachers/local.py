@@ -87,6 +87,7 @@ class LocalTeacher:
                 chunk_size=self.chunk_size,
                 transform=logit_transform_for(self.model),
                 vocab_size=self.vocab_size,
+                with_entropy=False,
             )
             counts = selected_BT.sum(-1).tolist()
             full = torch.zeros(selected_BT.shape, device=device).masked_scatter(selected_BT, logprobs_N)

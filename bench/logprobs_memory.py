@@ -1,0 +1,132 @@
+"""Peak memory and time of chunked vs naive selected-token log-probs (forward + backward).
+
+Each variant runs in its own process; peak memory is the rise of the process's high-water
+mark (CPU) or of ``torch.cuda.max_memory_allocated`` (GPU) over the inputs already held.
+Ratios compare runs made in this invocation, on this machine.
+
+    python bench/logprobs_memory.py                 # B=4, T=1024, D=576; V=49152 and 151936
+    python bench/logprobs_memory.py --vocab 49152 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def naive(hidden, weight, ids):
+    logits = (hidden @ weight.T).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+def chunked(hidden, weight, ids, chunk_size, with_entropy):
+    from opd.logprobs import selected_token_logprobs
+
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight = weight
+    return selected_token_logprobs(hidden, head, ids, chunk_size=chunk_size, with_entropy=with_entropy)[0]
+
+
+VARIANTS = ("naive", "chunked", "chunked+entropy")
+
+
+def peak_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_one(variant: str, rows: int, dim: int, vocab: int, chunk_size: int, device: str) -> dict:
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, dim, device=device, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(vocab, dim, device=device) * 0.02)
+    ids = torch.randint(0, vocab, (rows,), device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    baseline = peak_bytes(device)
+    started = time.perf_counter()
+    if variant == "naive":
+        out = naive(hidden, weight, ids)
+    else:
+        out = chunked(hidden, weight, ids, chunk_size, with_entropy=variant == "chunked+entropy")
+    out.sum().backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    return {"variant": variant, "seconds": seconds, "peak_mib": (peak_bytes(device) - baseline) / 2**20}
+
+
+def measure(variant: str, args, vocab: int) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--vocab",
+        str(vocab),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--dim",
+        str(args.dim),
+        "--chunk-size",
+        str(args.chunk_size),
+        "--device",
+        args.device,
+    ]
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--dim", type=int, default=576, help="hidden size (576 = SmolLM2-135M)")
+    parser.add_argument("--vocab", type=int, nargs="*", default=[49152, 151936])
+    parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = run_one(
+            args.child, args.batch * args.seq, args.dim, args.vocab[0], args.chunk_size, args.device
+        )
+        print(json.dumps(result))
+        return
+    print(
+        f"B={args.batch} T={args.seq} D={args.dim} chunk={args.chunk_size} device={args.device} "
+        f"threads={torch.get_num_threads()}"
+    )
+    print("forward + backward of selected-token log-probs; medians; ratios against naive in this run")
+    print(f"{'vocab':>8} {'variant':>16} {'seconds':>8} {'time x':>7} {'peak MiB':>9} {'mem %':>6}")
+    for vocab in args.vocab:
+        runs = {variant: [] for variant in VARIANTS}
+        for _ in range(args.repeats):
+            for variant in VARIANTS:
+                runs[variant].append(measure(variant, args, vocab))
+        seconds = {v: statistics.median(r["seconds"] for r in runs[v]) for v in runs}
+        memory = {v: statistics.median(r["peak_mib"] for r in runs[v]) for v in runs}
+        for variant in VARIANTS:
+            time_ratio = seconds[variant] / seconds["naive"]
+            memory_share = 100 * memory[variant] / memory["naive"]
+            print(
+                f"{vocab:>8} {variant:>16} {seconds[variant]:>8.3f} {time_ratio:>7.2f} "
+                f"{memory[variant]:>9.0f} {memory_share:>5.0f}%"
+            )
+
+
+if __name__ == "__main__":
+    main()
