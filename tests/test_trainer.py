@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from opd.cli import main
 from opd.config import ConfigError, config_from_dict
 from opd.models import ModelLoadError
+from opd.runs.checkpoints import latest_model_dir
 from opd.runs.metrics import read_metrics
 from opd.trainer.loop import Trainer, train
 from opd.trainer.update import TeacherTargets
@@ -58,7 +59,7 @@ def test_run_writes_every_metric_and_the_student(base_config):
         assert math.isfinite(row["teacher_kl"]) and row["teacher_kl/rev"] == row["teacher_kl"]
         assert row["num_tokens"] > 0 and row["skipped"] == 0
     assert (result.log_path / "config.yaml").exists()
-    reloaded = AutoModelForCausalLM.from_pretrained(result.log_path / "final")
+    reloaded = AutoModelForCausalLM.from_pretrained(latest_model_dir(result.log_path))
     for name, param in reloaded.state_dict().items():
         torch.testing.assert_close(param, result.student.state_dict()[name])
 
@@ -114,9 +115,9 @@ def test_lora_trains_only_adapters_and_saves_a_peft_adapter(base_config, model_d
     result = train(config_from_dict(base_config), progress=False)
     trainable = [n for n, p in result.student.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    assert (result.log_path / "final" / "adapter_model.safetensors").exists()
+    assert (latest_model_dir(result.log_path) / "adapter_model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(model_dirs["student"])
-    loaded = PeftModel.from_pretrained(base, result.log_path / "final")
+    loaded = PeftModel.from_pretrained(base, latest_model_dir(result.log_path))
     ids = torch.tensor([[1, 5, 6, 7]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, result.student(ids).logits)

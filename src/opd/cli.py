@@ -8,8 +8,9 @@ import sys
 from opd.config import ConfigError, load_config
 from opd.data.prompts import DataError
 from opd.models import ModelLoadError
+from opd.runs.checkpoints import CheckpointError
 
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, NotADirectoryError, PermissionError)
+USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError)
 
 
 def _train(args: argparse.Namespace) -> None:

@@ -166,6 +166,14 @@ class Config:
     """Directory for metrics, config and checkpoints."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
+    save_every: int = 20
+    """Checkpoint every N steps (0: only at the end); the end of the run always saves."""
+    on_existing_log_path: Literal["resume", "overwrite", "fail"] = "resume"
+    """When ``log_path`` already holds a run: continue from its last checkpoint, start over, or stop."""
+    load_checkpoint_path: str | None = None
+    """Start a new run from these weights (a checkpoint or model directory) with a fresh optimizer."""
+    compute_post_kl: bool = False
+    """Log ``post_kl``: KL between the policy before and after the step's update, on the step's batch."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """The optimisation loop."""
 
@@ -272,6 +280,7 @@ def validate(config: Config) -> Config:
                 raise ConfigError(f"datasets[{i}].{key}: must be >= 1, got {value}")
         _positive(dataset.num_prompts, f"datasets[{i}].num_prompts")
     _positive(config.student.lora_rank, "student.lora_rank", allow_zero=True)
+    _positive(config.save_every, "save_every", allow_zero=True)
     training = config.training
     _positive(training.learning_rate, "training.learning_rate")
     _positive(training.temperature, "training.temperature")

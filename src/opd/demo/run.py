@@ -22,6 +22,7 @@ from opd.data.builtin_tasks import exact_match, generate_task_prompts
 from opd.data.render import ChatRenderer
 from opd.demo.char_tokenizer import build_char_tokenizer
 from opd.models import load_causal_lm
+from opd.runs.checkpoints import latest_model_dir
 from opd.runs.evaluation import accuracy, teacher_kl
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
@@ -193,6 +194,6 @@ def run_demo(
     gap_after = results["teacher"]["accuracy"] - results["student after"]["accuracy"]
     if gap_before > 0:
         log(f"\nthe student closed {1 - gap_after / gap_before:.0%} of its accuracy gap to the teacher")
-    log(f"metrics: {Path(log_path) / 'metrics.jsonl'}   student: {Path(log_path) / 'final'}")
+    log(f"metrics: {Path(log_path) / 'metrics.jsonl'}   student: {latest_model_dir(Path(log_path))}")
     log(f"total time {time.perf_counter() - started:.0f}s")
     return results

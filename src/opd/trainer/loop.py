@@ -7,7 +7,6 @@ the negative sampled-token reverse KL -> ``num_substeps`` optimizer steps on the
 
 from __future__ import annotations
 
-import os
 import random
 import time
 import warnings
@@ -26,8 +25,16 @@ from opd.data.render import ChatRenderer
 from opd.logprobs import logit_transform_for
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
 from opd.objectives.advantages import kl_advantages, reverse_kl_per_token
+from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import colorize_example
 from opd.runs.metrics import MetricsWriter
+from opd.runs.resume import (
+    CONFIG_NAME,
+    METRICS_NAME,
+    keep_metrics_before,
+    load_student_weights,
+    prepare_log_path,
+)
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
@@ -91,14 +98,6 @@ def build_optimizer(model, config: Config) -> tuple[torch.optim.Optimizer, torch
         return min(1.0, (optimizer_step + 1) / warmup) if warmup > 0 else 1.0
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
-
-def _prepare_log_path(log_path: Path) -> None:
-    if log_path.exists() and not log_path.is_dir():
-        raise NotADirectoryError(f"log_path: '{log_path}' exists and is not a directory")
-    log_path.mkdir(parents=True, exist_ok=True)
-    if not os.access(log_path, os.W_OK):
-        raise PermissionError(f"log_path: '{log_path}' is not writable")
 
 
 class Trainer:
@@ -392,15 +391,32 @@ class Trainer:
             tqdm.write(f"--- {self.config.datasets[dataset_index].name}\n{text}")
 
     def run(self) -> TrainResult:
-        """Train for ``num_steps`` steps, writing metrics and the final student to ``log_path``."""
+        """Train from the start point ``log_path`` dictates up to ``num_steps``, checkpointing on the way."""
         log_path = Path(self.config.log_path)
-        _prepare_log_path(log_path)
-        (log_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
-        writer = MetricsWriter(log_path / "metrics.jsonl")
+        start = prepare_log_path(self.config)
+        if start.model_dir is not None:
+            load_student_weights(self.student, start.model_dir)
+            self.optimizer.load_state_dict(start.trainer_state["optimizer"])
+            self.scheduler.load_state_dict(start.trainer_state["scheduler"])
+            restore_rng_states(start.trainer_state["rng"])
+        elif self.config.load_checkpoint_path:
+            load_student_weights(self.student, Path(self.config.load_checkpoint_path).expanduser())
+        (log_path / CONFIG_NAME).write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
+        keep_metrics_before(log_path / METRICS_NAME, start.step)
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
-        bar = tqdm(total=self.num_steps, desc="opd", disable=not self.progress, dynamic_ncols=True)
+        if start.step >= self.num_steps:
+            tqdm.write(f"{log_path}: training already complete ({start.step} steps); nothing to do")
+            return result
+        writer = MetricsWriter(log_path / METRICS_NAME)
+        bar = tqdm(
+            total=self.num_steps,
+            initial=start.step,
+            desc="opd",
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
         try:
-            for step in range(self.num_steps):
+            for step in range(start.step, self.num_steps):
                 metrics = self.train_step(step)
                 metrics["progress/done_frac"] = (step + 1) / self.num_steps
                 writer.write(metrics)
@@ -409,16 +425,23 @@ class Trainer:
                     {k: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics}, refresh=False
                 )
                 bar.update(1)
+                done = step + 1
+                if done == self.num_steps or (self.config.save_every and done % self.config.save_every == 0):
+                    self.save_checkpoint(done)
         finally:
             bar.close()
             writer.close()
-        self.save_student(log_path / "final")
         return result
 
-    def save_student(self, directory: Path) -> None:
-        """The student as PEFT adapter or full HF model (safetensors), with its tokenizer."""
-        self.student.save_pretrained(directory, safe_serialization=True)
-        self.tokenizer.save_pretrained(directory)
+    def save_checkpoint(self, steps_done: int) -> None:
+        """Weights, optimizer, scheduler and RNG states after ``steps_done`` steps, written atomically."""
+        save_checkpoint(
+            Path(self.config.log_path),
+            steps_done,
+            self.student,
+            self.tokenizer,
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+        )
 
 
 def train(config: Config, *, progress: bool = True) -> TrainResult:

@@ -1,0 +1,166 @@
+"""Checkpoints and resume: a real SIGKILL, interrupted saves, corrupt files, config changes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from opd.config import ConfigError, config_from_dict
+from opd.runs.checkpoints import CheckpointError, list_checkpoints
+from opd.runs.metrics import read_metrics
+from opd.trainer.loop import Trainer, train
+
+STEPS = 8
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
+
+
+def assert_same_rows(rows_a, rows_b):
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for a, b in zip(rows_a, rows_b, strict=True):
+        a, b = comparable(a), comparable(b)
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+            else:
+                assert a[key] == b[key], (a["step"], key)
+
+
+def write_config(base_config, tmp_path, name, **top):
+    config = dict(base_config, log_path=str(tmp_path / name), save_every=2, **top)
+    config["training"] = dict(base_config["training"], max_steps=STEPS, learning_rate=1e-2)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_cli(config_path):
+    return subprocess.run(
+        [sys.executable, "-m", "opd.cli", "train", str(config_path), "--no-progress"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path):
+    run_cli(write_config(base_config, tmp_path, "reference"))
+    reference = read_metrics(tmp_path / "reference" / "metrics.jsonl")
+    assert [r["step"] for r in reference] == list(range(STEPS))
+
+    config_path = write_config(base_config, tmp_path, "killed")
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "opd.cli", "train", str(config_path), "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    rows_at_kill = len(metrics.read_text().splitlines())
+    assert rows_at_kill < STEPS, "the run finished before it could be killed"
+    last = list_checkpoints(tmp_path / "killed")[-1].step
+    assert 0 < last < STEPS
+
+    run_cli(config_path)
+    resumed = read_metrics(metrics)
+    assert_same_rows(resumed, reference)  # no step lost, none done twice, same numbers
+    assert list_checkpoints(tmp_path / "killed")[-1].step == STEPS
+
+
+def test_finished_run_is_not_redone_and_can_be_extended(base_config, tmp_path):
+    config = dict(base_config, save_every=0)
+    train(config_from_dict(config), progress=False)
+    records = list_checkpoints(tmp_path / "run")
+    assert [r.step for r in records] == [2]  # only the final one
+    again = train(config_from_dict(config), progress=False)
+    assert again.metrics == [] and len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
+    config["training"] = dict(config["training"], max_steps=3)
+    extended = train(config_from_dict(config), progress=False)
+    assert [m["step"] for m in extended.metrics] == [2]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_half_written_checkpoint_is_ignored_with_a_warning(base_config, tmp_path):
+    config = dict(base_config, save_every=1)
+    config["training"] = dict(config["training"], max_steps=1)
+    train(config_from_dict(config), progress=False)
+    staging = tmp_path / "run" / "checkpoints" / ".tmp-step_000002"
+    (staging / "model").mkdir(parents=True)
+    (staging / "trainer_state.pt").write_bytes(b"partial")
+    config["training"]["max_steps"] = 2
+    with pytest.warns(UserWarning, match=r"ignoring half-written checkpoint .*\.tmp-step_000002"):
+        result = train(config_from_dict(config), progress=False)
+    assert [m["step"] for m in result.metrics] == [1]
+
+
+def test_corrupt_checkpoint_names_the_file_and_offers_the_older_one(base_config, tmp_path):
+    config = dict(base_config, save_every=1)
+    train(config_from_dict(config), progress=False)
+    state = tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    config["training"] = dict(config["training"], max_steps=3)
+    with pytest.raises(
+        CheckpointError, match=r"step_000002/trainer_state\.pt is corrupt.*step_000001 \(step 1\)"
+    ):
+        Trainer(config_from_dict(config), progress=False).run()
+
+
+def test_resume_refuses_a_changed_run_and_names_the_field(base_config, tmp_path, model_dirs):
+    train(config_from_dict(base_config), progress=False)
+    changed = dict(base_config, student=dict(base_config["student"], model=str(model_dirs["teacher"])))
+    with pytest.raises(ConfigError, match=r"student\.model: differs from the run being resumed"):
+        Trainer(config_from_dict(changed), progress=False).run()
+    reseeded = dict(base_config, seed=1)
+    with pytest.raises(ConfigError, match=r"^seed: differs"):
+        Trainer(config_from_dict(reseeded), progress=False).run()
+
+
+def test_fail_and_overwrite_policies(base_config, tmp_path):
+    train(config_from_dict(base_config), progress=False)
+    with pytest.raises(
+        ConfigError, match=r"log_path: .* already holds a run and on_existing_log_path is 'fail'"
+    ):
+        Trainer(config_from_dict(dict(base_config, on_existing_log_path="fail")), progress=False).run()
+    fresh = train(config_from_dict(dict(base_config, on_existing_log_path="overwrite")), progress=False)
+    assert [m["step"] for m in fresh.metrics] == [0, 1]
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
+
+
+def test_log_path_that_is_a_file_is_refused_before_training(base_config, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"log_path: '.*file' exists and is not a directory"):
+        Trainer(config_from_dict(dict(base_config, log_path=str(tmp_path / "file"))), progress=False).run()
+
+
+def test_load_checkpoint_path_takes_weights_with_a_fresh_optimizer(base_config, tmp_path):
+    first = train(config_from_dict(base_config), progress=False)
+    second = dict(
+        base_config,
+        log_path=str(tmp_path / "second"),
+        load_checkpoint_path=str(tmp_path / "run" / "checkpoints" / "step_000002"),
+    )
+    trainer = Trainer(config_from_dict(second), progress=False)
+    original = {k: v.clone() for k, v in trainer.student.state_dict().items()}
+    trainer.config.training.max_steps = trainer.num_steps = 0
+    trainer.run()
+    loaded = trainer.student.state_dict()
+    for name, value in first.student.state_dict().items():
+        torch.testing.assert_close(loaded[name], value)
+    assert any(not torch.equal(original[k], loaded[k]) for k in loaded)
+    assert trainer.optimizer.state_dict()["state"] == {}
+    assert json.loads((tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()[-1])["step"] == 2
