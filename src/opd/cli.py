@@ -26,6 +26,13 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(log_path=args.log_path, steps=args.steps or DEFAULT_STEPS, seed=args.seed)
 
 
+def _export(args: argparse.Namespace) -> None:
+    from opd.runs.export import export_student
+
+    out = export_student(args.run_dir, args.out, merge_lora=args.merge_lora)
+    print(f"exported the student of {args.run_dir} to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="opd", description="On-policy distillation of language models.")
@@ -36,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. training.max_steps=5")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(handler=_train)
+
+    export = commands.add_parser("export", help="write a run's student as a Hugging Face model directory")
+    export.add_argument("run_dir", help="the run's log_path")
+    export.add_argument("out", help="output directory (new or empty)")
+    export.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base model")
+    export.set_defaults(handler=_export)
 
     demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
