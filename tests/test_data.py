@@ -3,7 +3,7 @@
 import pytest
 
 from opd.data.batching import CompositeBatches
-from opd.data.builtin_tasks import exact_match, generate_task_prompts
+from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.prompts import DataError, Prompt, load_jsonl_prompts, load_prompts
 from opd.data.render import ChatRenderer
 from opd.demo.char_tokenizer import build_char_tokenizer
@@ -96,7 +96,5 @@ def test_builtin_tasks_and_grader():
     assert [p.messages for p in train[:5]] != [p.messages for p in test[:5]]
     word = train[0].messages[0]["content"].split()[1]
     assert train[0].answer == word[::-1]
-    assert exact_match(f" {word[::-1]}\n", train[0].answer) == 1.0
-    assert exact_match(word[::-1] + "x", train[0].answer) == 0.0
     with pytest.raises(DataError, match="unknown built-in task"):
         load_prompts("demo:nope")

@@ -26,6 +26,15 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(log_path=args.log_path, steps=args.steps or DEFAULT_STEPS, seed=args.seed)
 
 
+def _eval(args: argparse.Namespace) -> None:
+    from opd.runs.evaluate_run import evaluate_run
+
+    record = evaluate_run(args.run_dir, checkpoint=args.checkpoint, base=args.base)
+    print(f"model: {record.pop('model')}")
+    for key, value in record.items():
+        print(f"{key:40} {value:.4f}")
+
+
 def _export(args: argparse.Namespace) -> None:
     from opd.runs.export import export_student
 
@@ -43,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. training.max_steps=5")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser("eval", help="evaluate a run's student on held-out prompts")
+    evaluate.add_argument("run_dir", help="the run's log_path")
+    which = evaluate.add_mutually_exclusive_group()
+    which.add_argument(
+        "--checkpoint", help="a checkpoint or model directory (default: the latest checkpoint)"
+    )
+    which.add_argument("--base", action="store_true", help="evaluate the student before training")
+    evaluate.set_defaults(handler=_eval)
 
     export = commands.add_parser("export", help="write a run's student as a Hugging Face model directory")
     export.add_argument("run_dir", help="the run's log_path")

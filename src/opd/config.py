@@ -83,7 +83,15 @@ class DatasetConfig:
     teacher: TeacherConfig | None = None
     """A teacher for this dataset only; defaults to the top-level ``teacher``."""
     num_prompts: int | None = None
-    """Use only the first N prompts of the source (after loading, before shuffling)."""
+    """Use only the first N prompts of a file, or generate N for a generated source (default 2000)."""
+    task_config: dict[str, Any] = field(default_factory=dict)
+    """Options of a ``reasoning_gym:<task>`` generator, e.g. ``{min_terms: 2, max_terms: 2}``."""
+    eval_source: str | None = None
+    """Held-out prompts; defaults to the ``@test`` split of a generated source, none for files."""
+    eval_num_prompts: int = 64
+    """Held-out prompts used per evaluation."""
+    grader: Literal["auto", "exact_match", "last_number", "reasoning_gym", "none"] = "auto"
+    """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match otherwise."""
 
 
 @dataclass
@@ -168,6 +176,8 @@ class Config:
     """Seeds data order, sampling and initialisation."""
     save_every: int = 20
     """Checkpoint every N steps (0: only at the end); the end of the run always saves."""
+    eval_every: int = 20
+    """Evaluate on held-out prompts before every N-th step and after the last (0: never)."""
     on_existing_log_path: Literal["resume", "overwrite", "fail"] = "resume"
     """When ``log_path`` already holds a run: continue from its last checkpoint, start over, or stop."""
     load_checkpoint_path: str | None = None
@@ -279,8 +289,10 @@ def validate(config: Config) -> Config:
             if value < 1:
                 raise ConfigError(f"datasets[{i}].{key}: must be >= 1, got {value}")
         _positive(dataset.num_prompts, f"datasets[{i}].num_prompts")
+        _positive(dataset.eval_num_prompts, f"datasets[{i}].eval_num_prompts")
     _positive(config.student.lora_rank, "student.lora_rank", allow_zero=True)
     _positive(config.save_every, "save_every", allow_zero=True)
+    _positive(config.eval_every, "eval_every", allow_zero=True)
     training = config.training
     _positive(training.learning_rate, "training.learning_rate")
     _positive(training.temperature, "training.temperature")

@@ -48,8 +48,3 @@ def generate_task_prompts(spec: str, *, seed: int, count: int = DEFAULT_NUM_PROM
         question, answer = TASKS[name].make(rng)
         prompts.append(Prompt(messages=({"role": "user", "content": question},), answer=answer))
     return prompts
-
-
-def exact_match(completion: str, answer: str) -> float:
-    """1.0 when the completion, stripped of surrounding whitespace, is exactly the answer."""
-    return float(completion.strip() == answer.strip())

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 
@@ -20,6 +21,8 @@ class Prompt:
     messages: tuple[dict[str, str], ...]
     answer: str | None = None
     completion: str | None = None
+    metadata: dict[str, Any] | None = field(default=None, compare=False)
+    """The generator's entry, for graders that need more than the answer (reasoning-gym)."""
 
 
 def _messages_from(record: dict, where: str) -> tuple[dict[str, str], ...]:
@@ -90,10 +93,50 @@ def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def load_prompts(source: str, *, seed: int = 0) -> list[Prompt]:
-    """Load a source string from the config: a JSONL path, or ``demo:<task>`` (generated)."""
-    if source.startswith("demo:"):
-        from opd.data.builtin_tasks import generate_task_prompts
+def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict[str, Any]) -> list[Prompt]:
+    """``<task>`` or ``<task>@test`` from reasoning-gym (offline generators), with their graders' entries."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DataError(
+            f"reasoning_gym:{spec}: the reasoning-gym package is not installed; pip install 'opd[tasks]'"
+        ) from None
+    task, _, split = spec.partition("@")
+    if split not in ("", "train", "test"):
+        raise DataError(f"reasoning_gym:{spec}: unknown split '{split}'; use @train or @test")
+    split_seed = seed * 2 + (1 if split == "test" else 0)
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=count, seed=split_seed, **task_config)
+    except Exception as error:
+        raise DataError(f"reasoning_gym:{spec}: cannot create the task ({error})") from error
+    return [
+        Prompt(
+            messages=({"role": "user", "content": entry["question"]},),
+            answer=str(entry["answer"]),
+            metadata=entry,
+        )
+        for entry in dataset
+    ]
 
-        return generate_task_prompts(source.removeprefix("demo:"), seed=seed)
+
+def load_prompts(
+    source: str, *, seed: int = 0, count: int | None = None, task_config: dict[str, Any] | None = None
+) -> list[Prompt]:
+    """Load a source: a JSONL path, ``demo:<task>`` or ``reasoning_gym:<task>`` (generated, ``@test`` split).
+
+    ``count`` is how many prompts a generated source makes (default 2000).
+    """
+    if source.startswith("demo:"):
+        from opd.data.builtin_tasks import DEFAULT_NUM_PROMPTS, generate_task_prompts
+
+        return generate_task_prompts(
+            source.removeprefix("demo:"), seed=seed, count=count or DEFAULT_NUM_PROMPTS
+        )
+    if source.startswith("reasoning_gym:"):
+        return reasoning_gym_prompts(
+            source.removeprefix("reasoning_gym:"),
+            seed=seed,
+            count=count or 2000,
+            task_config=task_config or {},
+        )
     return load_jsonl_prompts(source)

@@ -18,12 +18,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from opd.config import config_from_dict
-from opd.data.builtin_tasks import exact_match, generate_task_prompts
+from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.render import ChatRenderer
 from opd.demo.char_tokenizer import build_char_tokenizer
 from opd.models import load_causal_lm
 from opd.runs.checkpoints import latest_model_dir
-from opd.runs.evaluation import accuracy, teacher_kl
+from opd.runs.evaluation import EvalSet, accuracy, evaluate
+from opd.runs.graders import exact_match
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
 from opd.trainer.loop import train
@@ -125,23 +126,21 @@ def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print) -> Path:
     return directory
 
 
-def measure(student_dir: Path | str, teacher: LocalTeacher, eval_prompts, seed: int) -> dict[str, float]:
-    """Greedy accuracy and sampled teacher KL of a saved student."""
-    model = load_causal_lm(str(student_dir), "student.model", dtype="float32", device="cpu")
-    return measure_model(model, teacher, eval_prompts, seed)
-
-
-def measure_model(model, teacher: LocalTeacher, eval_prompts, seed: int) -> dict[str, float]:
+def measure(model, teacher: LocalTeacher, eval_prompts, seed: int) -> dict[str, float]:
     """Greedy accuracy and sampled teacher KL of a model on the held-out prompts."""
     tokenizer = build_char_tokenizer()
     renderer = ChatRenderer(tokenizer)
     sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
-    return {
-        "accuracy": accuracy(sampler, renderer, eval_prompts, exact_match, max_tokens=MAX_TOKENS),
-        "teacher_kl": teacher_kl(
-            sampler, renderer, teacher, eval_prompts, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed
-        ),
-    }
+    metrics = evaluate(
+        sampler,
+        renderer,
+        [EvalSet(TASK, eval_prompts, exact_match, teacher)],
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        seed=seed,
+        pad_id=tokenizer.pad_token_id,
+    )
+    return {"accuracy": metrics[f"test/{TASK}/accuracy"], "teacher_kl": metrics[f"test/{TASK}/teacher_kl"]}
 
 
 def demo_config(log_path: str, student_dir: Path, teacher_dir: Path, steps: int, seed: int) -> dict:
@@ -180,12 +179,17 @@ def run_demo(
     teacher_accuracy = accuracy(teacher_sampler, renderer, eval_prompts, exact_match, max_tokens=MAX_TOKENS)
     results = {
         "teacher": {"accuracy": teacher_accuracy, "teacher_kl": 0.0},
-        "student before": measure(student_dir, teacher, eval_prompts, seed),
+        "student before": measure(
+            load_causal_lm(str(student_dir), "student.model", dtype="float32", device="cpu"),
+            teacher,
+            eval_prompts,
+            seed,
+        ),
     }
     log(f"distilling for {steps} steps (task '{TASK}', {NUM_EVAL_PROMPTS} held-out prompts) ...")
     config = config_from_dict(demo_config(log_path, student_dir, teacher_dir, steps, seed))
     trained = train(config)
-    results["student after"] = measure_model(trained.student, teacher, eval_prompts, seed)
+    results["student after"] = measure(trained.student, teacher, eval_prompts, seed)
     log("")
     log(f"{'':16}{'accuracy':>10}{'teacher KL':>12}")
     for name, row in results.items():

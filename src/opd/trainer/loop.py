@@ -22,11 +22,13 @@ from opd.config import Config, ConfigError, TeacherConfig, TrainingConfig, confi
 from opd.data.batching import CompositeBatches
 from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
-from opd.logprobs import logit_transform_for
+from opd.logprobs import logit_transform_for, sequence_logprobs
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
 from opd.objectives.advantages import kl_advantages, reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import colorize_example
+from opd.runs.evaluation import EvalSet, evaluate
+from opd.runs.graders import grader_for
 from opd.runs.metrics import MetricsWriter
 from opd.runs.resume import (
     CONFIG_NAME,
@@ -59,6 +61,13 @@ class TrainResult:
 def step_seed(seed: int, step: int) -> int:
     """Sampling at step ``step`` depends only on (seed, step): a resumed run samples the same."""
     return (seed * 1_000_003 + step) % (2**63)
+
+
+def default_eval_source(source: str) -> str | None:
+    """Generated sources have a held-out ``@test`` split; files need an explicit ``eval_source``."""
+    if source.startswith(("demo:", "reasoning_gym:")) and "@" not in source:
+        return f"{source}@test"
+    return None
 
 
 def prepare_student(model, config: Config):
@@ -157,13 +166,49 @@ class Trainer:
             )
             for teacher in self.teachers
         }
+        self.eval_sets = self._load_eval_sets()
         self.optimizer, self.scheduler = build_optimizer(self.student, config)
         self.num_steps = config.training.max_steps or len(self.batches)
 
     def _load_dataset(self, index: int) -> list[Prompt]:
         dataset = self.config.datasets[index]
-        prompts = load_prompts(dataset.source, seed=self.config.seed)
+        prompts = load_prompts(
+            dataset.source, seed=self.config.seed, count=dataset.num_prompts, task_config=dataset.task_config
+        )
         return prompts[: dataset.num_prompts] if dataset.num_prompts else prompts
+
+    def _load_eval_sets(self) -> list[EvalSet]:
+        eval_sets = []
+        for index, dataset in enumerate(self.config.datasets):
+            source = dataset.eval_source or default_eval_source(dataset.source)
+            if source is None:
+                continue
+            prompts = load_prompts(
+                source, seed=self.config.seed, count=dataset.eval_num_prompts, task_config=dataset.task_config
+            )[: dataset.eval_num_prompts]
+            grader = grader_for(dataset.grader, source)
+            if (
+                grader is not None
+                and any(p.answer is None for p in prompts)
+                and dataset.grader != "reasoning_gym"
+            ):
+                grader = None
+            eval_sets.append(EvalSet(dataset.name, prompts, grader, self.teachers[index]))
+        return eval_sets
+
+    def evaluate(self) -> dict[str, float]:
+        """``test/*`` metrics of the current student on every dataset's held-out prompts."""
+        started = time.perf_counter()
+        metrics = evaluate(
+            self.sampler,
+            self.renderer,
+            self.eval_sets,
+            temperature=self.config.training.temperature,
+            max_tokens=self.config.training.max_tokens,
+            seed=self.config.seed,
+            pad_id=self.sampler.pad_id,
+        )
+        return metrics | {"time/eval": time.perf_counter() - started}
 
     def _load_teachers(self) -> list[LocalTeacher]:
         loaded: dict[tuple, LocalTeacher] = {}
@@ -373,7 +418,27 @@ class Trainer:
         }
         if on_policy:
             metrics["kl_sample_train"] = stats.kl_sample_train
+            if self.config.compute_post_kl:
+                metrics["post_kl"] = self.post_update_kl(batch)
         return metrics
+
+    @torch.no_grad()
+    def post_update_kl(self, batch: RolloutBatch) -> float:
+        """KL(policy before || after) the update, per token, on the batch the student sampled."""
+        device = next(self.student.parameters()).device
+        logprobs, _ = sequence_logprobs(
+            self.student,
+            batch.input_ids_BT.to(device),
+            batch.attention_mask_BT.to(device),
+            batch.mask_BT.to(device),
+            temperature=self.config.training.temperature,
+            chunk_size=self.config.training.logprob_chunk_size,
+            vocab_size=self.vocab_size,
+        )
+        mask = batch.mask_BT.to(device)
+        return float(
+            ((batch.sampled_logprobs_BT.to(device) - logprobs) * mask).sum() / mask.sum().clamp(min=1)
+        )
 
     def _print_examples(self, batch: RolloutBatch, reverse_kl: torch.Tensor) -> None:
         printed = set()
@@ -402,11 +467,12 @@ class Trainer:
         elif self.config.load_checkpoint_path:
             load_student_weights(self.student, Path(self.config.load_checkpoint_path).expanduser())
         (log_path / CONFIG_NAME).write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
-        keep_metrics_before(log_path / METRICS_NAME, start.step)
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
         if start.step >= self.num_steps:
             tqdm.write(f"{log_path}: training already complete ({start.step} steps); nothing to do")
             return result
+        keep_metrics_before(log_path / METRICS_NAME, start.step)
+        eval_every = self.config.eval_every if self.eval_sets else 0
         writer = MetricsWriter(log_path / METRICS_NAME)
         bar = tqdm(
             total=self.num_steps,
@@ -417,7 +483,8 @@ class Trainer:
         )
         try:
             for step in range(start.step, self.num_steps):
-                metrics = self.train_step(step)
+                evaluation = self.evaluate() if eval_every and step % eval_every == 0 else {}
+                metrics = self.train_step(step) | evaluation
                 metrics["progress/done_frac"] = (step + 1) / self.num_steps
                 writer.write(metrics)
                 result.metrics.append(metrics)
@@ -426,6 +493,10 @@ class Trainer:
                 )
                 bar.update(1)
                 done = step + 1
+                if done == self.num_steps and eval_every:
+                    final = {"step": done} | self.evaluate()
+                    writer.write(final)
+                    result.metrics.append(final)
                 if done == self.num_steps or (self.config.save_every and done % self.config.save_every == 0):
                     self.save_checkpoint(done)
         finally:

@@ -1,0 +1,87 @@
+"""Graders on hand-made answers, generated held-out sets, periodic evaluation and `opd eval`."""
+
+import pytest
+
+from opd.cli import main
+from opd.config import config_from_dict
+from opd.data.prompts import Prompt, load_prompts
+from opd.runs.graders import exact_match, grader_for, last_number, last_number_match, reasoning_gym_score
+from opd.trainer.loop import Trainer, train
+
+
+def prompt(answer):
+    return Prompt(messages=({"role": "user", "content": "q"},), answer=answer)
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "exact", "number"),
+    [
+        ("42", "42", 1.0, 1.0),
+        (" 42\n", "42", 1.0, 1.0),
+        ("The answer is 42.", "42", 0.0, 1.0),
+        ("3 + 4 = 7, so 1,234", "1234", 0.0, 1.0),
+        ("-5", "-5", 1.0, 1.0),
+        ("2.50", "2.5", 0.0, 1.0),
+        ("41 or 43", "42", 0.0, 0.0),
+        ("no number", "42", 0.0, 0.0),
+    ],
+)
+def test_graders_on_hand_made_answers(completion, answer, exact, number):
+    assert exact_match(completion, prompt(answer)) == exact
+    assert last_number_match(completion, prompt(answer)) == number
+
+
+def test_last_number_extraction():
+    assert last_number("x = 3, y = -0.5") == -0.5
+    assert last_number("none") is None
+
+
+def test_reasoning_gym_source_and_its_own_scorer():
+    train_prompts = load_prompts(
+        "reasoning_gym:chain_sum",
+        seed=0,
+        count=20,
+        task_config={"min_terms": 2, "max_terms": 2, "max_digits": 1},
+    )
+    test_prompts = load_prompts(
+        "reasoning_gym:chain_sum@test", seed=0, count=20, task_config={"max_terms": 2}
+    )
+    assert [p.messages for p in train_prompts] != [p.messages for p in test_prompts]
+    entry = train_prompts[0]
+    assert "=" in entry.messages[0]["content"]
+    assert reasoning_gym_score(entry.answer, entry) == 1.0
+    assert reasoning_gym_score(str(int(entry.answer) + 1), entry) == 0.0
+    assert grader_for("auto", "reasoning_gym:chain_sum") is reasoning_gym_score
+    assert grader_for("auto", "data.jsonl") is exact_match and grader_for("none", "x") is None
+
+
+def test_periodic_and_final_evaluation_with_post_kl(demo_models, tmp_path):
+    from opd.demo.run import demo_config
+
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 4, 0)
+    config |= {"eval_every": 2, "compute_post_kl": True}
+    config["datasets"][0]["eval_num_prompts"] = 16
+    result = train(config_from_dict(config), progress=False)
+    rows = result.metrics
+    evaluated = [row["step"] for row in rows if "test/reverse/accuracy" in row]
+    assert evaluated == [0, 2, 4]  # before steps 0 and 2, and after the last
+    for row in rows:
+        if "test/reverse/accuracy" in row:
+            assert 0.0 <= row["test/reverse/accuracy"] <= 1.0 and 0.0 <= row["test/reverse/pass@1"] <= 1.0
+            assert row["test/reverse/teacher_kl"] > 0 and row["time/eval"] > 0
+    assert all(row["post_kl"] > 0 for row in rows if "loss" in row)
+
+    assert main(["eval", str(tmp_path / "run")]) == 0
+    assert main(["eval", str(tmp_path / "run"), "--base"]) == 0
+    lines = (tmp_path / "run" / "eval.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+
+
+def test_eval_needs_held_out_prompts(base_config, tmp_path, capsys):
+    train(config_from_dict(base_config), progress=False)
+    assert main(["eval", str(tmp_path / "run")]) == 2
+    assert "no held-out prompts" in capsys.readouterr().err
+    base_config["datasets"][0]["eval_source"] = base_config["datasets"][0]["source"]
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    assert trainer.eval_sets[0].grader is None  # some prompts carry no answer: teacher KL only
+    assert set(trainer.evaluate()) == {"test/rev/teacher_kl", "time/eval"}
