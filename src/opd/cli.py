@@ -10,7 +10,7 @@ from opd.data.prompts import DataError
 from opd.models import ModelLoadError
 from opd.runs.checkpoints import CheckpointError
 
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, FileNotFoundError)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -33,6 +33,22 @@ def _eval(args: argparse.Namespace) -> None:
     print(f"model: {record.pop('model')}")
     for key, value in record.items():
         print(f"{key:40} {value:.4f}")
+
+
+def _report(args: argparse.Namespace) -> None:
+    from opd.runs.report import build_report
+
+    print(f"wrote {build_report(args.run_dir, args.out, args.steps)}")
+
+
+def _trace(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from opd.runs.timing import write_chrome_trace
+
+    run_dir = Path(args.run_dir)
+    out = write_chrome_trace(run_dir / "timing.jsonl", args.out or run_dir / "trace.json")
+    print(f"wrote {out}: open it in chrome://tracing or https://ui.perfetto.dev")
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -67,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="output directory (new or empty)")
     export.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base model")
     export.set_defaults(handler=_export)
+
+    report = commands.add_parser("report", help="write an HTML report (curves, time split, samples) of a run")
+    report.add_argument("run_dir", help="the run's log_path")
+    report.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html)")
+    report.add_argument("--steps", type=int, nargs="*", help="steps whose sample completions to show")
+    report.set_defaults(handler=_report)
+
+    trace = commands.add_parser("trace", help="convert a run's timing.jsonl to a Chrome / Perfetto trace")
+    trace.add_argument("run_dir", help="the run's log_path")
+    trace.add_argument("--out", help="JSON file to write (default RUN_DIR/trace.json)")
+    trace.set_defaults(handler=_trace)
 
     demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")

@@ -182,6 +182,8 @@ class Config:
     """When ``log_path`` already holds a run: continue from its last checkpoint, start over, or stop."""
     load_checkpoint_path: str | None = None
     """Start a new run from these weights (a checkpoint or model directory) with a fresh optimizer."""
+    trace: bool = False
+    """Also write ``trace.json`` (Chrome / Perfetto trace of every phase) at the end of the run."""
     compute_post_kl: bool = False
     """Log ``post_kl``: KL between the policy before and after the step's update, on the step's batch."""
     training: TrainingConfig = field(default_factory=TrainingConfig)

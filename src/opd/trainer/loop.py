@@ -29,14 +29,17 @@ from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import colorize_example
 from opd.runs.evaluation import EvalSet, evaluate
 from opd.runs.graders import grader_for
-from opd.runs.metrics import MetricsWriter
+from opd.runs.metrics import JsonlWriter, MetricsWriter
 from opd.runs.resume import (
     CONFIG_NAME,
     METRICS_NAME,
+    SAMPLES_NAME,
+    TIMING_NAME,
     keep_metrics_before,
     load_student_weights,
     prepare_log_path,
 )
+from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
@@ -167,6 +170,8 @@ class Trainer:
             for teacher in self.teachers
         }
         self.eval_sets = self._load_eval_sets()
+        self.spans = SpanRecorder(None)
+        self.samples: JsonlWriter | None = None
         self.optimizer, self.scheduler = build_optimizer(self.student, config)
         self.num_steps = config.training.max_steps or len(self.batches)
 
@@ -196,10 +201,15 @@ class Trainer:
             eval_sets.append(EvalSet(dataset.name, prompts, grader, self.teachers[index]))
         return eval_sets
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int | None = None) -> dict[str, float]:
         """``test/*`` metrics of the current student on every dataset's held-out prompts."""
         started = time.perf_counter()
-        metrics = evaluate(
+        with self.spans.span(step if step is not None else -1, "eval"):
+            metrics = self._evaluate()
+        return metrics | {"time/eval": time.perf_counter() - started}
+
+    def _evaluate(self) -> dict[str, float]:
+        return evaluate(
             self.sampler,
             self.renderer,
             self.eval_sets,
@@ -208,7 +218,6 @@ class Trainer:
             seed=self.config.seed,
             pad_id=self.sampler.pad_id,
         )
-        return metrics | {"time/eval": time.perf_counter() - started}
 
     def _load_teachers(self) -> list[LocalTeacher]:
         loaded: dict[tuple, LocalTeacher] = {}
@@ -352,9 +361,11 @@ class Trainer:
         """Get completions, score them, compute advantages, update; returns the step's metrics."""
         training = self.config.training
         started = time.perf_counter()
-        batch, source = self.sample_batch(step)
+        with self.spans.span(step, "sample"):
+            batch, source = self.sample_batch(step)
         sampled_at = time.perf_counter()
-        teacher = self.score_with_teachers(batch)
+        with self.spans.span(step, "teacher"):
+            teacher = self.score_with_teachers(batch)
         scored_at = time.perf_counter()
         mask = batch.mask_BT
         on_policy = source == "student"
@@ -370,6 +381,8 @@ class Trainer:
             "frac_truncated": float((~batch.finished_B).float().mean()),
             "lr": self.scheduler.get_last_lr()[0],
         }
+        if self.samples is not None:
+            self.samples.write(self._sample_records(step, batch, reverse_kl))
         if training.show_examples:
             self._print_examples(batch, reverse_kl)
         if (
@@ -394,16 +407,17 @@ class Trainer:
                 kl_penalty_coef=training.kl_penalty_coef,
                 kl_discount_factor=training.kl_discount_factor,
             )
-        stats = policy_update(
-            self.student,
-            self.optimizer,
-            self.scheduler,
-            batch,
-            teacher,
-            advantages,
-            training,
-            self.vocab_size,
-        )
+        with self.spans.span(step, "train"):
+            stats = policy_update(
+                self.student,
+                self.optimizer,
+                self.scheduler,
+                batch,
+                teacher,
+                advantages,
+                training,
+                self.vocab_size,
+            )
         finished_at = time.perf_counter()
         metrics |= {
             "loss": stats.loss,
@@ -440,12 +454,32 @@ class Trainer:
             ((batch.sampled_logprobs_BT.to(device) - logprobs) * mask).sum() / mask.sum().clamp(min=1)
         )
 
-    def _print_examples(self, batch: RolloutBatch, reverse_kl: torch.Tensor) -> None:
-        printed = set()
+    def _first_row_per_dataset(self, batch: RolloutBatch) -> dict[int, int]:
+        rows: dict[int, int] = {}
         for row, dataset_index in enumerate(batch.dataset_index_B.tolist()):
-            if dataset_index in printed:
-                continue
-            printed.add(dataset_index)
+            rows.setdefault(dataset_index, row)
+        return rows
+
+    def _sample_records(self, step: int, batch: RolloutBatch, reverse_kl: torch.Tensor) -> list[dict]:
+        """One sample per dataset for ``samples.jsonl``: prompt, completion tokens and their KL."""
+        records = []
+        for dataset_index, row in self._first_row_per_dataset(batch).items():
+            length = int(batch.attention_mask_BT[row].sum())
+            start = batch.prompt_lengths[row]
+            ids = batch.input_ids_BT[row, :length].tolist()
+            records.append(
+                {
+                    "step": step,
+                    "dataset": self.config.datasets[dataset_index].name,
+                    "prompt": self.tokenizer.decode(ids[:start]),
+                    "tokens": [self.tokenizer.decode([t]) for t in ids[start:]],
+                    "token_kl": [round(float(v), 4) for v in reverse_kl[row, start:length]],
+                }
+            )
+        return records
+
+    def _print_examples(self, batch: RolloutBatch, reverse_kl: torch.Tensor) -> None:
+        for dataset_index, row in self._first_row_per_dataset(batch).items():
             length = int(batch.attention_mask_BT[row].sum())
             text = colorize_example(
                 self.tokenizer,
@@ -471,9 +505,13 @@ class Trainer:
         if start.step >= self.num_steps:
             tqdm.write(f"{log_path}: training already complete ({start.step} steps); nothing to do")
             return result
-        keep_metrics_before(log_path / METRICS_NAME, start.step)
+        for name in (METRICS_NAME, SAMPLES_NAME):
+            keep_metrics_before(log_path / name, start.step)
         eval_every = self.config.eval_every if self.eval_sets else 0
         writer = MetricsWriter(log_path / METRICS_NAME)
+        self.samples = JsonlWriter(log_path / SAMPLES_NAME)
+        self.spans = SpanRecorder(log_path / TIMING_NAME)
+        checkpoint_seconds = None
         bar = tqdm(
             total=self.num_steps,
             initial=start.step,
@@ -483,8 +521,10 @@ class Trainer:
         )
         try:
             for step in range(start.step, self.num_steps):
-                evaluation = self.evaluate() if eval_every and step % eval_every == 0 else {}
+                evaluation = self.evaluate(step) if eval_every and step % eval_every == 0 else {}
                 metrics = self.train_step(step) | evaluation
+                if checkpoint_seconds is not None:
+                    metrics["time/checkpoint"], checkpoint_seconds = checkpoint_seconds, None
                 metrics["progress/done_frac"] = (step + 1) / self.num_steps
                 writer.write(metrics)
                 result.metrics.append(metrics)
@@ -494,14 +534,22 @@ class Trainer:
                 bar.update(1)
                 done = step + 1
                 if done == self.num_steps and eval_every:
-                    final = {"step": done} | self.evaluate()
+                    final = {"step": done} | self.evaluate(done)
                     writer.write(final)
                     result.metrics.append(final)
                 if done == self.num_steps or (self.config.save_every and done % self.config.save_every == 0):
-                    self.save_checkpoint(done)
+                    saving = time.perf_counter()
+                    with self.spans.span(step, "checkpoint"):
+                        self.save_checkpoint(done)
+                    checkpoint_seconds = time.perf_counter() - saving
         finally:
             bar.close()
             writer.close()
+            self.samples.close()
+            self.spans.close()
+            self.samples, self.spans = None, SpanRecorder(None)
+        if self.config.trace:
+            write_chrome_trace(log_path / TIMING_NAME, log_path / "trace.json")
         return result
 
     def save_checkpoint(self, steps_done: int) -> None:

@@ -1,0 +1,94 @@
+"""Timing spans, the Chrome trace, and the HTML report of a short real run."""
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+
+from opd.cli import main
+from opd.config import config_from_dict
+from opd.demo.run import demo_config
+from opd.runs.timing import read_spans
+from opd.trainer.loop import train
+
+
+class Collector(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images, self.captions, self.rows, self._in_caption = [], [], 0, False
+        self.text = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img":
+            self.images.append(attrs)
+        self._in_caption = tag == "figcaption"
+        self.rows += tag == "tr"
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._in_caption:
+            self.captions.append(data)
+
+    def handle_endtag(self, tag):
+        self._in_caption = False
+
+
+@pytest.fixture(scope="module")
+def finished_run(demo_models, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("report") / "run"
+    config = demo_config(str(log_path), demo_models["student"], demo_models["teacher"], 6, 0)
+    config |= {"eval_every": 3, "save_every": 3, "trace": True}
+    config["datasets"][0]["eval_num_prompts"] = 8
+    train(config_from_dict(config), progress=False)
+    return log_path
+
+
+def test_every_phase_is_timed(finished_run):
+    names = {span["name"] for span in read_spans(finished_run / "timing.jsonl")}
+    assert names == {"sample", "teacher", "train", "eval", "checkpoint"}
+    rows = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    assert all(
+        row["time/total"] >= row["time/sample"] + row["time/teacher"] + row["time/train"] - 1e-6
+        for row in rows
+        if "loss" in row
+    )
+    assert any("time/checkpoint" in row for row in rows) and any("time/eval" in row for row in rows)
+
+
+def test_chrome_trace_has_a_complete_event_per_span(finished_run, tmp_path):
+    trace = json.loads((finished_run / "trace.json").read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(read_spans(finished_run / "timing.jsonl"))
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in complete)
+    assert main(["trace", str(finished_run), "--out", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text()) == trace
+
+
+def test_report_parses_and_names_every_curve(finished_run, tmp_path):
+    out = tmp_path / "report.html"
+    assert main(["report", str(finished_run), "--out", str(out), "--steps", "0", "5"]) == 0
+    page = Collector()
+    page.feed(out.read_text())
+    captions = set(page.captions)
+    for title in (
+        "Teacher KL (training batches)",
+        "Objective",
+        "Held-out accuracy",
+        "Held-out teacher KL",
+        "Entropy and health checks",
+        "Time per phase",
+    ):
+        assert title in captions, title
+    assert any(c.startswith("Timeline of step") for c in captions)
+    assert all(img["src"].startswith("data:image/png;base64,") for img in page.images)
+    assert len(page.images) == 7 and len(list((tmp_path / "report_files").glob("*.png"))) == 7
+    text = "".join(page.text)
+    first_sample = json.loads((finished_run / "samples.jsonl").read_text().splitlines()[0])
+    assert "test/reverse/accuracy: first, last" in text and first_sample["prompt"] in text
+    assert page.rows >= 2 + 4  # summary rows and sample rows for steps 0 and 5
+
+
+def test_report_of_a_missing_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
