@@ -182,6 +182,14 @@ class Config:
     """When ``log_path`` already holds a run: continue from its last checkpoint, start over, or stop."""
     load_checkpoint_path: str | None = None
     """Start a new run from these weights (a checkpoint or model directory) with a fresh optimizer."""
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)
+    """Where metrics go besides ``metrics.jsonl`` (each needs its package installed)."""
+    run_name: str | None = None
+    """Run name shown by W&B and MLflow (default: the log_path's folder name)."""
+    wandb_project: str | None = None
+    """W&B project; the API key is read by wandb from ``WANDB_API_KEY``, never by opd."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking server or store; default ``<log_path>/mlruns``."""
     trace: bool = False
     """Also write ``trace.json`` (Chrome / Perfetto trace of every phase) at the end of the run."""
     compute_post_kl: bool = False

@@ -29,6 +29,7 @@ from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import colorize_example
 from opd.runs.evaluation import EvalSet, evaluate
 from opd.runs.graders import grader_for
+from opd.runs.loggers import build_loggers, check_loggers
 from opd.runs.metrics import JsonlWriter, MetricsWriter
 from opd.runs.resume import (
     CONFIG_NAME,
@@ -170,6 +171,7 @@ class Trainer:
             for teacher in self.teachers
         }
         self.eval_sets = self._load_eval_sets()
+        check_loggers(config)
         self.spans = SpanRecorder(None)
         self.samples: JsonlWriter | None = None
         self.optimizer, self.scheduler = build_optimizer(self.student, config)
@@ -509,6 +511,7 @@ class Trainer:
             keep_metrics_before(log_path / name, start.step)
         eval_every = self.config.eval_every if self.eval_sets else 0
         writer = MetricsWriter(log_path / METRICS_NAME)
+        loggers = build_loggers(self.config)
         self.samples = JsonlWriter(log_path / SAMPLES_NAME)
         self.spans = SpanRecorder(log_path / TIMING_NAME)
         checkpoint_seconds = None
@@ -527,6 +530,8 @@ class Trainer:
                     metrics["time/checkpoint"], checkpoint_seconds = checkpoint_seconds, None
                 metrics["progress/done_frac"] = (step + 1) / self.num_steps
                 writer.write(metrics)
+                for logger in loggers:
+                    logger.log(metrics, step)
                 result.metrics.append(metrics)
                 bar.set_postfix(
                     {k: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics}, refresh=False
@@ -536,6 +541,8 @@ class Trainer:
                 if done == self.num_steps and eval_every:
                     final = {"step": done} | self.evaluate(done)
                     writer.write(final)
+                    for logger in loggers:
+                        logger.log(final, done)
                     result.metrics.append(final)
                 if done == self.num_steps or (self.config.save_every and done % self.config.save_every == 0):
                     saving = time.perf_counter()
@@ -545,6 +552,8 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
+            for logger in loggers:
+                logger.close()
             self.samples.close()
             self.spans.close()
             self.samples, self.spans = None, SpanRecorder(None)
