@@ -9,8 +9,9 @@ from opd.config import ConfigError, load_config
 from opd.data.prompts import DataError
 from opd.models import ModelLoadError
 from opd.runs.checkpoints import CheckpointError
+from opd.teachers.remote import RemoteTeacherError
 
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, FileNotFoundError, RemoteTeacherError)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -49,6 +50,20 @@ def _trace(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     out = write_chrome_trace(run_dir / "timing.jsonl", args.out or run_dir / "trace.json")
     print(f"wrote {out}: open it in chrome://tracing or https://ui.perfetto.dev")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from opd.teachers.server import serve
+
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        name=args.served_model_name,
+        max_logprobs=args.max_logprobs,
+        dtype=args.dtype,
+        device=args.device,
+    )
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -94,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("run_dir", help="the run's log_path")
     trace.add_argument("--out", help="JSON file to write (default RUN_DIR/trace.json)")
     trace.set_defaults(handler=_trace)
+
+    serve = commands.add_parser("serve", help="serve a teacher's prompt log-probs (vLLM / SGLang API subset)")
+    serve.add_argument("model", help="hub id or local directory of the teacher")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="name clients send as 'model' (default: MODEL as given)")
+    serve.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default="auto")
+    serve.set_defaults(handler=_serve)
 
     demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")

@@ -58,13 +58,31 @@ class TeacherConfig:
     """The model whose per-token judgement trains the student. Scored in one no-grad forward."""
 
     model: str
-    """Hugging Face model id or local directory; must share the student's tokenizer."""
+    """Hugging Face model id or local directory (``local``), or the served model name (remote)."""
+    backend: Literal["local", "openai", "sglang"] = "local"
+    """``local``: in the trainer's process; ``openai``: a vLLM (OpenAI-compatible) server;
+    ``sglang``: an SGLang server. Remote teachers must share the student's token ids."""
+    base_url: str | None = None
+    """Remote server, as OpenAI clients take it: ``http://127.0.0.1:8000/v1`` (vLLM),
+    ``http://127.0.0.1:30000`` (SGLang)."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the server's API key (the key is never logged or saved)."""
+    tokenizer: str | None = None
+    """The teacher's tokenizer (id or path), checked against the student's; default: ``model`` when local."""
+    timeout_s: float = 60.0
+    """Remote: seconds to wait for one answer before retrying."""
+    max_retries: int = 4
+    """Remote: retries after a connection error, timeout or 5xx (exponential backoff with jitter)."""
+    max_concurrency: int = 4
+    """Remote: requests in flight at once."""
+    request_batch_size: int = 8
+    """Remote (openai): sequences per request."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype, as for the student."""
+    """Local: weights dtype, as for the student."""
     device: str = "auto"
-    """Device, as for the student."""
+    """Local: device, as for the student."""
     trust_remote_code: bool = False
-    """Run model code shipped in the checkpoint."""
+    """Local: run model code shipped in the checkpoint."""
 
 
 @dataclass
@@ -336,6 +354,31 @@ def validate(config: Config) -> Config:
             "'nll' on them would fit the student to itself without the teacher; use data_source: teacher "
             "or dataset"
         )
+    teachers = [("teacher", config.teacher)] + [
+        (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
+    ]
+    for where, teacher in teachers:
+        if teacher.backend == "local":
+            continue
+        if not teacher.base_url:
+            raise ConfigError(f"{where}.base_url: required for backend '{teacher.backend}'")
+        if training.objective == "jsd":
+            raise ConfigError(
+                f"training.objective: 'jsd' needs the teacher's full distribution, which {where} "
+                f"(backend '{teacher.backend}') does not send; use topk_forward_kl, or a local teacher"
+            )
+        if training.data_source in ("teacher", "mixed"):
+            raise ConfigError(
+                f"training.data_source: '{training.data_source}' samples from the teacher model in process; "
+                f"{where} is remote (backend '{teacher.backend}')"
+            )
+        if training.objective == "topk_forward_kl" and training.temperature != 1.0:
+            raise ConfigError(
+                "training.temperature: remote servers send top-k log-probs at temperature 1; "
+                "topk_forward_kl with a remote teacher needs temperature: 1.0"
+            )
+        for key in ("timeout_s", "max_retries", "max_concurrency", "request_batch_size"):
+            _positive(getattr(teacher, key), f"{where}.{key}", allow_zero=key == "max_retries")
     allowed = LOSS_FN_CONFIG_KEYS[training.loss_fn]
     for key in training.loss_fn_config:
         if key not in allowed:

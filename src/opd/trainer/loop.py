@@ -44,6 +44,7 @@ from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
+from opd.teachers.remote import RemoteTeacher
 from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
 from opd.trainer.sft import completion_tokens
 from opd.trainer.update import TeacherTargets, policy_update
@@ -169,6 +170,7 @@ class Trainer:
                 stop_strings=self.renderer.stop_strings,
             )
             for teacher in self.teachers
+            if isinstance(teacher, LocalTeacher)
         }
         self.eval_sets = self._load_eval_sets()
         check_loggers(config)
@@ -221,34 +223,59 @@ class Trainer:
             pad_id=self.sampler.pad_id,
         )
 
-    def _load_teachers(self) -> list[LocalTeacher]:
-        loaded: dict[tuple, LocalTeacher] = {}
+    def _load_teachers(self) -> list[LocalTeacher | RemoteTeacher]:
+        loaded: dict[tuple, LocalTeacher | RemoteTeacher] = {}
         per_dataset = []
         for index, dataset in enumerate(self.config.datasets):
             teacher_cfg: TeacherConfig = self.config.teacher_for(dataset)
-            field_name = f"datasets[{index}].teacher.model" if dataset.teacher else "teacher.model"
-            key = (teacher_cfg.model, teacher_cfg.dtype, teacher_cfg.device)
+            where = f"datasets[{index}].teacher" if dataset.teacher else "teacher"
+            key = (
+                teacher_cfg.backend,
+                teacher_cfg.base_url,
+                teacher_cfg.model,
+                teacher_cfg.dtype,
+                teacher_cfg.device,
+            )
             if key not in loaded:
-                teacher_tokenizer = load_tokenizer(
-                    teacher_cfg.model, field_name, trust_remote_code=teacher_cfg.trust_remote_code
-                )
-                check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
-                model = load_causal_lm(
-                    teacher_cfg.model,
-                    field_name,
-                    dtype=teacher_cfg.dtype,
-                    device=teacher_cfg.device,
-                    trust_remote_code=teacher_cfg.trust_remote_code,
-                )
-                loaded[key] = LocalTeacher(
-                    model,
-                    vocab_size=self.vocab_size,
-                    pad_id=self.sampler.pad_id,
-                    batch_size=self.config.training.teacher_batch_size,
-                    chunk_size=self.config.training.logprob_chunk_size,
-                )
+                loaded[key] = self._load_teacher(teacher_cfg, where)
             per_dataset.append(loaded[key])
         return per_dataset
+
+    def _load_teacher(self, teacher_cfg: TeacherConfig, where: str) -> LocalTeacher | RemoteTeacher:
+        tokenizer_name = teacher_cfg.tokenizer or (
+            teacher_cfg.model if teacher_cfg.backend == "local" else None
+        )
+        if tokenizer_name is not None:
+            field_name = f"{where}.tokenizer" if teacher_cfg.tokenizer else f"{where}.model"
+            teacher_tokenizer = load_tokenizer(
+                tokenizer_name, field_name, trust_remote_code=teacher_cfg.trust_remote_code
+            )
+            check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
+        if teacher_cfg.backend != "local":
+            return RemoteTeacher(
+                backend=teacher_cfg.backend,
+                base_url=teacher_cfg.base_url,
+                model=teacher_cfg.model,
+                api_key_env=teacher_cfg.api_key_env,
+                timeout_s=teacher_cfg.timeout_s,
+                max_retries=teacher_cfg.max_retries,
+                max_concurrency=teacher_cfg.max_concurrency,
+                request_batch_size=teacher_cfg.request_batch_size,
+            )
+        model = load_causal_lm(
+            teacher_cfg.model,
+            f"{where}.model",
+            dtype=teacher_cfg.dtype,
+            device=teacher_cfg.device,
+            trust_remote_code=teacher_cfg.trust_remote_code,
+        )
+        return LocalTeacher(
+            model,
+            vocab_size=self.vocab_size,
+            pad_id=self.sampler.pad_id,
+            batch_size=self.config.training.teacher_batch_size,
+            chunk_size=self.config.training.logprob_chunk_size,
+        )
 
     def data_source_at(self, step: int) -> str:
         """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""

@@ -1,0 +1,1 @@
+"""Everything a run leaves behind: metrics, examples, evaluations, saved students."""

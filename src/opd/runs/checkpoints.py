@@ -1,0 +1,159 @@
+"""Checkpoints that survive a crash at any moment, and the index that finds them.
+
+A checkpoint is written into ``checkpoints/.tmp-<name>``, every file fsynced, then renamed
+to ``checkpoints/<name>`` (atomic on POSIX) and only then appended to
+``<log_path>/checkpoints.jsonl``. A crash leaves either the previous checkpoint set or a
+``.tmp-*`` directory that resume ignores (with a warning).
+
+Layout of one checkpoint::
+
+    checkpoints/step_000020/
+      model/               PEFT adapter or full HF model (safetensors), with the tokenizer
+      trainer_state.pt     optimizer, scheduler, RNG states, step (loaded with weights_only=True)
+      checkpoint.json      name, step, written last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+INDEX_NAME = "checkpoints.jsonl"
+STATE_NAME = "trainer_state.pt"
+MARKER_NAME = "checkpoint.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One line of the index."""
+
+    name: str
+    step: int
+    path: Path
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def rng_states() -> dict:
+    """Every RNG the run touches, in a form ``torch.load(weights_only=True)`` accepts."""
+    numpy_state = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    """Put back what :func:`rng_states` saved."""
+    torch.set_rng_state(states["torch"])
+    version, *rest = states["python"]
+    random.setstate((version, tuple(rest[0]), rest[1]))
+    name, keys, *tail = states["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *tail))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(log_path: Path, step: int, model, tokenizer, trainer_state: dict) -> CheckpointRecord:
+    """Write checkpoint ``step_<step>`` atomically and append it to the index."""
+    root = log_path / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:06d}"
+    final = root / name
+    staging = root / f".tmp-{name}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    model.save_pretrained(staging / "model", safe_serialization=True)
+    tokenizer.save_pretrained(staging / "model")
+    torch.save({**trainer_state, "step": step, "rng": rng_states()}, staging / STATE_NAME)
+    (staging / MARKER_NAME).write_text(json.dumps({"name": name, "step": step}))
+    _fsync_tree(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    _fsync_tree(root)
+    record = CheckpointRecord(name, step, final)
+    with (log_path / INDEX_NAME).open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"name": name, "step": step, "path": str(final.relative_to(log_path))}) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    return record
+
+
+def list_checkpoints(log_path: Path) -> list[CheckpointRecord]:
+    """Indexed checkpoints whose directory is complete, oldest first; warns about leftovers."""
+    root = log_path / "checkpoints"
+    if root.is_dir():
+        for leftover in sorted(root.glob(".tmp-*")):
+            warnings.warn(f"ignoring half-written checkpoint {leftover} (a crash during saving)", stacklevel=2)
+    index = log_path / INDEX_NAME
+    if not index.exists():
+        return []
+    records: dict[str, CheckpointRecord] = {}
+    for number, line in enumerate(index.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            record = CheckpointRecord(entry["name"], int(entry["step"]), log_path / entry["path"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            warnings.warn(f"{index}:{number}: unreadable index line ignored", stacklevel=2)
+            continue
+        if (record.path / MARKER_NAME).exists():
+            records[record.name] = record
+    return sorted(records.values(), key=lambda r: r.step)
+
+
+def load_trainer_state(record: CheckpointRecord, older: list[CheckpointRecord]) -> dict:
+    """The optimizer/scheduler/RNG state of a checkpoint, or a clear error offering an older one."""
+    path = record.path / STATE_NAME
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as error:
+        raise corrupt_checkpoint_error(path, error, older) from error
+
+
+def corrupt_checkpoint_error(path: Path, error: Exception, older: list[CheckpointRecord]) -> CheckpointError:
+    """The error for an unreadable checkpoint file, naming the next older good checkpoint."""
+    offer = (
+        f"The next older checkpoint is {older[-1].path} (step {older[-1].step}): remove {path.parent} "
+        "and its line in checkpoints.jsonl to resume from it."
+        if older
+        else "No older checkpoint exists; start again with on_existing_log_path: overwrite."
+    )
+    return CheckpointError(f"checkpoint file {path} is corrupt or truncated ({error}). {offer}")
+
+
+def latest_model_dir(log_path: Path) -> Path:
+    """The student of a run's most recent checkpoint."""
+    records = list_checkpoints(log_path)
+    if not records:
+        raise CheckpointError(f"{log_path}: no complete checkpoint in {log_path / INDEX_NAME}")
+    return records[-1].path / "model"

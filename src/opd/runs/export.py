@@ -1,0 +1,39 @@
+"""``opd export``: a run's student as a directory any Hugging Face user can load."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+from peft import PeftModel
+
+from opd.models import load_causal_lm, load_tokenizer
+from opd.runs.checkpoints import CheckpointError, latest_model_dir
+from opd.runs.resume import CONFIG_NAME
+
+
+def export_student(run_dir: str | Path, out: str | Path, *, merge_lora: bool = False) -> Path:
+    """Copy (or merge) the latest checkpoint's student into ``out``.
+
+    A full fine-tune is copied as is. A LoRA run gives the adapter on its own (PEFT format,
+    loadable with ``PeftModel.from_pretrained`` or ``AutoModelForCausalLM.from_pretrained``
+    when peft is installed), or with ``merge_lora`` a plain model with the adapter merged in.
+    """
+    run_dir, out = Path(run_dir), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty; choose a new output directory")
+    model_dir = latest_model_dir(run_dir)
+    is_adapter = (model_dir / "adapter_config.json").exists()
+    if not is_adapter or not merge_lora:
+        shutil.copytree(model_dir, out, dirs_exist_ok=True)
+        return out
+    config = yaml.safe_load((run_dir / CONFIG_NAME).read_text())
+    student = config["student"]
+    base = load_causal_lm(
+        student["model"], "student.model", dtype="float32", device="cpu", trust_remote_code=student["trust_remote_code"]
+    )
+    merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(str(model_dir), "student.tokenizer").save_pretrained(out)
+    return out

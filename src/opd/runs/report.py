@@ -1,0 +1,239 @@
+"""``opd report``: one self-contained HTML page (plus PNGs) that shows how a run went.
+
+Curves of teacher KL, held-out accuracy, entropy and the per-phase time split, a timeline
+of one step, and sample completions at chosen steps with each token shaded by its KL.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import statistics
+from pathlib import Path
+
+from opd.runs.metrics import read_metrics
+from opd.runs.resume import CONFIG_NAME, METRICS_NAME, SAMPLES_NAME, TIMING_NAME
+from opd.runs.timing import read_spans
+
+PHASES = ("sample", "teacher", "train", "eval", "checkpoint")
+PHASE_COLOURS = {"sample": "#4c72b0", "teacher": "#dd8452", "train": "#55a868", "eval": "#8172b3", "checkpoint": "#937860"}
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.6rem; } h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
+.grid { display: grid; grid-template-columns: 1fr 1fr; gap: 1rem; }
+figure { margin: 0; } figure img { width: 100%; border: 1px solid #eee; }
+figcaption { font-size: .85rem; color: #555; }
+table { border-collapse: collapse; width: 100%; font-size: .9rem; }
+td, th { border: 1px solid #ddd; padding: .35rem .5rem; vertical-align: top; text-align: left; }
+.summary td:first-child { font-weight: 600; width: 30%; }
+.prompt { white-space: pre-wrap; color: #666; font-family: ui-monospace, monospace; }
+.completion { white-space: pre-wrap; font-family: ui-monospace, monospace; }
+.legend span { padding: 0 .4rem; }
+"""
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _figure(title: str, curves: dict[str, tuple[list, list]], ylabel: str, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {name: xy for name, xy in curves.items() if xy[0]}
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    for name, (steps, values) in curves.items():
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _time_split(rows: list[dict], path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in rows if "time/total" in row]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    bottom = [0.0] * len(rows)
+    steps = [row["step"] for row in rows]
+    for phase in PHASES:
+        values = [row.get(f"time/{phase}") or 0.0 for row in rows]
+        if any(values):
+            ax.bar(steps, values, bottom=bottom, width=1.0, label=phase, color=PHASE_COLOURS[phase])
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_title("seconds per step, by phase")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _gantt(spans: list[dict], step: int, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = [span for span in spans if span["step"] == step]
+    if not chosen:
+        return None
+    origin = min(span["start"] for span in chosen)
+    fig, ax = plt.subplots(figsize=(6, 2.2), dpi=110)
+    names = [name for name in PHASES if any(span["name"] == name for span in chosen)]
+    for span in chosen:
+        ax.barh(
+            names.index(span["name"]),
+            span["end"] - span["start"],
+            left=span["start"] - origin,
+            color=PHASE_COLOURS.get(span["name"], "#999"),
+        )
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("seconds from the start of the step")
+    ax.set_title(f"timeline of step {step}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _kl_colour(kl: float) -> str:
+    """White at 0 nats, deep red from 2 nats up; blue-ish for negative estimates."""
+    if kl < 0:
+        strength = min(-kl / 2.0, 1.0)
+        return f"rgba(76, 114, 176, {0.35 * strength:.2f})"
+    return f"rgba(214, 39, 40, {min(kl / 2.0, 1.0) * 0.6:.2f})"
+
+
+def _sample_rows(samples: list[dict], steps: list[int]) -> str:
+    rows = []
+    for sample in samples:
+        if sample["step"] not in steps:
+            continue
+        tokens = "".join(
+            f'<span style="background:{_kl_colour(kl)}" title="KL {kl:.3f}">{html.escape(token)}</span>'
+            for token, kl in zip(sample["tokens"], sample["token_kl"], strict=True)
+        )
+        mean_kl = sum(sample["token_kl"]) / max(len(sample["token_kl"]), 1)
+        rows.append(
+            f"<tr><td>{sample['step']}</td><td>{html.escape(sample['dataset'])}</td>"
+            f'<td class="prompt">{html.escape(sample["prompt"])}</td><td class="completion">{tokens}</td>'
+            f"<td>{mean_kl:.3f}</td></tr>"
+        )
+    return "\n".join(rows)
+
+
+def _embed(path: Path | None, caption: str) -> str:
+    if path is None:
+        return ""
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(caption)}"><figcaption>{html.escape(caption)}</figcaption></figure>'
+
+
+def build_report(run_dir: str | Path, out: str | Path | None = None, sample_steps: list[int] | None = None) -> Path:
+    """Write ``report.html`` (and ``report_files/*.png``) for a run; returns the HTML path."""
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / METRICS_NAME
+    if not metrics_path.exists():
+        raise FileNotFoundError(f"{run_dir}: no {METRICS_NAME}; is this a run directory (a log_path)?")
+    rows = read_metrics(metrics_path)
+    out = Path(out) if out else run_dir / "report.html"
+    figures = out.parent / f"{out.stem}_files"
+    figures.mkdir(parents=True, exist_ok=True)
+    keys = sorted({key for row in rows for key in row})
+    train_rows = [row for row in rows if "loss" in row]
+
+    kl_curves = {key: _series(train_rows, key) for key in keys if key.startswith("teacher_kl")}
+    objective_curves = {key: _series(train_rows, key) for key in keys if key.startswith("objective/")}
+    accuracy_curves = {key: _series(rows, key) for key in keys if key.endswith(("/accuracy", "/pass@1"))}
+    test_kl_curves = {key: _series(rows, key) for key in keys if key.startswith("test/") and key.endswith("/teacher_kl")}
+    health_curves = {key: _series(train_rows, key) for key in ("entropy", "kl_sample_train", "post_kl") if key in keys}
+    spans = read_spans(run_dir / TIMING_NAME)
+    step_totals = [row["time/total"] for row in train_rows if "time/total" in row]
+    typical = None
+    if step_totals:
+        median = statistics.median_low(step_totals)
+        typical = next(row["step"] for row in train_rows if row.get("time/total") == median)
+
+    sections = [
+        ("Teacher KL (training batches)", _figure("teacher KL per token", kl_curves, "nats / token", figures / "teacher_kl.png")),
+        ("Objective", _figure("objective per token", objective_curves, "loss / token", figures / "objective.png")),
+        ("Held-out accuracy", _figure("held-out accuracy", accuracy_curves, "fraction correct", figures / "accuracy.png")),
+        ("Held-out teacher KL", _figure("held-out teacher KL", test_kl_curves, "nats / token", figures / "test_teacher_kl.png")),
+        ("Entropy and health checks", _figure("student entropy, sampler-trainer KL", health_curves, "nats / token", figures / "health.png")),
+        ("Time per phase", _time_split(train_rows, figures / "time_split.png")),
+        (f"Timeline of step {typical} (median duration)", _gantt(spans, typical, figures / "gantt.png") if typical is not None else None),
+    ]
+    samples_path = run_dir / SAMPLES_NAME
+    samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()] if samples_path.exists() else []
+    sample_step_set = sorted({s["step"] for s in samples})
+    if sample_steps is None and sample_step_set:
+        sample_steps = sorted({sample_step_set[0], sample_step_set[len(sample_step_set) // 2], sample_step_set[-1]})
+    summary = _summary(run_dir, rows, train_rows)
+    body = [
+        f"<h1>opd run report: {html.escape(run_dir.name)}</h1>",
+        "<h2>Summary</h2>",
+        f'<table class="summary">{summary}</table>',
+        "<h2>Curves</h2>",
+        '<div class="grid">' + "".join(_embed(path, title) for title, path in sections) + "</div>",
+        "<h2>Sample completions</h2>",
+        '<p class="legend">Each completion token is shaded by its sampled reverse KL to the teacher: '
+        f'<span style="background:{_kl_colour(0.1)}">0.1</span><span style="background:{_kl_colour(0.5)}">0.5</span>'
+        f'<span style="background:{_kl_colour(1)}">1</span><span style="background:{_kl_colour(2)}">2+ nats</span>; '
+        "hover a token for its value.</p>",
+        "<table><tr><th>step</th><th>dataset</th><th>prompt</th><th>completion</th><th>mean KL</th></tr>"
+        + _sample_rows(samples, sample_steps or [])
+        + "</table>",
+    ]
+    out.write_text(
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>opd report: {html.escape(run_dir.name)}'
+        f"</title><style>{STYLE}</style></head><body>{''.join(body)}</body></html>",
+        encoding="utf-8",
+    )
+    return out
+
+
+def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
+    import yaml
+
+    config_path = run_dir / CONFIG_NAME
+    config = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
+    facts = {
+        "student": (config.get("student") or {}).get("model", "?"),
+        "teacher": (config.get("teacher") or {}).get("model", "?"),
+        "objective / data": f"{(config.get('training') or {}).get('objective', '?')} / "
+        f"{(config.get('training') or {}).get('data_source', '?')}",
+        "steps trained": str(len(train_rows)),
+    }
+    for key in ("teacher_kl",):
+        series = [row[key] for row in train_rows if row.get(key) is not None]
+        if series:
+            facts[f"{key}: first, last"] = f"{series[0]:.4f} &rarr; {series[-1]:.4f}"
+    for key in sorted({k for row in rows for k in row if k.endswith("/accuracy")}):
+        series = [row[key] for row in rows if row.get(key) is not None]
+        facts[f"{key}: first, last"] = f"{series[0]:.1%} &rarr; {series[-1]:.1%}"
+    totals = {phase: sum(row.get(f"time/{phase}") or 0.0 for row in rows) for phase in PHASES}
+    overall = sum(totals.values())
+    if overall:
+        facts["time split"] = ", ".join(f"{p} {100 * t / overall:.0f}%" for p, t in totals.items() if t)
+    return "".join(f"<tr><td>{html.escape(k)}</td><td>{v if '&rarr;' in v else html.escape(v)}</td></tr>" for k, v in facts.items())

@@ -1,0 +1,157 @@
+"""Deciding where a run starts: fresh, resumed from its last checkpoint, or from given weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from opd.config import Config, ConfigError, config_to_dict
+from opd.runs.checkpoints import (
+    INDEX_NAME,
+    CheckpointError,
+    corrupt_checkpoint_error,
+    list_checkpoints,
+    load_trainer_state,
+)
+
+CONFIG_NAME = "config.yaml"
+METRICS_NAME = "metrics.jsonl"
+SAMPLES_NAME = "samples.jsonl"
+TIMING_NAME = "timing.jsonl"
+RUN_FILES = (CONFIG_NAME, METRICS_NAME, INDEX_NAME, TIMING_NAME, SAMPLES_NAME, "trace.json", "eval.jsonl", "checkpoints")
+# Changing these between a run and its resumption would train a different run.
+RESUME_CRITICAL = (
+    "seed",
+    "student.model",
+    "student.tokenizer",
+    "student.lora_rank",
+    "student.lora_alpha",
+    "student.lora_target_modules",
+    "student.chat_template",
+    "datasets",
+    "training.data_source",
+)
+
+
+@dataclass
+class StartPoint:
+    """Where :meth:`Trainer.run` begins."""
+
+    step: int = 0
+    trainer_state: dict | None = None
+    model_dir: Path | None = None
+
+
+def _lookup(data: dict, dotted: str):
+    node = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def check_resumable(saved: dict, config: Config) -> None:
+    """Refuse to resume when a field that defines the run changed; name the field."""
+    current = config_to_dict(config)
+    for field in RESUME_CRITICAL:
+        if _lookup(saved, field) != _lookup(current, field):
+            raise ConfigError(
+                f"{field}: differs from the run being resumed in {config.log_path} "
+                f"({_lookup(saved, field)!r} there, {_lookup(current, field)!r} now). Use another log_path, "
+                "or on_existing_log_path: overwrite to start over."
+            )
+
+
+def _is_empty_run(log_path: Path) -> bool:
+    return not any((log_path / name).exists() for name in RUN_FILES)
+
+
+def prepare_log_path(config: Config) -> StartPoint:
+    """Apply ``on_existing_log_path`` and find the checkpoint to continue from, before any write."""
+    log_path = Path(config.log_path)
+    if log_path.exists() and not log_path.is_dir():
+        raise ConfigError(f"log_path: '{log_path}' exists and is not a directory")
+    log_path.mkdir(parents=True, exist_ok=True)
+    if not os.access(log_path, os.W_OK):
+        raise ConfigError(f"log_path: '{log_path}' is not writable")
+    if _is_empty_run(log_path):
+        return StartPoint()
+    policy = config.on_existing_log_path
+    if policy == "fail":
+        raise ConfigError(
+            f"log_path: '{log_path}' already holds a run and on_existing_log_path is 'fail'; "
+            "choose another log_path, or resume / overwrite"
+        )
+    if policy == "overwrite":
+        for name in RUN_FILES:
+            target = log_path / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+        return StartPoint()
+    saved_config = log_path / CONFIG_NAME
+    if saved_config.exists():
+        check_resumable(yaml.safe_load(saved_config.read_text()) or {}, config)
+    records = list_checkpoints(log_path)
+    if not records:
+        warnings.warn(f"{log_path} has no complete checkpoint: starting from step 0", stacklevel=2)
+        return StartPoint()
+    last = records[-1]
+    state = load_trainer_state(last, records[:-1])
+    return StartPoint(step=last.step, trainer_state=state, model_dir=last.path / "model")
+
+
+def keep_metrics_before(path: Path, step: int) -> None:
+    """Drop JSONL rows of steps at or after ``step`` (they will be redone), atomically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [line for line in kept if json.loads(line).get("step", -1) < step]
+    staging = path.with_suffix(".tmp")
+    staging.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    staging.replace(path)
+
+
+def load_student_weights(model, model_dir: Path, older=None) -> None:
+    """Load a saved adapter or full model's weights into the (possibly PEFT-wrapped) student."""
+    model_dir = Path(model_dir)
+    if (model_dir / "model").is_dir():
+        model_dir = model_dir / "model"
+    adapter = model_dir / "adapter_model.safetensors"
+    if not adapter.exists() and hasattr(model, "peft_config"):
+        raise CheckpointError(f"{model_dir} holds a full model but the student is a LoRA model (lora_rank > 0)")
+    try:
+        if adapter.exists():
+            if not hasattr(model, "peft_config"):
+                raise CheckpointError(f"{model_dir} holds a LoRA adapter but the student is not a LoRA model")
+            set_peft_model_state_dict(model, load_file(adapter))
+            return
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{model_dir}: no safetensors weights found")
+        state = {}
+        for file in files:
+            state.update(load_file(file))
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise corrupt_checkpoint_error(adapter if adapter.exists() else model_dir, error, older or []) from error
+    target = model
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    tied = {name for name in missing if "lm_head" in name} if target.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise CheckpointError(
+            f"{model_dir}: weights do not match the student (missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]})"
+        )
+    with torch.no_grad():
+        target.tie_weights()

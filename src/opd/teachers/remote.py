@@ -1,0 +1,238 @@
+"""A teacher behind an inference server: vLLM's OpenAI-compatible API or SGLang's native one.
+
+Sequences go out in batches with bounded concurrency; connection errors, timeouts and 5xx
+answers are retried with exponential backoff and jitter; a 4xx answer, or the last failed
+retry, raises :class:`RemoteTeacherError` naming the server and what it said. Every answer
+is checked (one log-prob per token, the same ids, finite values, k top entries) before a
+step may use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from opd.teachers.local import TeacherScores
+
+
+class RemoteTeacherError(RuntimeError):
+    """The teacher server could not give usable log-probs; the message names it."""
+
+
+class RemoteTeacher:
+    """Scores token ids through ``POST {base_url}/completions`` (openai) or ``/generate`` (sglang)."""
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        base_url: str,
+        model: str,
+        api_key_env: str | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 4,
+        max_concurrency: int = 4,
+        request_batch_size: int = 8,
+        backoff_s: float = 0.5,
+    ):
+        self.backend = backend
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.max_concurrency = max_concurrency
+        self.request_batch_size = request_batch_size if backend == "openai" else 1
+        self.backoff_s = backoff_s
+        self._headers = {"Content-Type": "application/json"}
+        if api_key_env:
+            key = os.environ.get(api_key_env)
+            if not key:
+                raise RemoteTeacherError(
+                    f"teacher.api_key_env: the environment variable {api_key_env} is not set or empty"
+                )
+            self._headers["Authorization"] = f"Bearer {key}"
+
+    @property
+    def endpoint(self) -> str:
+        """The URL requests go to."""
+        return f"{self.base_url}/completions" if self.backend == "openai" else f"{self.base_url}/generate"
+
+    def _post(self, payload: dict) -> dict:
+        data = json.dumps(payload).encode()
+        last_error = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1) + random.uniform(0, self.backoff_s))
+            request = urllib.request.Request(self.endpoint, data=data, headers=self._headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    body = response.read()
+            except urllib.error.HTTPError as error:
+                detail = error.read().decode(errors="replace")[:500]
+                if error.code < 500:
+                    raise RemoteTeacherError(
+                        f"teacher server {self.endpoint} answered HTTP {error.code}: {detail}"
+                    ) from None
+                last_error = f"HTTP {error.code}: {detail}"
+                continue
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                reason = getattr(error, "reason", error)
+                last_error = (
+                    f"timed out after {self.timeout_s}s"
+                    if isinstance(reason, TimeoutError | socket.timeout)
+                    else str(reason)
+                )
+                continue
+            try:
+                return json.loads(body)
+            except json.JSONDecodeError:
+                raise RemoteTeacherError(
+                    f"teacher server {self.endpoint} answered with malformed JSON: {body[:200]!r}"
+                ) from None
+        raise RemoteTeacherError(
+            f"teacher server {self.endpoint} failed after {self.max_retries + 1} attempts: {last_error}"
+        )
+
+    def score(
+        self,
+        sequences: list[list[int]],
+        score_masks: list[list[bool]],
+        *,
+        topk: int = 0,
+        hidden: bool = False,
+        temperature: float = 1.0,
+    ) -> TeacherScores:
+        """Log-probs (and top-k) of every sequence; see :class:`opd.teachers.local.TeacherScores`."""
+        if hidden:
+            raise RemoteTeacherError(
+                "a remote teacher sends log-probs, not hidden states: use a local teacher for jsd"
+            )
+        batches = [
+            sequences[i : i + self.request_batch_size]
+            for i in range(0, len(sequences), self.request_batch_size)
+        ]
+        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            answered = list(pool.map(lambda batch: self._score_batch(batch, topk), batches))
+        flat = [scores for batch_result in answered for scores in batch_result]
+        result = TeacherScores([], [] if topk else None, [] if topk else None, None)
+        for sequence, mask, (logprobs, top_ids, top_values) in zip(sequences, score_masks, flat, strict=True):
+            scored = torch.tensor([bool(m) for m in mask[: len(sequence)]])
+            scored[0] = False
+            result.logprobs.append(torch.where(scored, logprobs, torch.zeros_like(logprobs)))
+            if topk:
+                result.topk_ids.append(top_ids[scored])
+                result.topk_logprobs.append(top_values[scored])
+        return result
+
+    def _score_batch(
+        self, batch: list[list[int]], topk: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if self.backend == "openai":
+            payload = {
+                "model": self.model,
+                "prompt": batch,
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": topk,
+            }
+            answer = self._post(payload)
+            choices = answer.get("choices") if isinstance(answer, dict) else None
+            if not isinstance(choices, list) or len(choices) != len(batch):
+                count = len(choices) if isinstance(choices, list) else "no"
+                raise RemoteTeacherError(
+                    f"teacher server {self.endpoint} sent {count} choices for {len(batch)} prompts"
+                )
+            choices = sorted(choices, key=lambda c: c.get("index", 0))
+            return [
+                self._parse_openai(ids, choice.get("prompt_logprobs"), topk)
+                for ids, choice in zip(batch, choices, strict=True)
+            ]
+        (ids,) = batch
+        payload = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": topk,
+        }
+        answer = self._post(payload)
+        meta = answer.get("meta_info", {}) if isinstance(answer, dict) else {}
+        return [self._parse_sglang(ids, meta, topk)]
+
+    def _fail(self, ids: list[int], what: str) -> RemoteTeacherError:
+        return RemoteTeacherError(
+            f"teacher server {self.endpoint}: {what} (for a sequence of {len(ids)} tokens)"
+        )
+
+    def _parse_openai(self, ids: list[int], entries, topk: int):
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            count = len(entries) if isinstance(entries, list) else "no"
+            raise self._fail(ids, f"sent {count} prompt log-probs for {len(ids)} tokens")
+        logprobs = torch.zeros(len(ids))
+        top_ids = torch.zeros(len(ids), max(topk, 1), dtype=torch.long)
+        top_values = torch.full((len(ids), max(topk, 1)), -math.inf)
+        for position in range(1, len(ids)):
+            entry = entries[position]
+            token = str(ids[position])
+            if not isinstance(entry, dict) or token not in entry:
+                raise self._fail(ids, f"no log-prob for token id {ids[position]} at position {position}")
+            logprobs[position] = self._finite(entry[token].get("logprob"), ids, position)
+            if topk:
+                ranked = sorted(
+                    ((v.get("rank") or math.inf, int(k), v.get("logprob")) for k, v in entry.items()),
+                    key=lambda r: r[0],
+                )
+                ranked = [r for r in ranked if r[0] <= topk]
+                if len(ranked) < topk:
+                    raise self._fail(
+                        ids,
+                        f"sent {len(ranked)} top log-probs at position {position}, fewer than the "
+                        f"requested {topk} (is the server's --max-logprobs below {topk}?)",
+                    )
+                top_ids[position] = torch.tensor([r[1] for r in ranked[:topk]])
+                top_values[position] = torch.tensor(
+                    [self._finite(r[2], ids, position) for r in ranked[:topk]]
+                )
+        return logprobs, top_ids, top_values
+
+    def _parse_sglang(self, ids: list[int], meta: dict, topk: int):
+        token_logprobs = meta.get("input_token_logprobs")
+        if not isinstance(token_logprobs, list) or len(token_logprobs) != len(ids):
+            count = len(token_logprobs) if isinstance(token_logprobs, list) else "no"
+            raise self._fail(ids, f"sent {count} input token log-probs for {len(ids)} tokens")
+        top = meta.get("input_top_logprobs") or [None] * len(ids)
+        logprobs = torch.zeros(len(ids))
+        top_ids = torch.zeros(len(ids), max(topk, 1), dtype=torch.long)
+        top_values = torch.full((len(ids), max(topk, 1)), -math.inf)
+        for position in range(1, len(ids)):
+            value, token, *_ = token_logprobs[position]
+            if token != ids[position]:
+                raise self._fail(
+                    ids, f"answered for token id {token} at position {position}, not {ids[position]}"
+                )
+            logprobs[position] = self._finite(value, ids, position)
+            if topk:
+                entries = top[position] or []
+                if len(entries) < topk:
+                    raise self._fail(
+                        ids, f"sent {len(entries)} top log-probs at position {position}, fewer than {topk}"
+                    )
+                top_ids[position] = torch.tensor([int(e[1]) for e in entries[:topk]])
+                top_values[position] = torch.tensor(
+                    [self._finite(e[0], ids, position) for e in entries[:topk]]
+                )
+        return logprobs, top_ids, top_values
+
+    def _finite(self, value, ids: list[int], position: int) -> float:
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise self._fail(ids, f"log-prob {value!r} at position {position} is not a finite number")
+        return float(value)

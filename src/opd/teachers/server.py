@@ -1,0 +1,242 @@
+"""``opd serve``: a small teacher server speaking the parts of the vLLM and SGLang APIs opd uses.
+
+For CPU development and tests; a real deployment points the same client at vLLM or SGLang.
+
+- ``POST /v1/completions`` (vLLM OpenAI-compatible): ``prompt`` is a list of token ids or a
+  list of such lists; ``prompt_logprobs: k`` returns, for every prompt position, the
+  prompt token's log-prob and the top-k (``null`` at position 0); ``max_tokens`` 0 or 1,
+  ``echo`` accepted. ``k`` above ``--max-logprobs`` is refused, as vLLM does.
+- ``POST /generate`` (SGLang): ``input_ids``, ``return_logprob``, ``logprob_start_len``,
+  ``top_logprobs_num``; answers ``meta_info.input_token_logprobs``.
+- ``GET /v1/models``, ``GET /health``.
+
+Malformed requests get a 4xx JSON error and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from opd.logprobs import (
+    backbone_and_head,
+    logit_transform_for,
+    scored_hidden_states,
+    selected_token_logprobs,
+    topk_logprobs,
+)
+from opd.models import load_causal_lm, load_tokenizer
+from opd.teachers.local import pad_right
+
+
+class RequestError(ValueError):
+    """A malformed request: answered with HTTP 400 and this message."""
+
+
+class ScoringModel:
+    """Prompt log-probs and top-k of a causal LM, one no-grad forward per request."""
+
+    def __init__(self, model, tokenizer, name: str, max_logprobs: int = 20):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_logprobs = max_logprobs
+        self.vocab_size = len(tokenizer)
+        self.lock = threading.Lock()
+
+    @torch.no_grad()
+    def score(
+        self, prompts: list[list[int]], k: int
+    ) -> list[list[tuple[float, list[tuple[int, float]]] | None]]:
+        """Per prompt, per position: None at 0, else (log p(token), [(id, log p)] top-k by rank)."""
+        device = next(self.model.parameters()).device
+        ids, attention = pad_right(prompts, self.tokenizer.pad_token_id or 0)
+        with self.lock:
+            hidden, token_ids, selected = scored_hidden_states(
+                self.model, ids.to(device), attention.to(device), attention.to(device)
+            )
+            head = backbone_and_head(self.model)[1]
+            transform = logit_transform_for(self.model)
+            logprobs, _ = selected_token_logprobs(
+                hidden, head, token_ids, transform=transform, vocab_size=self.vocab_size, with_entropy=False
+            )
+            top_ids, top_values = topk_logprobs(
+                hidden, head, max(k, 1), transform=transform, vocab_size=self.vocab_size
+            )
+        counts = selected.sum(-1).tolist()
+        per_prompt = []
+        for lp, tid, tvals in zip(
+            logprobs.split(counts), top_ids.split(counts), top_values.split(counts), strict=True
+        ):
+            positions: list = [None]
+            for value, ids_k, values_k in zip(lp.tolist(), tid.tolist(), tvals.tolist(), strict=True):
+                positions.append((value, list(zip(ids_k[:k], values_k[:k], strict=True))))
+            per_prompt.append(positions)
+        return per_prompt
+
+
+def _token_ids(value, field: str, vocab_size: int) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        raise RequestError(f"'{field}' must be a non-empty list of token ids")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"'{field}' has token ids outside the vocabulary of {vocab_size}: {bad[:5]}")
+    return value
+
+
+def completions_response(scorer: ScoringModel, body: dict) -> dict:
+    """The answer to ``POST /v1/completions``."""
+    if body.get("model") not in (None, scorer.name):
+        raise RequestError(
+            f"model '{body.get('model')}' is not served here; this server serves '{scorer.name}'"
+        )
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    prompts = [_token_ids(p, "prompt", scorer.vocab_size) for p in prompts]
+    k = body.get("prompt_logprobs")
+    if k is None:
+        raise RequestError(
+            "this server only scores prompts: set 'prompt_logprobs' (0 for the prompt tokens alone)"
+        )
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise RequestError("'prompt_logprobs' must be a non-negative integer")
+    if k > scorer.max_logprobs:
+        raise RequestError(
+            f"Requested prompt logprobs of {k}, which is greater than max allowed: {scorer.max_logprobs}"
+        )
+    if body.get("max_tokens", 16) not in (0, 1):
+        raise RequestError("'max_tokens' must be 0 or 1 here (this server does not generate)")
+    choices = []
+    for index, (ids, positions) in enumerate(zip(prompts, scorer.score(prompts, k), strict=True)):
+        entries: list = [None]
+        for token, position in zip(ids[1:], positions[1:], strict=True):
+            value, top = position
+            entry = {
+                str(tid): {"logprob": lp, "rank": rank, "decoded_token": scorer.tokenizer.decode([tid])}
+                for rank, (tid, lp) in enumerate(top, start=1)
+            }
+            rank = next((r for r, (tid, _) in enumerate(top, start=1) if tid == token), None)
+            entry[str(token)] = {
+                "logprob": value,
+                "rank": rank or k + 1,
+                "decoded_token": scorer.tokenizer.decode([token]),
+            }
+            entries.append(entry)
+        choices.append(
+            {
+                "index": index,
+                "text": "",
+                "finish_reason": "length",
+                "prompt_logprobs": entries,
+                "prompt_token_ids": ids,
+            }
+        )
+    return {"id": "cmpl-opd", "object": "text_completion", "model": scorer.name, "choices": choices}
+
+
+def generate_response(scorer: ScoringModel, body: dict) -> dict:
+    """The answer to SGLang's ``POST /generate`` for one prompt."""
+    ids = _token_ids(body.get("input_ids"), "input_ids", scorer.vocab_size)
+    if not body.get("return_logprob"):
+        raise RequestError("this server only scores prompts: set 'return_logprob': true")
+    start = body.get("logprob_start_len", 0)
+    k = body.get("top_logprobs_num", 0) or 0
+    if not isinstance(k, int) or k < 0 or k > scorer.max_logprobs:
+        raise RequestError(f"'top_logprobs_num' must be an integer in [0, {scorer.max_logprobs}]")
+    (positions,) = scorer.score([ids], k)
+    decode = scorer.tokenizer.decode
+    token_logprobs, top_logprobs = [], []
+    for position, token in enumerate(ids):
+        if position < start:
+            continue
+        if positions[position] is None:
+            token_logprobs.append([None, token, None])
+            top_logprobs.append(None)
+            continue
+        value, top = positions[position]
+        token_logprobs.append([value, token, decode([token])])
+        top_logprobs.append([[lp, tid, decode([tid])] for tid, lp in top])
+    meta = {
+        "input_token_logprobs": token_logprobs,
+        "input_top_logprobs": top_logprobs,
+        "prompt_tokens": len(ids),
+    }
+    return {"text": "", "meta_info": meta}
+
+
+def make_handler(scorer: ScoringModel):
+    """An HTTP handler class bound to ``scorer``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args):
+            return
+
+        def _send(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str) -> None:
+            self._send(status, {"object": "error", "message": message, "code": status})
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200, {"status": "ok"})
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": scorer.name, "object": "model"}]})
+            else:
+                self._error(404, f"no route {self.path}")
+
+        def do_POST(self):
+            routes = {"/v1/completions": completions_response, "/generate": generate_response}
+            if self.path not in routes:
+                self._error(404, f"no route {self.path}")
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null")
+                if not isinstance(body, dict):
+                    raise RequestError("the request body must be a JSON object")
+                self._send(200, routes[self.path](scorer, body))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                self._error(400, "the request body is not valid JSON")
+            except RequestError as error:
+                self._error(400, str(error))
+
+    return Handler
+
+
+def serve(
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    name: str | None = None,
+    max_logprobs: int = 20,
+    dtype: str = "auto",
+    device: str = "auto",
+) -> None:
+    """Load the model and answer requests until interrupted."""
+    tokenizer = load_tokenizer(model_path, "model")
+    model = load_causal_lm(model_path, "model", dtype=dtype, device=device)
+    scorer = ScoringModel(model, tokenizer, name or model_path, max_logprobs)
+    server = ThreadingHTTPServer((host, port), make_handler(scorer))
+    print(f"opd serve: {scorer.name} on http://{host}:{server.server_address[1]}/v1", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
