@@ -101,7 +101,9 @@ def save_checkpoint(log_path: Path, step: int, model, tokenizer, trainer_state: 
     _fsync_tree(root)
     record = CheckpointRecord(name, step, final)
     with (log_path / INDEX_NAME).open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps({"name": name, "step": step, "path": str(final.relative_to(log_path))}) + "\n")
+        handle.write(
+            json.dumps({"name": name, "step": step, "path": str(final.relative_to(log_path))}) + "\n"
+        )
         handle.flush()
         os.fsync(handle.fileno())
     return record
@@ -112,7 +114,9 @@ def list_checkpoints(log_path: Path) -> list[CheckpointRecord]:
     root = log_path / "checkpoints"
     if root.is_dir():
         for leftover in sorted(root.glob(".tmp-*")):
-            warnings.warn(f"ignoring half-written checkpoint {leftover} (a crash during saving)", stacklevel=2)
+            warnings.warn(
+                f"ignoring half-written checkpoint {leftover} (a crash during saving)", stacklevel=2
+            )
     index = log_path / INDEX_NAME
     if not index.exists():
         return []

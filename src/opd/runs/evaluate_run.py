@@ -28,7 +28,8 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | Path | None = None, b
     trainer = Trainer(config, progress=False)
     if not trainer.eval_sets:
         raise ConfigError(
-            "datasets: no held-out prompts; set datasets[i].eval_source (generated sources have a @test split)"
+            "datasets: no held-out prompts; set datasets[i].eval_source "
+            "(generated sources have a @test split)"
         )
     model_dir = None if base else Path(checkpoint) if checkpoint else latest_model_dir(run_dir)
     if model_dir is not None:

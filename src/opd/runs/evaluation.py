@@ -26,7 +26,9 @@ class EvalSet:
     teacher: LocalTeacher | RemoteTeacher | None
 
 
-def graded(renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader) -> float:
+def graded(
+    renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader
+) -> float:
     """Mean grade of completions (special tokens removed) against their prompts."""
     grades = [
         grader(renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True), p)
@@ -35,7 +37,9 @@ def graded(renderer: ChatRenderer, completions: list[Completion], prompts: list[
     return sum(grades) / len(grades)
 
 
-def accuracy(sampler: Sampler, renderer: ChatRenderer, prompts: list[Prompt], grader: Grader, *, max_tokens: int):
+def accuracy(
+    sampler: Sampler, renderer: ChatRenderer, prompts: list[Prompt], grader: Grader, *, max_tokens: int
+):
     """Mean grade of greedy completions."""
     rendered = [renderer.prompt_ids(p.messages) for p in prompts]
     completions = sampler.sample(rendered, temperature=1.0, max_tokens=max_tokens, greedy=True)
@@ -43,7 +47,10 @@ def accuracy(sampler: Sampler, renderer: ChatRenderer, prompts: list[Prompt], gr
 
 
 def sampled_teacher_kl(
-    teacher: LocalTeacher | RemoteTeacher, rendered: list[list[int]], completions: list[Completion], pad_id: int
+    teacher: LocalTeacher | RemoteTeacher,
+    rendered: list[list[int]],
+    completions: list[Completion],
+    pad_id: int,
 ) -> float:
     """Sampled-token reverse KL per completion token of the given student samples."""
     batch = build_rollout_batch(rendered, completions, [0] * len(rendered), pad_id)

@@ -31,7 +31,11 @@ def export_student(run_dir: str | Path, out: str | Path, *, merge_lora: bool = F
     config = yaml.safe_load((run_dir / CONFIG_NAME).read_text())
     student = config["student"]
     base = load_causal_lm(
-        student["model"], "student.model", dtype="float32", device="cpu", trust_remote_code=student["trust_remote_code"]
+        student["model"],
+        "student.model",
+        dtype="float32",
+        device="cpu",
+        trust_remote_code=student["trust_remote_code"],
     )
     merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)

@@ -103,7 +103,8 @@ class MlflowLogger:
         """Names use ``.`` for ``/`` (``teacher_kl.rev``): the file store cannot hold both a
         metric and a folder called ``teacher_kl``."""
         clean = {
-            MLFLOW_KEY.sub("_", k.replace("@", "_at_").replace("/", ".")): v for k, v in _numeric(metrics).items()
+            MLFLOW_KEY.sub("_", k.replace("@", "_at_").replace("/", ".")): v
+            for k, v in _numeric(metrics).items()
         }
         self.mlflow.log_metrics(clean, step=step)
 
@@ -118,7 +119,11 @@ def _flatten(data: dict, prefix: str = "") -> dict:
             flat |= _flatten(value, f"{prefix}{key}.")
         elif isinstance(value, list):
             for i, item in enumerate(value):
-                flat |= _flatten(item, f"{prefix}{key}.{i}.") if isinstance(item, dict) else {f"{prefix}{key}.{i}": item}
+                flat |= (
+                    _flatten(item, f"{prefix}{key}.{i}.")
+                    if isinstance(item, dict)
+                    else {f"{prefix}{key}.{i}": item}
+                )
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -17,7 +17,14 @@ from opd.runs.resume import CONFIG_NAME, METRICS_NAME, SAMPLES_NAME, TIMING_NAME
 from opd.runs.timing import read_spans
 
 PHASES = ("sample", "teacher", "train", "eval", "checkpoint")
-PHASE_COLOURS = {"sample": "#4c72b0", "teacher": "#dd8452", "train": "#55a868", "eval": "#8172b3", "checkpoint": "#937860"}
+LEGEND = ((0.1, "0.1"), (0.5, "0.5"), (1.0, "1"), (2.0, "2+ nats"))
+PHASE_COLOURS = {
+    "sample": "#4c72b0",
+    "teacher": "#dd8452",
+    "train": "#55a868",
+    "eval": "#8172b3",
+    "checkpoint": "#937860",
+}
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }
 h1 { font-size: 1.6rem; } h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
@@ -147,10 +154,16 @@ def _embed(path: Path | None, caption: str) -> str:
     if path is None:
         return ""
     data = base64.b64encode(path.read_bytes()).decode()
-    return f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(caption)}"><figcaption>{html.escape(caption)}</figcaption></figure>'
+    caption = html.escape(caption)
+    return (
+        f'<figure><img src="data:image/png;base64,{data}" alt="{caption}">'
+        f"<figcaption>{caption}</figcaption></figure>"
+    )
 
 
-def build_report(run_dir: str | Path, out: str | Path | None = None, sample_steps: list[int] | None = None) -> Path:
+def build_report(
+    run_dir: str | Path, out: str | Path | None = None, sample_steps: list[int] | None = None
+) -> Path:
     """Write ``report.html`` (and ``report_files/*.png``) for a run; returns the HTML path."""
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_NAME
@@ -166,8 +179,12 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, sample_step
     kl_curves = {key: _series(train_rows, key) for key in keys if key.startswith("teacher_kl")}
     objective_curves = {key: _series(train_rows, key) for key in keys if key.startswith("objective/")}
     accuracy_curves = {key: _series(rows, key) for key in keys if key.endswith(("/accuracy", "/pass@1"))}
-    test_kl_curves = {key: _series(rows, key) for key in keys if key.startswith("test/") and key.endswith("/teacher_kl")}
-    health_curves = {key: _series(train_rows, key) for key in ("entropy", "kl_sample_train", "post_kl") if key in keys}
+    test_kl_curves = {
+        key: _series(rows, key) for key in keys if key.startswith("test/") and key.endswith("/teacher_kl")
+    }
+    health_curves = {
+        key: _series(train_rows, key) for key in ("entropy", "kl_sample_train", "post_kl") if key in keys
+    }
     spans = read_spans(run_dir / TIMING_NAME)
     step_totals = [row["time/total"] for row in train_rows if "time/total" in row]
     typical = None
@@ -176,19 +193,45 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, sample_step
         typical = next(row["step"] for row in train_rows if row.get("time/total") == median)
 
     sections = [
-        ("Teacher KL (training batches)", _figure("teacher KL per token", kl_curves, "nats / token", figures / "teacher_kl.png")),
-        ("Objective", _figure("objective per token", objective_curves, "loss / token", figures / "objective.png")),
-        ("Held-out accuracy", _figure("held-out accuracy", accuracy_curves, "fraction correct", figures / "accuracy.png")),
-        ("Held-out teacher KL", _figure("held-out teacher KL", test_kl_curves, "nats / token", figures / "test_teacher_kl.png")),
-        ("Entropy and health checks", _figure("student entropy, sampler-trainer KL", health_curves, "nats / token", figures / "health.png")),
+        (
+            "Teacher KL (training batches)",
+            _figure("teacher KL per token", kl_curves, "nats / token", figures / "teacher_kl.png"),
+        ),
+        (
+            "Objective",
+            _figure("objective per token", objective_curves, "loss / token", figures / "objective.png"),
+        ),
+        (
+            "Held-out accuracy",
+            _figure("held-out accuracy", accuracy_curves, "fraction correct", figures / "accuracy.png"),
+        ),
+        (
+            "Held-out teacher KL",
+            _figure("held-out teacher KL", test_kl_curves, "nats / token", figures / "test_teacher_kl.png"),
+        ),
+        (
+            "Entropy and health checks",
+            _figure(
+                "student entropy, sampler-trainer KL", health_curves, "nats / token", figures / "health.png"
+            ),
+        ),
         ("Time per phase", _time_split(train_rows, figures / "time_split.png")),
-        (f"Timeline of step {typical} (median duration)", _gantt(spans, typical, figures / "gantt.png") if typical is not None else None),
+        (
+            f"Timeline of step {typical} (median duration)",
+            _gantt(spans, typical, figures / "gantt.png") if typical is not None else None,
+        ),
     ]
     samples_path = run_dir / SAMPLES_NAME
-    samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()] if samples_path.exists() else []
+    samples = (
+        [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
+        if samples_path.exists()
+        else []
+    )
     sample_step_set = sorted({s["step"] for s in samples})
     if sample_steps is None and sample_step_set:
-        sample_steps = sorted({sample_step_set[0], sample_step_set[len(sample_step_set) // 2], sample_step_set[-1]})
+        sample_steps = sorted(
+            {sample_step_set[0], sample_step_set[len(sample_step_set) // 2], sample_step_set[-1]}
+        )
     summary = _summary(run_dir, rows, train_rows)
     body = [
         f"<h1>opd run report: {html.escape(run_dir.name)}</h1>",
@@ -198,17 +241,16 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, sample_step
         '<div class="grid">' + "".join(_embed(path, title) for title, path in sections) + "</div>",
         "<h2>Sample completions</h2>",
         '<p class="legend">Each completion token is shaded by its sampled reverse KL to the teacher: '
-        f'<span style="background:{_kl_colour(0.1)}">0.1</span><span style="background:{_kl_colour(0.5)}">0.5</span>'
-        f'<span style="background:{_kl_colour(1)}">1</span><span style="background:{_kl_colour(2)}">2+ nats</span>; '
-        "hover a token for its value.</p>",
+        + "".join(f'<span style="background:{_kl_colour(v)}">{label}</span>' for v, label in LEGEND)
+        + "; hover a token for its value.</p>",
         "<table><tr><th>step</th><th>dataset</th><th>prompt</th><th>completion</th><th>mean KL</th></tr>"
         + _sample_rows(samples, sample_steps or [])
         + "</table>",
     ]
+    title = f"opd report: {html.escape(run_dir.name)}"
+    head = f'<head><meta charset="utf-8"><title>{title}</title><style>{STYLE}</style></head>'
     out.write_text(
-        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>opd report: {html.escape(run_dir.name)}'
-        f"</title><style>{STYLE}</style></head><body>{''.join(body)}</body></html>",
-        encoding="utf-8",
+        f'<!doctype html><html lang="en">{head}<body>{"".join(body)}</body></html>', encoding="utf-8"
     )
     return out
 
@@ -236,4 +278,7 @@ def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
     overall = sum(totals.values())
     if overall:
         facts["time split"] = ", ".join(f"{p} {100 * t / overall:.0f}%" for p, t in totals.items() if t)
-    return "".join(f"<tr><td>{html.escape(k)}</td><td>{v if '&rarr;' in v else html.escape(v)}</td></tr>" for k, v in facts.items())
+    return "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{v if '&rarr;' in v else html.escape(v)}</td></tr>"
+        for k, v in facts.items()
+    )

@@ -27,7 +27,16 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SAMPLES_NAME = "samples.jsonl"
 TIMING_NAME = "timing.jsonl"
-RUN_FILES = (CONFIG_NAME, METRICS_NAME, INDEX_NAME, TIMING_NAME, SAMPLES_NAME, "trace.json", "eval.jsonl", "checkpoints")
+RUN_FILES = (
+    CONFIG_NAME,
+    METRICS_NAME,
+    INDEX_NAME,
+    TIMING_NAME,
+    SAMPLES_NAME,
+    "trace.json",
+    "eval.jsonl",
+    "checkpoints",
+)
 # Changing these between a run and its resumption would train a different run.
 RESUME_CRITICAL = (
     "seed",
@@ -128,7 +137,9 @@ def load_student_weights(model, model_dir: Path, older=None) -> None:
         model_dir = model_dir / "model"
     adapter = model_dir / "adapter_model.safetensors"
     if not adapter.exists() and hasattr(model, "peft_config"):
-        raise CheckpointError(f"{model_dir} holds a full model but the student is a LoRA model (lora_rank > 0)")
+        raise CheckpointError(
+            f"{model_dir} holds a full model but the student is a LoRA model (lora_rank > 0)"
+        )
     try:
         if adapter.exists():
             if not hasattr(model, "peft_config"):
@@ -144,7 +155,9 @@ def load_student_weights(model, model_dir: Path, older=None) -> None:
     except CheckpointError:
         raise
     except Exception as error:
-        raise corrupt_checkpoint_error(adapter if adapter.exists() else model_dir, error, older or []) from error
+        raise corrupt_checkpoint_error(
+            adapter if adapter.exists() else model_dir, error, older or []
+        ) from error
     target = model
     missing, unexpected = target.load_state_dict(state, strict=False)
     tied = {name for name in missing if "lm_head" in name} if target.config.tie_word_embeddings else set()

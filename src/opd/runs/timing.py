@@ -15,7 +15,9 @@ class SpanRecorder:
     """
 
     def __init__(self, path: str | Path | None):
-        self._handle = Path(path).open("a", encoding="utf-8") if path is not None else None
+        self._handle = None
+        if path is not None:
+            self._handle = Path(path).open("a", encoding="utf-8")  # noqa: SIM115 - held for the whole run
 
     @contextmanager
     def span(self, step: int, name: str):

@@ -1,0 +1,52 @@
+"""A deliberately faulty teacher server, run as a real process by the fault tests.
+
+    python tests/fault_server.py MODE PORT
+MODE: slow (answers after 5 s), few (one log-prob short), wrong_ids (log-probs for other
+tokens), badjson (not JSON), error500 (always HTTP 500), nan (a NaN log-prob).
+"""
+
+import json
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODE, PORT = sys.argv[1], int(sys.argv[2])
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        return
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if MODE == "slow":
+            time.sleep(5)
+        if MODE == "error500":
+            self._send(500, b'{"message": "overloaded"}')
+            return
+        if MODE == "badjson":
+            self._send(200, b"<html>not json</html>")
+            return
+        choices = []
+        for index, ids in enumerate(body["prompt"]):
+            entries = [None] + [{str(t): {"logprob": -1.0, "rank": 1}} for t in ids[1:]]
+            if MODE == "few":
+                entries = entries[:-1]
+            if MODE == "wrong_ids":
+                entries = [None] + [{str(t + 1): {"logprob": -1.0, "rank": 1}} for t in ids[1:]]
+            if MODE == "nan":
+                entries[-1] = {str(ids[-1]): {"logprob": float("nan"), "rank": 1}}
+            choices.append({"index": index, "prompt_logprobs": entries})
+        self._send(200, json.dumps({"choices": choices}).encode())
+
+    def _send(self, status, data):
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

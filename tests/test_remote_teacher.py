@@ -1,0 +1,334 @@
+"""The remote teacher client against real server processes: `opd serve`, and faulty servers."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd.config import ConfigError, config_from_dict
+from opd.runs.checkpoints import list_checkpoints
+from opd.runs.metrics import read_metrics
+from opd.teachers.local import LocalTeacher
+from opd.teachers.remote import RemoteTeacher, RemoteTeacherError
+from opd.trainer.loop import Trainer, train
+
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_up(port: int, process: subprocess.Popen, path: str = "/health") -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError("server did not start")
+
+
+def start_opd_serve(model_dir, port, *extra):
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "opd.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "teacher",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_until_up(port, process)
+    return process
+
+
+@pytest.fixture
+def served_teacher(model_dirs):
+    port = free_port()
+    process = start_opd_serve(model_dirs["teacher"], port, "--max-logprobs", "5")
+    yield port, process
+    process.kill()
+    process.wait()
+
+
+def fault_server(mode):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(HERE / "fault_server.py"), mode, str(port)])
+    wait_until_up(port, process, "/")
+    return port, process
+
+
+SEQUENCES = [[1, 5, 6, 7, 8, 2], [1, 9, 10], [1, 11, 12, 13, 14, 15, 16]]
+MASKS = [[0, 0, 1, 1, 1, 1], [0, 1, 1], [0, 0, 0, 1, 1, 1, 1]]
+
+
+def local_teacher(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"])
+    return LocalTeacher(model, vocab_size=103, pad_id=0)
+
+
+@pytest.mark.parametrize("backend", ["openai", "sglang"])
+def test_remote_scores_equal_local(served_teacher, model_dirs, backend):
+    port, _ = served_teacher
+    base_url = f"http://127.0.0.1:{port}" + ("/v1" if backend == "openai" else "")
+    remote = RemoteTeacher(backend=backend, base_url=base_url, model="teacher", request_batch_size=2)
+    got = remote.score(SEQUENCES, MASKS, topk=3)
+    expected = local_teacher(model_dirs).score(SEQUENCES, MASKS, topk=3)
+    for a, b in zip(got.logprobs, expected.logprobs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(got.topk_ids, expected.topk_ids, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(got.topk_logprobs, expected.topk_logprobs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_run_through_the_server_reproduces_the_local_run(served_teacher, base_config, tmp_path):
+    port, _ = served_teacher
+    local = train(config_from_dict(base_config), progress=False)
+    remote_config = dict(
+        base_config,
+        log_path=str(tmp_path / "remote"),
+        teacher={
+            "model": "teacher",
+            "backend": "openai",
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "tokenizer": base_config["teacher"]["model"],
+        },
+    )
+    remote = train(config_from_dict(remote_config), progress=False)
+    for a, b in zip(local.metrics, remote.metrics, strict=True):
+        for key in ("teacher_kl", "loss", "entropy", "grad_norm", "num_tokens"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+
+
+def test_server_rejects_malformed_requests_and_keeps_serving(served_teacher):
+    port, process = served_teacher
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    bad_requests = [
+        b"{not json",
+        json.dumps(
+            {"model": "teacher", "prompt": "text, not ids", "prompt_logprobs": 0, "max_tokens": 1}
+        ).encode(),
+        json.dumps({"model": "teacher", "prompt": [1, 2], "prompt_logprobs": 6, "max_tokens": 1}).encode(),
+        json.dumps({"model": "other", "prompt": [1, 2], "prompt_logprobs": 0, "max_tokens": 1}).encode(),
+        json.dumps(
+            {"model": "teacher", "prompt": [1, 99999], "prompt_logprobs": 0, "max_tokens": 1}
+        ).encode(),
+    ]
+    for body in bad_requests:
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        assert caught.value.code == 400
+    assert process.poll() is None
+    models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read())
+    assert models["data"][0]["id"] == "teacher"
+
+
+@pytest.mark.parametrize(
+    ("make_teacher", "message"),
+    [
+        (
+            lambda port: RemoteTeacher(
+                backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="other"
+            ),
+            r"HTTP 400: .*model 'other' is not served here",
+        ),
+        (
+            lambda port: RemoteTeacher(
+                backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="teacher"
+            ),
+            r"HTTP 400: .*greater than max allowed: 5",
+        ),
+    ],
+)
+def test_wrong_model_name_and_capped_logprobs_are_clear_errors(served_teacher, make_teacher, message):
+    port, _ = served_teacher
+    with pytest.raises(RemoteTeacherError, match=message):
+        make_teacher(port).score(SEQUENCES, MASKS, topk=8 if "max allowed" in message else 0)
+
+
+def test_unreachable_server_fails_after_retries():
+    port = free_port()
+    teacher = RemoteTeacher(
+        backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="t", max_retries=2, backoff_s=0.01
+    )
+    started = time.monotonic()
+    with pytest.raises(
+        RemoteTeacherError, match=rf"127\.0\.0\.1:{port}/v1/completions failed after 3 attempts: .*refused"
+    ):
+        teacher.score(SEQUENCES, MASKS)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("slow", r"failed after 2 attempts: timed out after 0\.5s"),
+        ("few", r"sent 5 prompt log-probs for 6 tokens"),
+        ("wrong_ids", r"no log-prob for token id 5 at position 1"),
+        ("badjson", r"malformed JSON: b'<html>"),
+        ("error500", r"failed after 2 attempts: HTTP 500: .*overloaded"),
+        ("nan", r"log-prob nan at position 5 is not a finite number"),
+    ],
+)
+def test_faulty_servers_give_clear_errors(mode, message):
+    port, process = fault_server(mode)
+    try:
+        teacher = RemoteTeacher(
+            backend="openai",
+            base_url=f"http://127.0.0.1:{port}/v1",
+            model="t",
+            timeout_s=0.5,
+            max_retries=1,
+            backoff_s=0.01,
+        )
+        with pytest.raises(RemoteTeacherError, match=message):
+            teacher.score(SEQUENCES[:1], MASKS[:1])
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_no_step_is_applied_when_the_server_fails(base_config, model_dirs):
+    port, process = fault_server("few")
+    try:
+        config = dict(
+            base_config,
+            teacher={
+                "model": "t",
+                "backend": "openai",
+                "base_url": f"http://127.0.0.1:{port}/v1",
+                "max_retries": 0,
+                "tokenizer": str(model_dirs["teacher"]),
+            },
+        )
+        trainer = Trainer(config_from_dict(config), progress=False)
+        before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
+        with pytest.raises(RemoteTeacherError):
+            trainer.train_step(0)
+        assert all(torch.equal(v, before[k]) for k, v in trainer.student.state_dict().items())
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(base_config, model_dirs, tmp_path):
+    import yaml
+
+    port = free_port()
+    config = dict(
+        base_config,
+        save_every=1,
+        teacher={
+            "model": "teacher",
+            "backend": "openai",
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "tokenizer": str(model_dirs["teacher"]),
+            "max_retries": 1,
+            "timeout_s": 5,
+        },
+    )
+    config["training"] = dict(config["training"], max_steps=4)
+    path = tmp_path / "remote.yaml"
+    path.write_text(yaml.safe_dump(config))
+    server = start_opd_serve(model_dirs["teacher"], port)
+    trainer = Trainer(config_from_dict(config), progress=False)
+    original_step = trainer.train_step
+
+    def kill_after_two(step):
+        if step == 2:
+            server.kill()
+            server.wait()
+        return original_step(step)
+
+    trainer.train_step = kill_after_two
+    with pytest.raises(RemoteTeacherError, match="failed after 2 attempts"):
+        trainer.run()
+    assert [r.step for r in list_checkpoints(tmp_path / "run")] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+
+    server = start_opd_serve(model_dirs["teacher"], port)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "opd.cli", "train", str(path), "--no-progress"],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+    finally:
+        server.kill()
+        server.wait()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("teacher", "training", "message"),
+    [
+        ({"backend": "openai"}, {}, r"teacher\.base_url: required for backend 'openai'"),
+        (
+            {"backend": "openai", "base_url": "http://x/v1"},
+            {"objective": "jsd"},
+            r"'jsd' needs the teacher's full distribution",
+        ),
+        (
+            {"backend": "sglang", "base_url": "http://x"},
+            {"objective": "nll", "data_source": "teacher"},
+            r"training\.data_source: 'teacher' samples from the teacher model in process",
+        ),
+    ],
+)
+def test_remote_configs_that_cannot_work_are_refused(base_config, teacher, training, message):
+    config = dict(base_config, teacher=dict(base_config["teacher"], **teacher))
+    config["training"] = dict(base_config["training"], **training)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(config)
+
+
+def test_api_key_comes_from_the_named_variable_and_is_never_written(
+    served_teacher, base_config, model_dirs, tmp_path, monkeypatch
+):
+    port, _ = served_teacher
+    with pytest.raises(RemoteTeacherError, match="environment variable OPD_TEST_KEY is not set"):
+        RemoteTeacher(
+            backend="openai", base_url="http://127.0.0.1:1/v1", model="t", api_key_env="OPD_TEST_KEY"
+        )
+    monkeypatch.setenv("OPD_TEST_KEY", "sk-secret-value-42")
+    config = dict(
+        base_config,
+        teacher={
+            "model": "teacher",
+            "backend": "openai",
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "api_key_env": "OPD_TEST_KEY",
+            "tokenizer": str(model_dirs["teacher"]),
+        },
+    )
+    train(config_from_dict(config), progress=False)
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert b"sk-secret-value-42" not in path.read_bytes()
