@@ -69,6 +69,12 @@ class TeacherConfig:
     """Name of the environment variable holding the server's API key (the key is never logged or saved)."""
     tokenizer: str | None = None
     """The teacher's tokenizer (id or path), checked against the student's; default: ``model`` when local."""
+    chat_template: str | None = None
+    """Render prompts for the teacher in its own format: a Jinja template, or ``tokenizer`` for
+    the teacher tokenizer's template. Unset: the teacher sees the student's rendering."""
+    cross_tokenizer: bool = False
+    """The teacher's tokenizer differs from the student's: completions are re-tokenized for it
+    and aligned on character offsets (``sampled_reverse_kl`` and ``k3`` on student samples only)."""
     timeout_s: float = 60.0
     """Remote: seconds to wait for one answer before retrying."""
     max_retries: int = 4
@@ -358,6 +364,19 @@ def validate(config: Config) -> Config:
         (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
     ]
     for where, teacher in teachers:
+        if teacher.cross_tokenizer:
+            if training.objective not in ("sampled_reverse_kl", "k3") or training.data_source != "student":
+                raise ConfigError(
+                    f"{where}.cross_tokenizer: supported with objective sampled_reverse_kl or k3 on student "
+                    f"samples; '{training.objective}' on '{training.data_source}' data needs the student's "
+                    "token ids (full distributions and top-k are over the student's vocabulary)"
+                )
+            if teacher.backend != "local" and not teacher.tokenizer:
+                raise ConfigError(f"{where}.tokenizer: required for cross_tokenizer with a remote teacher")
+        if teacher.chat_template == "tokenizer" and teacher.backend != "local" and not teacher.tokenizer:
+            raise ConfigError(
+                f"{where}.tokenizer: required to use the tokenizer's chat template of a remote teacher"
+            )
         if teacher.backend == "local":
             continue
         if not teacher.base_url:

@@ -79,5 +79,5 @@ def check_same_vocabulary(student_tokenizer, teacher_tokenizer, teacher_field: s
             f"{teacher_field}: the teacher's tokenizer differs from the student's "
             f"({len(teacher_vocab)} vs {len(student_vocab)} entries, {only_student} student entries not "
             "in the teacher's). Scoring needs the same token ids; a teacher with a different "
-            "tokenizer needs cross-tokenizer mode (teacher.tokenizer), not supported by this trainer yet."
+            "tokenizer needs cross-tokenizer mode: set cross_tokenizer: true beside it."
         )

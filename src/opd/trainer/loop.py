@@ -7,6 +7,7 @@ the negative sampled-token reverse KL -> ``num_substeps`` optimizer steps on the
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 import warnings
@@ -43,6 +44,7 @@ from opd.runs.resume import (
 from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
+from opd.teachers.alignment import TeacherFormat
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher
 from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
@@ -150,6 +152,7 @@ class Trainer:
             stop_strings=self.renderer.stop_strings,
         )
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
+        self.teacher_formats: list[TeacherFormat | None] = []
         self.batches = CompositeBatches(
             self.datasets,
             [d.groups_per_batch for d in config.datasets],
@@ -239,13 +242,27 @@ class Trainer:
             if key not in loaded:
                 loaded[key] = self._load_teacher(teacher_cfg, where)
             per_dataset.append(loaded[key])
+            self.teacher_formats.append(self._teacher_format(teacher_cfg))
         return per_dataset
+
+    def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
+        """How a teacher with its own template or tokenizer sees the rollouts (None: as the student)."""
+        if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer:
+            return None
+        name = teacher_cfg.tokenizer or teacher_cfg.model
+        own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
+        tokenizer = load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(self.tokenizer)
+        template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
+        renderer = ChatRenderer(tokenizer, template)
+        return TeacherFormat(
+            renderer, self.tokenizer, self.renderer.stop_token_ids, teacher_cfg.cross_tokenizer
+        )
 
     def _load_teacher(self, teacher_cfg: TeacherConfig, where: str) -> LocalTeacher | RemoteTeacher:
         tokenizer_name = teacher_cfg.tokenizer or (
             teacher_cfg.model if teacher_cfg.backend == "local" else None
         )
-        if tokenizer_name is not None:
+        if tokenizer_name is not None and not teacher_cfg.cross_tokenizer:
             field_name = f"{where}.tokenizer" if teacher_cfg.tokenizer else f"{where}.model"
             teacher_tokenizer = load_tokenizer(
                 tokenizer_name, field_name, trust_remote_code=teacher_cfg.trust_remote_code
@@ -269,9 +286,12 @@ class Trainer:
             device=teacher_cfg.device,
             trust_remote_code=teacher_cfg.trust_remote_code,
         )
+        vocab_size = self.vocab_size
+        if teacher_cfg.cross_tokenizer:
+            vocab_size = len(load_tokenizer(tokenizer_name, f"{where}.tokenizer"))
         return LocalTeacher(
             model,
-            vocab_size=self.vocab_size,
+            vocab_size=vocab_size,
             pad_id=self.sampler.pad_id,
             batch_size=self.config.training.teacher_batch_size,
             chunk_size=self.config.training.logprob_chunk_size,
@@ -295,7 +315,7 @@ class Trainer:
         """
         source = self.data_source_at(step)
         items = self.batches.batch(step)
-        prompts, targets, dataset_indices = [], [], []
+        prompts, targets, dataset_indices, messages = [], [], [], []
         for item in items:
             group_size = 1 if source == "dataset" else self.config.datasets[item.dataset_index].group_size
             if source == "dataset":
@@ -305,6 +325,7 @@ class Trainer:
                 prompt_ids = self.renderer.prompt_ids(item.prompt.messages)
             prompts += [prompt_ids] * group_size
             dataset_indices += [item.dataset_index] * group_size
+            messages += [item.prompt.messages] * group_size
         torch.manual_seed(step_seed(self.config.seed, step))
         training = self.config.training
         if source == "dataset":
@@ -324,7 +345,8 @@ class Trainer:
                 )
                 for row, completion in zip(rows, sampled, strict=True):
                     completions[row] = completion
-        return build_rollout_batch(prompts, completions, dataset_indices, self.sampler.pad_id), source
+        batch = build_rollout_batch(prompts, completions, dataset_indices, self.sampler.pad_id, messages)
+        return batch, source
 
     def _rows_by_teacher(self, dataset_indices: list[int]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -350,17 +372,30 @@ class Trainer:
         sequences = batch.sequences
         masks = [row.bool().tolist() for row in batch.mask_BT]
         for rows in self._rows_by_teacher(batch.dataset_index_B.tolist()).values():
-            teacher = self.teachers[int(batch.dataset_index_B[rows[0]])]
+            dataset_index = int(batch.dataset_index_B[rows[0]])
+            teacher, teacher_format = self.teachers[dataset_index], self.teacher_formats[dataset_index]
+            if teacher_format is not None:
+                built = [
+                    teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :])
+                    for r in rows
+                ]
+                sent, sent_masks = [b.token_ids for b in built], [b.score_mask for b in built]
+            else:
+                sent, sent_masks = [sequences[r] for r in rows], [masks[r] for r in rows]
             scores = teacher.score(
-                [sequences[r] for r in rows],
-                [masks[r] for r in rows],
-                topk=topk,
-                hidden=hidden,
-                temperature=training.temperature,
+                sent, sent_masks, topk=topk, hidden=hidden, temperature=training.temperature
             )
             for i, row in enumerate(rows):
                 values = scores.logprobs[i]
-                targets.logprobs_BT[row, : values.shape[0]] = values
+                if teacher_format is not None:
+                    start, end = batch.prompt_lengths[row], len(sequences[row])
+                    student = batch.sampled_logprobs_BT[row, start:end].tolist()
+                    answer = values[built[i].completion_start :].tolist()
+                    targets.logprobs_BT[row, start:end] = torch.tensor(
+                        teacher_format.student_view(built[i], answer, student)
+                    )
+                else:
+                    targets.logprobs_BT[row, : values.shape[0]] = values
                 scored = batch.mask_BT[row].bool()
                 if topk:
                     targets.topk_ids_BTK[row][scored] = scores.topk_ids[i]

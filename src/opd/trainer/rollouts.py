@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,8 @@ class RolloutBatch:
     dataset_index_B: torch.Tensor
     finished_B: torch.Tensor
     prompt_lengths: list[int]
+    messages: list = field(default_factory=list)
+    """Each row's conversation, for teachers that render prompts their own way."""
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -41,11 +43,16 @@ class RolloutBatch:
             self.dataset_index_B[rows],
             self.finished_B[rows],
             self.prompt_lengths[rows],
+            self.messages[rows],
         )
 
 
 def build_rollout_batch(
-    prompts: list[list[int]], completions: list[Completion], dataset_indices: list[int], pad_id: int
+    prompts: list[list[int]],
+    completions: list[Completion],
+    dataset_indices: list[int],
+    pad_id: int,
+    messages: list | None = None,
 ) -> RolloutBatch:
     """Lay out each prompt followed by its completion; only completion positions are trained."""
     width = max(len(p) + len(c.token_ids) for p, c in zip(prompts, completions, strict=True))
@@ -69,4 +76,5 @@ def build_rollout_batch(
         torch.tensor(dataset_indices),
         torch.tensor([c.finished for c in completions]),
         [len(p) for p in prompts],
+        list(messages) if messages is not None else [],
     )

@@ -1,0 +1,134 @@
+"""Teachers with their own chat template or tokenizer: alignment by hand and in training."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from opd.config import ConfigError, config_from_dict
+from opd.data.builtin_tasks import generate_task_prompts
+from opd.data.render import ChatRenderer
+from opd.demo.char_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, build_char_tokenizer
+from opd.demo.run import TEACHER_SPEC, build_model, demo_config
+from opd.teachers.alignment import align_spans, spread_span_logprobs, token_char_ends
+from opd.trainer.loop import Trainer
+from opd.trainer.sft import supervised_finetune
+
+
+def test_spans_and_spread_by_hand():
+    # student tokens end at characters 2, 4, 7; teacher tokens at 1, 4, 7: shared boundaries 4 and 7
+    student_spans, teacher_spans = align_spans([2, 4, 7], [1, 4, 7])
+    assert student_spans == [0, 0, 1] and teacher_spans == [0, 0, 1]
+    spread = spread_span_logprobs([-1.0, -2.0, -3.0], student_spans, [-0.5, -1.0, -2.0], teacher_spans)
+    # span 0: KL = (-3) - (-1.5) = -1.5 over 2 tokens; span 1: KL = -3 - (-2) = -1
+    assert spread == pytest.approx([-1.0 + 0.75, -2.0 + 0.75, -2.0])
+    assert align_spans([3, 6], [2, 6]) == ([0, 0], [0, 0])  # one merged span
+
+
+def test_char_ends_follow_decoding():
+    tokenizer = build_char_tokenizer()
+    ids = tokenizer("abc", add_special_tokens=False)["input_ids"]
+    assert token_char_ends(tokenizer, ids) == [1, 2, 3]
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A BPE tokenizer learned on the task's text: multi-character tokens, other ids."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    words = [
+        p.messages[0]["content"] + " " + p.answer
+        for p in generate_task_prompts("reverse", seed=7, count=3000)
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=160, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=list("abcdefgh \nuseristanv")
+    )
+    backend.train_from_iterator(words + ["user\nassistant\n"] * 50, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe_teacher(tmp_path_factory):
+    tokenizer = bpe_tokenizer()
+    assert max(len(tokenizer.decode([i])) for i in range(len(tokenizer))) > 2
+    model = build_model(TEACHER_SPEC, tokenizer, seed=0)
+    prompts = generate_task_prompts("reverse", seed=1000)
+    supervised_finetune(model, ChatRenderer(tokenizer), prompts, steps=300, batch_size=64, learning_rate=1e-3)
+    path = tmp_path_factory.mktemp("bpe-teacher")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def rollout_and_scores(config):
+    trainer = Trainer(config_from_dict(config), progress=False)
+    batch, _ = trainer.sample_batch(0)
+    return trainer, batch, trainer.score_with_teachers(batch).logprobs_BT
+
+
+def test_same_tokenizer_through_the_cross_tokenizer_path_is_exact(demo_models, tmp_path):
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    _, batch, direct = rollout_and_scores(config)
+    config["teacher"]["cross_tokenizer"] = True
+    _, batch_again, crossed = rollout_and_scores(config)
+    assert torch.equal(batch.input_ids_BT, batch_again.input_ids_BT)
+    mask = batch.mask_BT.bool()
+    torch.testing.assert_close(crossed[mask], direct[mask], atol=1e-5, rtol=0)
+
+
+PLAIN_TEMPLATE = "Q: {{ messages[-1]['content'] }}\nA: "
+
+
+@pytest.fixture(scope="module")
+def plain_format_teacher(tmp_path_factory):
+    """A teacher trained only on the plain 'Q: ...\nA: ' format, never on ChatML."""
+    tokenizer = build_char_tokenizer(chat_template=PLAIN_TEMPLATE)
+    model = build_model(TEACHER_SPEC, tokenizer, seed=0)
+    prompts = generate_task_prompts("reverse", seed=1000)
+    supervised_finetune(model, ChatRenderer(tokenizer), prompts, steps=300, batch_size=64, learning_rate=1e-3)
+    path = tmp_path_factory.mktemp("plain-teacher")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("template", [PLAIN_TEMPLATE, "tokenizer"])
+def test_teacher_template_lowers_the_kl_of_a_teacher_that_knows_only_its_format(
+    demo_models, plain_format_teacher, tmp_path, template
+):
+    """The student (the strong ChatML demo teacher) answers well; the teacher only reads 'Q:/A:'."""
+    config = demo_config(str(tmp_path / "run"), demo_models["teacher"], str(plain_format_teacher), 1, 0)
+    _, batch, foreign = rollout_and_scores(config)
+    config["teacher"]["chat_template"] = template
+    _, batch_again, own = rollout_and_scores(config)
+    assert torch.equal(batch.input_ids_BT, batch_again.input_ids_BT)
+    tokens = batch.mask_BT.sum()
+    kl_foreign = float(((batch.sampled_logprobs_BT - foreign) * batch.mask_BT).sum() / tokens)
+    kl_own = float(((batch.sampled_logprobs_BT - own) * batch.mask_BT).sum() / tokens)
+    assert kl_own < 0.5 * kl_foreign, (kl_own, kl_foreign)
+
+
+def test_training_with_a_teacher_of_another_tokenizer_lowers_the_kl(demo_models, bpe_teacher, tmp_path):
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_teacher), 60, 0)
+    with pytest.raises(Exception, match="cross_tokenizer: true"):
+        Trainer(config_from_dict(config), progress=False)
+    config["teacher"]["cross_tokenizer"] = True
+    trainer = Trainer(config_from_dict(config), progress=False)
+    kls = [trainer.train_step(step)["teacher_kl"] for step in range(60)]
+    assert sum(kls[-10:]) / 10 < 0.7 * sum(kls[:10]) / 10, kls
+
+
+def test_cross_tokenizer_refuses_full_distribution_objectives(base_config):
+    base_config["teacher"]["cross_tokenizer"] = True
+    base_config["training"]["objective"] = "jsd"
+    with pytest.raises(
+        ConfigError, match=r"teacher\.cross_tokenizer: supported with objective sampled_reverse_kl or k3"
+    ):
+        config_from_dict(base_config)
