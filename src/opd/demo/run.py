@@ -23,7 +23,7 @@ from opd.data.render import ChatRenderer
 from opd.demo.char_tokenizer import build_char_tokenizer
 from opd.models import load_causal_lm
 from opd.runs.checkpoints import latest_model_dir
-from opd.runs.evaluation import EvalSet, accuracy, evaluate
+from opd.runs.evaluation import EvalSet, accuracy, direct_scorer, evaluate
 from opd.runs.graders import exact_match
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
@@ -134,7 +134,7 @@ def measure(model, teacher: LocalTeacher, eval_prompts, seed: int) -> dict[str, 
     metrics = evaluate(
         sampler,
         renderer,
-        [EvalSet(TASK, eval_prompts, exact_match, teacher)],
+        [EvalSet(TASK, 0, eval_prompts, exact_match, direct_scorer(teacher))],
         temperature=1.0,
         max_tokens=MAX_TOKENS,
         seed=seed,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,17 +14,34 @@ from opd.runs.graders import Grader
 from opd.sampling.base import Completion, Sampler
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher
-from opd.trainer.rollouts import build_rollout_batch
+from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
+
+TeacherScorer = Callable[[RolloutBatch], torch.Tensor]
+"""Teacher log-probs (B, T) of a batch's completion tokens, laid out like the batch."""
 
 
 @dataclass
 class EvalSet:
-    """Held-out prompts of one dataset, how to grade them, and the teacher that scores them."""
+    """Held-out prompts of one dataset, how to grade them, and how its teacher scores them."""
 
     name: str
+    dataset_index: int
     prompts: list[Prompt]
     grader: Grader | None
-    teacher: LocalTeacher | RemoteTeacher | None
+    score: TeacherScorer | None
+
+
+def direct_scorer(teacher: LocalTeacher | RemoteTeacher) -> TeacherScorer:
+    """A scorer for a teacher that reads the student's token ids as they are."""
+
+    def score(batch: RolloutBatch) -> torch.Tensor:
+        masks = [row.bool().tolist() for row in batch.mask_BT]
+        teacher_logprobs = torch.zeros_like(batch.sampled_logprobs_BT)
+        for row, values in enumerate(teacher.score(batch.sequences, masks).logprobs):
+            teacher_logprobs[row, : values.shape[0]] = values
+        return teacher_logprobs
+
+    return score
 
 
 def graded(
@@ -46,19 +64,9 @@ def accuracy(
     return graded(renderer, completions, prompts, grader)
 
 
-def sampled_teacher_kl(
-    teacher: LocalTeacher | RemoteTeacher,
-    rendered: list[list[int]],
-    completions: list[Completion],
-    pad_id: int,
-) -> float:
-    """Sampled-token reverse KL per completion token of the given student samples."""
-    batch = build_rollout_batch(rendered, completions, [0] * len(rendered), pad_id)
-    masks = [row.bool().tolist() for row in batch.mask_BT]
-    teacher_logprobs = torch.zeros_like(batch.sampled_logprobs_BT)
-    for row, values in enumerate(teacher.score(batch.sequences, masks).logprobs):
-        teacher_logprobs[row, : values.shape[0]] = values
-    kl = reverse_kl_per_token(batch.sampled_logprobs_BT, teacher_logprobs, batch.mask_BT)
+def sampled_teacher_kl(score: TeacherScorer, batch: RolloutBatch) -> float:
+    """Sampled-token reverse KL per completion token of the batch's student samples."""
+    kl = reverse_kl_per_token(batch.sampled_logprobs_BT, score(batch), batch.mask_BT)
     return float(kl.sum() / batch.mask_BT.sum().clamp(min=1))
 
 
@@ -84,6 +92,13 @@ def evaluate(
         sampled = sampler.sample(rendered, temperature=temperature, max_tokens=max_tokens)
         if eval_set.grader is not None:
             metrics[f"{prefix}/pass@1"] = graded(renderer, sampled, eval_set.prompts, eval_set.grader)
-        if eval_set.teacher is not None:
-            metrics[f"{prefix}/teacher_kl"] = sampled_teacher_kl(eval_set.teacher, rendered, sampled, pad_id)
+        if eval_set.score is not None:
+            batch = build_rollout_batch(
+                rendered,
+                sampled,
+                [eval_set.dataset_index] * len(rendered),
+                pad_id,
+                [p.messages for p in eval_set.prompts],
+            )
+            metrics[f"{prefix}/teacher_kl"] = sampled_teacher_kl(eval_set.score, batch)
     return metrics

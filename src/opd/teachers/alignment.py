@@ -15,7 +15,9 @@ Two mismatches are handled:
 
 Approximation: the teacher scores the student's text under its own tokenization of it,
 which need not be the tokenization the teacher would have sampled; and a span's KL is
-shared equally by its student tokens.
+shared equally by its student tokens. Characters the teacher's tokenizer cannot encode
+(dropped, so no teacher token covers them) are text the teacher cannot produce: each costs
+``UNCOVERED_CHAR_LOGPROB`` nats in its span, so the student is never rewarded for them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opd.data.render import ChatRenderer
+
+UNCOVERED_CHAR_LOGPROB = -20.0
 
 
 def token_char_ends(tokenizer, token_ids: list[int]) -> list[int]:
@@ -66,10 +70,14 @@ def spread_span_logprobs(
     student_spans: list[int],
     teacher_logprobs: list[float],
     teacher_spans: list[int],
+    span_penalties: dict[int, float] | None = None,
 ) -> list[float]:
-    """A teacher log-prob per student token: ``lp_i - KL(span) / |span|``, KL(span) = sum lp - sum lq."""
+    """A teacher log-prob per student token: ``lp_i - KL(span) / |span|``, KL(span) = sum lp - sum lq.
+
+    ``span_penalties`` adds log-probability (negative) to a span's teacher sum.
+    """
     span_student: dict[int, float] = {}
-    span_teacher: dict[int, float] = {}
+    span_teacher: dict[int, float] = dict(span_penalties or {})
     span_size: dict[int, int] = {}
     for value, span in zip(student_logprobs, student_spans, strict=True):
         span_student[span] = span_student.get(span, 0.0) + value
@@ -82,6 +90,24 @@ def spread_span_logprobs(
     ]
 
 
+def uncovered_penalties(
+    text: str, student_ends: list[int], student_spans: list[int], teacher_offsets: list[tuple[int, int]]
+) -> dict[int, float]:
+    """Per span, ``UNCOVERED_CHAR_LOGPROB`` times the characters of it that no teacher token covers."""
+    covered = [False] * len(text)
+    for start, end in teacher_offsets:
+        for position in range(start, min(end, len(text))):
+            covered[position] = True
+    penalties: dict[int, float] = {}
+    start = 0
+    for end, span in zip(student_ends, student_spans, strict=True):
+        missing = sum(not c for c in covered[start:end])
+        if missing:
+            penalties[span] = penalties.get(span, 0.0) + UNCOVERED_CHAR_LOGPROB * missing
+        start = end
+    return penalties
+
+
 @dataclass
 class TeacherInput:
     """What the teacher scores for one rollout, and how to map its answer back."""
@@ -91,6 +117,7 @@ class TeacherInput:
     completion_start: int
     student_spans: list[int] | None = None
     teacher_spans: list[int] | None = None
+    span_penalties: dict[int, float] | None = None
 
 
 class TeacherFormat:
@@ -119,17 +146,23 @@ class TeacherFormat:
             return self._input(prompt_ids, body)
         body_ids = completion_ids[:-1] if ends_with_stop else completion_ids
         text = self.student_tokenizer.decode(body_ids)
-        teacher_body = self.renderer.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-        student_spans, teacher_spans = align_spans(
-            token_char_ends(self.student_tokenizer, body_ids),
-            token_char_ends(self.renderer.tokenizer, teacher_body),
-        )
+        teacher_body, teacher_offsets = [], []
+        if text:
+            encoded = self.renderer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            teacher_body, teacher_offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+        student_ends = token_char_ends(self.student_tokenizer, body_ids)
+        student_spans, teacher_spans = align_spans(student_ends, [end for _, end in teacher_offsets])
+        penalties = uncovered_penalties(text, student_ends, student_spans, teacher_offsets)
         if ends_with_stop:  # the end of turn is its own span on both sides
             last = max(student_spans + teacher_spans, default=-1) + 1
             student_spans, teacher_spans = [*student_spans, last], [*teacher_spans, last]
             teacher_body = [*teacher_body, teacher_stop]
         built = self._input(prompt_ids, teacher_body)
-        built.student_spans, built.teacher_spans = student_spans, teacher_spans
+        built.student_spans, built.teacher_spans, built.span_penalties = (
+            student_spans,
+            teacher_spans,
+            penalties,
+        )
         return built
 
     @staticmethod
@@ -145,5 +178,5 @@ class TeacherFormat:
         if built.student_spans is None:
             return teacher_logprobs
         return spread_span_logprobs(
-            student_logprobs, built.student_spans, teacher_logprobs, built.teacher_spans
+            student_logprobs, built.student_spans, teacher_logprobs, built.teacher_spans, built.span_penalties
         )

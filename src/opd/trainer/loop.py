@@ -8,6 +8,7 @@ the negative sampled-token reverse KL -> ``num_substeps`` optimizer steps on the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 import warnings
@@ -205,8 +206,13 @@ class Trainer:
                 and dataset.grader != "reasoning_gym"
             ):
                 grader = None
-            eval_sets.append(EvalSet(dataset.name, prompts, grader, self.teachers[index]))
+            eval_sets.append(EvalSet(dataset.name, index, prompts, grader, self.teacher_logprobs))
         return eval_sets
+
+    def teacher_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers applied)."""
+        token_only = dataclasses.replace(self.config.training, objective="sampled_reverse_kl")
+        return self.score_with_teachers(batch, token_only).logprobs_BT
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """``test/*`` metrics of the current student on every dataset's held-out prompts."""
