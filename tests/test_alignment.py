@@ -54,18 +54,22 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def train_task_model(tokenizer, directory):
+    """The demo teacher's recipe (size, 300 supervised steps) with another tokenizer or format."""
+    model = build_model(TEACHER_SPEC, tokenizer, seed=0)
+    prompts = generate_task_prompts("reverse", seed=1000)
+    supervised_finetune(model, ChatRenderer(tokenizer), prompts, steps=300, batch_size=64, learning_rate=1e-3)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def bpe_model(tmp_path_factory):
     """A model using the BPE tokenizer, trained briefly on the task (a weak student)."""
     tokenizer = bpe_tokenizer()
     assert max(len(tokenizer.decode([i])) for i in range(len(tokenizer))) > 2
-    model = build_model(TEACHER_SPEC, tokenizer, seed=0)
-    prompts = generate_task_prompts("reverse", seed=1000)
-    supervised_finetune(model, ChatRenderer(tokenizer), prompts, steps=300, batch_size=64, learning_rate=1e-3)
-    path = tmp_path_factory.mktemp("bpe-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return train_task_model(tokenizer, tmp_path_factory.mktemp("bpe-model"))
 
 
 def rollout_and_scores(config):
@@ -91,13 +95,7 @@ PLAIN_TEMPLATE = "Q: {{ messages[-1]['content'] }}\nA: "
 def plain_format_teacher(tmp_path_factory):
     """A teacher trained only on the plain 'Q: ...\nA: ' format, never on ChatML."""
     tokenizer = build_char_tokenizer(chat_template=PLAIN_TEMPLATE)
-    model = build_model(TEACHER_SPEC, tokenizer, seed=0)
-    prompts = generate_task_prompts("reverse", seed=1000)
-    supervised_finetune(model, ChatRenderer(tokenizer), prompts, steps=300, batch_size=64, learning_rate=1e-3)
-    path = tmp_path_factory.mktemp("plain-teacher")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return train_task_model(tokenizer, tmp_path_factory.mktemp("plain-teacher"))
 
 
 @pytest.mark.parametrize("template", [PLAIN_TEMPLATE, "tokenizer"])

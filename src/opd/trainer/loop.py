@@ -245,10 +245,11 @@ class Trainer:
                 teacher_cfg.dtype,
                 teacher_cfg.device,
             )
+            teacher_format = self._teacher_format(teacher_cfg)
             if key not in loaded:
-                loaded[key] = self._load_teacher(teacher_cfg, where)
+                loaded[key] = self._load_teacher(teacher_cfg, where, teacher_format)
             per_dataset.append(loaded[key])
-            self.teacher_formats.append(self._teacher_format(teacher_cfg))
+            self.teacher_formats.append(teacher_format)
         return per_dataset
 
     def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
@@ -264,7 +265,9 @@ class Trainer:
             renderer, self.tokenizer, self.renderer.stop_token_ids, teacher_cfg.cross_tokenizer
         )
 
-    def _load_teacher(self, teacher_cfg: TeacherConfig, where: str) -> LocalTeacher | RemoteTeacher:
+    def _load_teacher(
+        self, teacher_cfg: TeacherConfig, where: str, teacher_format: TeacherFormat | None
+    ) -> LocalTeacher | RemoteTeacher:
         tokenizer_name = teacher_cfg.tokenizer or (
             teacher_cfg.model if teacher_cfg.backend == "local" else None
         )
@@ -294,7 +297,7 @@ class Trainer:
         )
         vocab_size = self.vocab_size
         if teacher_cfg.cross_tokenizer:
-            vocab_size = len(load_tokenizer(tokenizer_name, f"{where}.tokenizer"))
+            vocab_size = len(teacher_format.renderer.tokenizer)
         return LocalTeacher(
             model,
             vocab_size=vocab_size,
