@@ -1,0 +1,229 @@
+"""Seconds per step and peak memory: opd vs TRL's DistillationTrainer on identical work.
+
+Both train the same student against the same teacher on the same prompts: `--prompts` prompts
+per step, one completion each, at most `--max-tokens` tokens, temperature 1, full
+fine-tuning or LoRA (rank 16, all linear layers). TRL's trainer is always on-policy with a
+full-vocabulary generalized JSD (beta 1 = reverse KL), so opd runs the same objective
+(`jsd`, beta 1); opd's default `sampled_reverse_kl` is measured too. Each (tool, mode,
+repeat) runs in its own process, alternating, so peak memory (the process's high-water mark)
+is its own; the first step of each run is a warm-up and not timed.
+
+    pip install 'trl>=1.11'
+    python bench/step_time.py --quick            # tiny demo models (run `opd demo` once first)
+    python bench/step_time.py --student DIR --teacher DIR --steps 4 --repeats 3
+
+Prints medians and the opd/TRL ratios measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOOLS = ("trl", "opd-jsd", "opd-sampled")
+
+
+def prompts(count: int) -> list[str]:
+    from opd.data.builtin_tasks import generate_task_prompts
+
+    return [p.messages[0]["content"] for p in generate_task_prompts("reverse", seed=123, count=count)]
+
+
+def run_trl(args, steps: int) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.student)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": p}]} for p in prompts(args.prompts * steps)]
+    )
+    step_times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            step_times.append(time.perf_counter() - self.started)
+
+    with tempfile.TemporaryDirectory() as output:
+        config = DistillationConfig(
+            output_dir=output,
+            per_device_train_batch_size=args.prompts,
+            max_completion_length=args.max_tokens,
+            temperature=1.0,
+            beta=1.0,
+            learning_rate=1e-5,
+            max_steps=steps,
+            logging_steps=1000,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=args.device == "cpu",
+        )
+        trainer = DistillationTrainer(
+            model=AutoModelForCausalLM.from_pretrained(args.student),
+            teacher_model=AutoModelForCausalLM.from_pretrained(args.teacher),
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+            if args.mode == "lora"
+            else None,
+            callbacks=[Timer()],
+        )
+        trainer.train()
+    return {"step_seconds": step_times[1:], "tokens": None}
+
+
+def run_opd(args, steps: int, objective: str) -> dict:
+    from opd.config import config_from_dict
+    from opd.trainer.loop import Trainer
+
+    with tempfile.TemporaryDirectory() as directory:
+        prompt_file = Path(directory) / "prompts.jsonl"
+        prompt_file.write_text(
+            "".join(json.dumps({"prompt": p}) + "\n" for p in prompts(args.prompts * steps))
+        )
+        config = config_from_dict(
+            {
+                "log_path": str(Path(directory) / "run"),
+                "eval_every": 0,
+                "save_every": 0,
+                "student": {
+                    "model": args.student,
+                    "lora_rank": 16 if args.mode == "lora" else 0,
+                    "device": args.device,
+                },
+                "teacher": {"model": args.teacher, "device": args.device},
+                "datasets": [
+                    {
+                        "name": "bench",
+                        "source": str(prompt_file),
+                        "groups_per_batch": args.prompts,
+                        "group_size": 1,
+                    }
+                ],
+                "training": {
+                    "objective": objective,
+                    "beta": 1.0,
+                    "learning_rate": 1e-5,
+                    "max_tokens": args.max_tokens,
+                    "temperature": 1.0,
+                    "max_steps": steps,
+                },
+            }
+        )
+        trainer = Trainer(config, progress=False)
+        rows = [trainer.train_step(step) for step in range(steps)]
+    return {
+        "step_seconds": [r["time/total"] for r in rows[1:]],
+        "tokens": [r["num_tokens"] for r in rows[1:]],
+    }
+
+
+def child(args) -> None:
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    steps = args.steps + 1
+    if args.child == "trl":
+        result = run_trl(args, steps)
+    else:
+        result = run_opd(args, steps, "jsd" if args.child == "opd-jsd" else "sampled_reverse_kl")
+    result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["baseline_mib"] = baseline / 1024
+    print("RESULT " + json.dumps(result))
+
+
+def measure(args, tool: str, mode: str) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        tool,
+        "--mode",
+        mode,
+        "--student",
+        args.student,
+        "--teacher",
+        args.teacher,
+        "--prompts",
+        str(args.prompts),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+    ]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, env=os.environ | {"TQDM_DISABLE": "1"}
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if completed.returncode or not lines:
+        raise RuntimeError(f"{tool} {mode} failed:\n{completed.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="the demo's tiny models (cached by `opd demo`)")
+    parser.add_argument("--student")
+    parser.add_argument("--teacher")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after one warm-up step)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="*", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        cache = Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "demo-v1"
+        args.student, args.teacher = str(cache / "student"), str(cache / "teacher")
+        args.max_tokens = min(args.max_tokens, 10)
+    if args.child:
+        child(args)
+        return
+    if not (args.student and args.teacher):
+        parser.error("give --student and --teacher, or --quick")
+    print(
+        f"student {args.student}, teacher {args.teacher}; {args.prompts} prompts x 1 completion, "
+        f"<= {args.max_tokens} tokens, {args.steps} timed steps x {args.repeats} repeats, {args.device}"
+    )
+    print(
+        f"{'mode':>5} {'tool':>12} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} {'vs TRL':>7}"
+    )
+    for mode in args.modes:
+        runs: dict[str, list[dict]] = {tool: [] for tool in TOOLS}
+        for _ in range(args.repeats):
+            for tool in TOOLS:
+                runs[tool].append(measure(args, tool, mode))
+        summary = {}
+        for tool, results in runs.items():
+            seconds = statistics.median(s for r in results for s in r["step_seconds"])
+            tokens = [t for r in results for t in (r["tokens"] or [])]
+            summary[tool] = (seconds, statistics.median(r["peak_mib"] for r in results), tokens)
+        for tool, (seconds, peak, tokens) in summary.items():
+            rate = f"{statistics.mean(tokens) / seconds:9.0f}" if tokens else f"{'n/a':>9}"
+            print(
+                f"{mode:>5} {tool:>12} {seconds:8.3f} {seconds / summary['trl'][0]:7.2f} {rate} "
+                f"{peak:9.0f} {peak / summary['trl'][1]:7.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
