@@ -51,7 +51,16 @@ def logit_transform_for(model: nn.Module, temperature: float = 1.0) -> LogitTran
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None, temperature=temperature)
 
 
-def _chunk_logits(
+def head_weights(lm_head: nn.Linear, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The lm head's weight and bias, cut to the first ``vocab_size`` rows (the tokenizer's ids)."""
+    weight, bias = lm_head.weight, lm_head.bias
+    if vocab_size is not None and vocab_size < weight.shape[0]:
+        weight = weight[:vocab_size]
+        bias = bias[:vocab_size] if bias is not None else None
+    return weight, bias
+
+
+def chunk_logits(
     hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
 ) -> tuple[torch.Tensor, torch.Tensor | float]:
     raw = hidden_chunk @ weight.T
@@ -128,7 +137,7 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
                 grad_raw = _chunk_logits_inplace(hidden_chunk, weight_VD, bias_V, transform)
                 derivative = None
             else:
-                grad_raw, derivative = _chunk_logits(hidden_chunk, weight_VD, bias_V, transform)
+                grad_raw, derivative = chunk_logits(hidden_chunk, weight_VD, bias_V, transform)
             grad_out = grad_logprobs_N[start:end] * constant_factor
             grad_raw -= logsumexp_N[start:end, None]
             grad_raw.exp_()
@@ -185,11 +194,7 @@ def selected_token_logprobs(
             f"hidden states must be (N, D) and token ids (N,); got {tuple(hidden_ND.shape)} "
             f"and {tuple(token_ids_N.shape)}"
         )
-    weight = lm_head.weight
-    bias = lm_head.bias
-    if vocab_size is not None and vocab_size < weight.shape[0]:
-        weight = weight[:vocab_size]
-        bias = bias[:vocab_size] if bias is not None else None
+    weight, bias = head_weights(lm_head, vocab_size)
     if token_ids_N.numel() and int(token_ids_N.max()) >= weight.shape[0]:
         raise ValueError(
             f"token id {int(token_ids_N.max())} is outside the model's vocabulary of {weight.shape[0]}"
@@ -204,7 +209,7 @@ RowLoss = Callable[[torch.Tensor, slice], torch.Tensor]
 
 
 def _head_chunk(hidden_chunk, weight, bias, token_ids_chunk, rows, row_loss, transform):
-    logits, _ = _chunk_logits(hidden_chunk, weight, bias, transform)
+    logits, _ = chunk_logits(hidden_chunk, weight, bias, transform)
     log_probs = torch.log_softmax(logits, dim=-1)
     with torch.no_grad():
         entropy = -(log_probs.exp() * log_probs).sum(-1)
@@ -229,10 +234,7 @@ def chunked_head_objective(
     the student's log-softmax rows and the slice of rows they are (to find the matching
     teacher rows). Returns ``(loss_N, selected_logprobs_N, entropy_N)``, the last two detached.
     """
-    weight = lm_head.weight if vocab_size is None else lm_head.weight[:vocab_size]
-    bias = lm_head.bias
-    if bias is not None and vocab_size is not None:
-        bias = bias[:vocab_size]
+    weight, bias = head_weights(lm_head, vocab_size)
     losses, selected, entropies = [], [], []
     for start in range(0, hidden_ND.shape[0], chunk_size):
         rows = slice(start, min(start + chunk_size, hidden_ND.shape[0]))
@@ -328,11 +330,10 @@ def topk_logprobs(
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely token ids and their log-probs per row, chunk by chunk (no gradient)."""
-    weight = lm_head.weight if vocab_size is None else lm_head.weight[:vocab_size]
-    bias = lm_head.bias if lm_head.bias is None or vocab_size is None else lm_head.bias[:vocab_size]
+    weight, bias = head_weights(lm_head, vocab_size)
     ids, values = [], []
     for start in range(0, hidden_ND.shape[0], chunk_size):
-        logits, _ = _chunk_logits(hidden_ND[start : start + chunk_size], weight, bias, transform)
+        logits, _ = chunk_logits(hidden_ND[start : start + chunk_size], weight, bias, transform)
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         ids.append(top.indices)
         values.append(top.values)

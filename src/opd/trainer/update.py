@@ -15,7 +15,9 @@ from opd.config import TrainingConfig
 from opd.logprobs import (
     LogitTransform,
     backbone_and_head,
+    chunk_logits,
     chunked_head_objective,
+    head_weights,
     logit_transform_for,
     scatter_rows,
     scored_hidden_states,
@@ -77,10 +79,8 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
 
 def _jsd_rows(student_log_cV, rows, *, teacher_hidden_ND, teacher, vocab_size, beta):
     with torch.no_grad():
-        weight = teacher.head.weight[:vocab_size]
-        bias = None if teacher.head.bias is None else teacher.head.bias[:vocab_size]
-        raw = teacher_hidden_ND[rows] @ weight.T
-        logits, _ = teacher.transform.apply((raw + bias if bias is not None else raw).float())
+        weight, bias = head_weights(teacher.head, vocab_size)
+        logits, _ = chunk_logits(teacher_hidden_ND[rows], weight, bias, teacher.transform)
         teacher_log = torch.log_softmax(logits, dim=-1)
     return generalized_jsd(student_log_cV, teacher_log, beta)
 
