@@ -19,17 +19,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import torch
-
-from opd.logprobs import (
-    backbone_and_head,
-    logit_transform_for,
-    scored_hidden_states,
-    selected_token_logprobs,
-    topk_logprobs,
-)
 from opd.models import load_causal_lm, load_tokenizer
-from opd.teachers.local import pad_right
+from opd.teachers.local import LocalTeacher
 
 
 class RequestError(ValueError):
@@ -37,42 +28,30 @@ class RequestError(ValueError):
 
 
 class ScoringModel:
-    """Prompt log-probs and top-k of a causal LM, one no-grad forward per request."""
+    """Prompt log-probs and top-k of a causal LM, scored by the same code as a local teacher."""
 
     def __init__(self, model, tokenizer, name: str, max_logprobs: int = 20):
-        self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
         self.max_logprobs = max_logprobs
         self.vocab_size = len(tokenizer)
+        self.teacher = LocalTeacher(model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0)
         self.lock = threading.Lock()
 
-    @torch.no_grad()
     def score(
         self, prompts: list[list[int]], k: int
     ) -> list[list[tuple[float, list[tuple[int, float]]] | None]]:
         """Per prompt, per position: None at 0, else (log p(token), [(id, log p)] top-k by rank)."""
-        device = next(self.model.parameters()).device
-        ids, attention = pad_right(prompts, self.tokenizer.pad_token_id or 0)
         with self.lock:
-            hidden, token_ids, selected = scored_hidden_states(
-                self.model, ids.to(device), attention.to(device), attention.to(device)
-            )
-            head = backbone_and_head(self.model)[1]
-            transform = logit_transform_for(self.model)
-            logprobs, _ = selected_token_logprobs(
-                hidden, head, token_ids, transform=transform, vocab_size=self.vocab_size, with_entropy=False
-            )
-            top_ids, top_values = topk_logprobs(
-                hidden, head, max(k, 1), transform=transform, vocab_size=self.vocab_size
-            )
-        counts = selected.sum(-1).tolist()
+            scores = self.teacher.score(prompts, [[True] * len(p) for p in prompts], topk=max(k, 1))
         per_prompt = []
-        for lp, tid, tvals in zip(
-            logprobs.split(counts), top_ids.split(counts), top_values.split(counts), strict=True
+        for logprobs, top_ids, top_values in zip(
+            scores.logprobs, scores.topk_ids, scores.topk_logprobs, strict=True
         ):
             positions: list = [None]
-            for value, ids_k, values_k in zip(lp.tolist(), tid.tolist(), tvals.tolist(), strict=True):
+            for value, ids_k, values_k in zip(
+                logprobs[1:].tolist(), top_ids.tolist(), top_values.tolist(), strict=True
+            ):
                 positions.append((value, list(zip(ids_k[:k], values_k[:k], strict=True))))
             per_prompt.append(positions)
         return per_prompt
