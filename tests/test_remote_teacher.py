@@ -14,7 +14,7 @@ import torch
 
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import list_checkpoints
-from opd.runs.metrics import read_metrics
+from opd.runs.metrics import read_jsonl
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher, RemoteTeacherError
 from opd.trainer.loop import Trainer, train
@@ -270,7 +270,7 @@ def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(base_conf
     with pytest.raises(RemoteTeacherError, match="failed after 2 attempts"):
         trainer.run()
     assert [r.step for r in list_checkpoints(tmp_path / "run")] == [1, 2]
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
     server = start_opd_serve(model_dirs["teacher"], port)
     try:
@@ -283,7 +283,7 @@ def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(base_conf
     finally:
         server.kill()
         server.wait()
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(

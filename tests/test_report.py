@@ -8,7 +8,7 @@ import pytest
 from opd.cli import main
 from opd.config import config_from_dict
 from opd.demo.run import demo_config
-from opd.runs.timing import read_spans
+from opd.runs.metrics import read_jsonl
 from opd.trainer.loop import train
 
 
@@ -45,7 +45,7 @@ def finished_run(demo_models, tmp_path_factory):
 
 
 def test_every_phase_is_timed(finished_run):
-    names = {span["name"] for span in read_spans(finished_run / "timing.jsonl")}
+    names = {span["name"] for span in read_jsonl(finished_run / "timing.jsonl")}
     assert names == {"sample", "teacher", "train", "eval", "checkpoint"}
     rows = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
     assert all(
@@ -59,7 +59,7 @@ def test_every_phase_is_timed(finished_run):
 def test_chrome_trace_has_a_complete_event_per_span(finished_run, tmp_path):
     trace = json.loads((finished_run / "trace.json").read_text())
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert len(complete) == len(read_spans(finished_run / "timing.jsonl"))
+    assert len(complete) == len(read_jsonl(finished_run / "timing.jsonl"))
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in complete)
     assert main(["trace", str(finished_run), "--out", str(tmp_path / "t.json")]) == 0
     assert json.loads((tmp_path / "t.json").read_text()) == trace

@@ -13,7 +13,7 @@ import yaml
 
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import CheckpointError, list_checkpoints
-from opd.runs.metrics import read_metrics
+from opd.runs.metrics import read_jsonl
 from opd.trainer.loop import Trainer, train
 
 STEPS = 8
@@ -54,7 +54,7 @@ def run_cli(config_path):
 
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path):
     run_cli(write_config(base_config, tmp_path, "reference"))
-    reference = read_metrics(tmp_path / "reference" / "metrics.jsonl")
+    reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
     assert [r["step"] for r in reference] == list(range(STEPS))
 
     config_path = write_config(base_config, tmp_path, "killed")
@@ -77,7 +77,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, t
     assert 0 < last < STEPS
 
     run_cli(config_path)
-    resumed = read_metrics(metrics)
+    resumed = read_jsonl(metrics)
     assert_same_rows(resumed, reference)  # no step lost, none done twice, same numbers
     assert list_checkpoints(tmp_path / "killed")[-1].step == STEPS
 
@@ -88,11 +88,11 @@ def test_finished_run_is_not_redone_and_can_be_extended(base_config, tmp_path):
     records = list_checkpoints(tmp_path / "run")
     assert [r.step for r in records] == [2]  # only the final one
     again = train(config_from_dict(config), progress=False)
-    assert again.metrics == [] and len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
+    assert again.metrics == [] and len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
     config["training"] = dict(config["training"], max_steps=3)
     extended = train(config_from_dict(config), progress=False)
     assert [m["step"] for m in extended.metrics] == [2]
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
 
 
 def test_half_written_checkpoint_is_ignored_with_a_warning(base_config, tmp_path):
@@ -138,7 +138,7 @@ def test_fail_and_overwrite_policies(base_config, tmp_path):
         Trainer(config_from_dict(dict(base_config, on_existing_log_path="fail")), progress=False).run()
     fresh = train(config_from_dict(dict(base_config, on_existing_log_path="overwrite")), progress=False)
     assert [m["step"] for m in fresh.metrics] == [0, 1]
-    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
 
 
 def test_log_path_that_is_a_file_is_refused_before_training(base_config, tmp_path):

@@ -13,7 +13,7 @@ from opd.cli import main
 from opd.config import ConfigError, config_from_dict
 from opd.models import ModelLoadError
 from opd.runs.checkpoints import latest_model_dir
-from opd.runs.metrics import read_metrics
+from opd.runs.metrics import read_jsonl
 from opd.trainer.loop import Trainer, train
 from opd.trainer.update import TeacherTargets
 from tests.conftest import tiny_llama
@@ -52,7 +52,7 @@ def test_teacher_equal_to_student_gives_zero_kl_and_unit_ratio(base_config, mode
 
 def test_run_writes_every_metric_and_the_student(base_config):
     result = train(config_from_dict(base_config), progress=False)
-    rows = read_metrics(result.log_path / "metrics.jsonl")
+    rows = read_jsonl(result.log_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1]
     for row in rows:
         assert row.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - row.keys()

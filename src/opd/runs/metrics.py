@@ -40,7 +40,10 @@ class MetricsWriter(JsonlWriter):
         super().write([{key: _jsonable(value) for key, value in metrics.items()}])
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """All rows of a metrics file."""
-    with Path(path).open(encoding="utf-8") as handle:
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All records of a JSONL file a run wrote (metrics, spans, samples); empty if it is absent."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]

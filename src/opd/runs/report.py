@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import statistics
 from pathlib import Path
 
-from opd.runs.metrics import read_metrics
+from opd.runs.metrics import read_jsonl
 from opd.runs.resume import CONFIG_NAME, METRICS_NAME, SAMPLES_NAME, TIMING_NAME
-from opd.runs.timing import read_spans
 
 PHASES = ("sample", "teacher", "train", "eval", "checkpoint")
 LEGEND = ((0.1, "0.1"), (0.5, "0.5"), (1.0, "1"), (2.0, "2+ nats"))
@@ -169,7 +167,7 @@ def build_report(
     metrics_path = run_dir / METRICS_NAME
     if not metrics_path.exists():
         raise FileNotFoundError(f"{run_dir}: no {METRICS_NAME}; is this a run directory (a log_path)?")
-    rows = read_metrics(metrics_path)
+    rows = read_jsonl(metrics_path)
     out = Path(out) if out else run_dir / "report.html"
     figures = out.parent / f"{out.stem}_files"
     figures.mkdir(parents=True, exist_ok=True)
@@ -185,7 +183,7 @@ def build_report(
     health_curves = {
         key: _series(train_rows, key) for key in ("entropy", "kl_sample_train", "post_kl") if key in keys
     }
-    spans = read_spans(run_dir / TIMING_NAME)
+    spans = read_jsonl(run_dir / TIMING_NAME)
     step_totals = [row["time/total"] for row in train_rows if "time/total" in row]
     typical = None
     if step_totals:
@@ -222,11 +220,7 @@ def build_report(
         ),
     ]
     samples_path = run_dir / SAMPLES_NAME
-    samples = (
-        [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
-        if samples_path.exists()
-        else []
-    )
+    samples = read_jsonl(samples_path)
     sample_step_set = sorted({s["step"] for s in samples})
     if sample_steps is None and sample_step_set:
         sample_steps = sorted(

@@ -7,6 +7,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from opd.runs.metrics import read_jsonl
+
 
 class SpanRecorder:
     """Appends ``{step, name, start, end}`` (seconds since the epoch) to ``timing.jsonl``.
@@ -35,14 +37,6 @@ class SpanRecorder:
         """Close the file."""
         if self._handle is not None:
             self._handle.close()
-
-
-def read_spans(path: str | Path) -> list[dict]:
-    """All spans of a run (empty if it recorded none)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def chrome_trace(spans: list[dict]) -> dict:
@@ -74,5 +68,5 @@ def chrome_trace(spans: list[dict]) -> dict:
 def write_chrome_trace(spans_path: str | Path, out: str | Path) -> Path:
     """Convert a run's ``timing.jsonl`` into ``out`` (JSON)."""
     out = Path(out)
-    out.write_text(json.dumps(chrome_trace(read_spans(spans_path))))
+    out.write_text(json.dumps(chrome_trace(read_jsonl(spans_path))))
     return out
