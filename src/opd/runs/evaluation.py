@@ -12,8 +12,7 @@ from opd.data.render import ChatRenderer
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.runs.graders import Grader
 from opd.sampling.base import Completion, Sampler
-from opd.teachers.local import LocalTeacher
-from opd.teachers.remote import RemoteTeacher
+from opd.teachers.base import Teacher
 from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
 
 TeacherScorer = Callable[[RolloutBatch], torch.Tensor]
@@ -31,7 +30,7 @@ class EvalSet:
     score: TeacherScorer | None
 
 
-def direct_scorer(teacher: LocalTeacher | RemoteTeacher) -> TeacherScorer:
+def direct_scorer(teacher: Teacher) -> TeacherScorer:
     """A scorer for a teacher that reads the student's token ids as they are."""
 
     def score(batch: RolloutBatch) -> torch.Tensor:

@@ -46,6 +46,7 @@ from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import TeacherFormat
+from opd.teachers.base import Teacher
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher
 from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
@@ -232,8 +233,8 @@ class Trainer:
             pad_id=self.sampler.pad_id,
         )
 
-    def _load_teachers(self) -> list[LocalTeacher | RemoteTeacher]:
-        loaded: dict[tuple, LocalTeacher | RemoteTeacher] = {}
+    def _load_teachers(self) -> list[Teacher]:
+        loaded: dict[tuple, Teacher] = {}
         per_dataset = []
         for index, dataset in enumerate(self.config.datasets):
             teacher_cfg: TeacherConfig = self.config.teacher_for(dataset)
@@ -267,7 +268,7 @@ class Trainer:
 
     def _load_teacher(
         self, teacher_cfg: TeacherConfig, where: str, teacher_format: TeacherFormat | None
-    ) -> LocalTeacher | RemoteTeacher:
+    ) -> Teacher:
         tokenizer_name = teacher_cfg.tokenizer or (
             teacher_cfg.model if teacher_cfg.backend == "local" else None
         )
