@@ -1,10 +1,12 @@
 """Graders on hand-made answers, generated held-out sets, periodic evaluation and `opd eval`."""
 
+import json
+
 import pytest
 
 from opd.cli import main
 from opd.config import config_from_dict
-from opd.data.prompts import Prompt, load_prompts
+from opd.data.prompts import DataError, Prompt, load_prompts
 from opd.runs.graders import exact_match, grader_for, last_number, last_number_match, reasoning_gym_score
 from opd.trainer.loop import Trainer, train
 
@@ -53,6 +55,27 @@ def test_reasoning_gym_source_and_its_own_scorer():
     assert reasoning_gym_score(str(int(entry.answer) + 1), entry) == 0.0
     assert grader_for("auto", "reasoning_gym:chain_sum") is reasoning_gym_score
     assert grader_for("auto", "data.jsonl") is exact_match and grader_for("none", "x") is None
+
+
+def test_reasoning_gym_entries_from_jsonl_and_answer_tags(tmp_path):
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("chain_sum", size=1, seed=3, min_terms=3, max_terms=3)[0]
+    path = tmp_path / "worked.jsonl"
+    record = {"prompt": entry["question"] + " Show your steps.", "answer": entry["answer"], "metadata": entry}
+    path.write_text(json.dumps(record) + "\n")
+    (prompt,) = load_prompts(str(path))
+    assert prompt.metadata == json.loads(json.dumps(entry))
+    steps = f"{entry['metadata']['expression']} = ...\n<answer>{entry['answer']}</answer>"
+    assert reasoning_gym_score(steps, prompt) == 1.0
+    wrong = f"<answer>{int(entry['answer']) + 1}</answer> then <answer>{entry['answer']}</answer>"
+    assert reasoning_gym_score(wrong, prompt) == 1.0  # the last tag is the answer
+    assert reasoning_gym_score(f"<answer>{int(entry['answer']) + 1}</answer>", prompt) == 0.0
+    path.write_text(json.dumps({"prompt": "q", "metadata": [1]}) + "\n")
+    with pytest.raises(DataError, match=r"worked.jsonl:1: 'metadata' must be a JSON object"):
+        load_prompts(str(path))
+    with pytest.raises(ValueError, match="reasoning-gym entry"):
+        reasoning_gym_score("1", prompt("1"))
 
 
 def test_periodic_and_final_evaluation_with_post_kl(demo_models, tmp_path):

@@ -60,15 +60,19 @@ def _optional_text(record: dict, key: str, where: str) -> str | None:
 
 
 def parse_prompt_record(record: object, where: str) -> Prompt:
-    """Validate one decoded JSON object: ``prompt`` or ``messages``, optional answer/completion."""
+    """Validate one decoded JSON object: ``prompt`` or ``messages``, optional answer/completion/metadata."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "prompt" not in record and "messages" not in record:
         raise DataError(f"{where}: needs a 'prompt' string or a 'messages' list")
+    metadata = record.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise DataError(f"{where}: 'metadata' must be a JSON object (e.g. a reasoning-gym entry)")
     return Prompt(
         messages=_messages_from(record, where),
         answer=_optional_text(record, "answer", where),
         completion=_optional_text(record, "completion", where),
+        metadata=metadata,
     )
 
 
