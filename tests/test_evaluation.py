@@ -64,13 +64,13 @@ def test_reasoning_gym_entries_from_jsonl_and_answer_tags(tmp_path):
     path = tmp_path / "worked.jsonl"
     record = {"prompt": entry["question"] + " Show your steps.", "answer": entry["answer"], "metadata": entry}
     path.write_text(json.dumps(record) + "\n")
-    (prompt,) = load_prompts(str(path))
-    assert prompt.metadata == json.loads(json.dumps(entry))
+    (loaded,) = load_prompts(str(path))
+    assert loaded.metadata == json.loads(json.dumps(entry))
     steps = f"{entry['metadata']['expression']} = ...\n<answer>{entry['answer']}</answer>"
-    assert reasoning_gym_score(steps, prompt) == 1.0
+    assert reasoning_gym_score(steps, loaded) == 1.0
     wrong = f"<answer>{int(entry['answer']) + 1}</answer> then <answer>{entry['answer']}</answer>"
-    assert reasoning_gym_score(wrong, prompt) == 1.0  # the last tag is the answer
-    assert reasoning_gym_score(f"<answer>{int(entry['answer']) + 1}</answer>", prompt) == 0.0
+    assert reasoning_gym_score(wrong, loaded) == 1.0  # the last tag is the answer
+    assert reasoning_gym_score(f"<answer>{int(entry['answer']) + 1}</answer>", loaded) == 0.0
     path.write_text(json.dumps({"prompt": "q", "metadata": [1]}) + "\n")
     with pytest.raises(DataError, match=r"worked.jsonl:1: 'metadata' must be a JSON object"):
         load_prompts(str(path))
