@@ -77,3 +77,23 @@ def test_dataset_source_trains_on_the_given_answers(demo_models, tmp_path):
     for sequence, mask, item in zip(batch.sequences, batch.mask_BT, items, strict=True):
         completion = [t for t, m in zip(sequence, mask.tolist(), strict=False) if m]
         assert trainer.tokenizer.decode(completion) == item.prompt.answer + "<|im_end|>"
+
+
+def test_sft_pays_for_no_teacher_forward(demo_models, tmp_path, monkeypatch):
+    from opd.runs.report import build_report
+    from opd.teachers.local import LocalTeacher
+    from opd.trainer.loop import train
+
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 2, 0)
+    config["training"].update(objective="nll", data_source="teacher", show_examples=True)
+    config["eval_every"] = 0
+    scored = []
+    original = LocalTeacher.score
+    monkeypatch.setattr(
+        LocalTeacher, "score", lambda self, *a, **k: scored.append(1) or original(self, *a, **k)
+    )
+    rows = train(config_from_dict(config), progress=False).metrics
+    assert scored == [] and all("time/teacher" not in row or row["time/teacher"] < 0.01 for row in rows)
+    assert all(row["loss"] > 0 and "teacher_kl" not in row for row in rows)
+    html = build_report(tmp_path / "run").read_text()
+    assert "<td>-</td>" in html  # samples without token KL, shown plain

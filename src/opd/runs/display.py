@@ -10,13 +10,21 @@ COLOURS = ("\033[32m", "\033[33m", "\033[31m")  # green, yellow, red
 KL_THRESHOLDS = (0.1, 1.0)
 
 
-def colorize_example(tokenizer, input_ids: list[int], mask: list[float], reverse_kl: torch.Tensor) -> str:
-    """Prompt tokens dim; trained tokens green / yellow / red as their reverse KL is <0.1, <1, >=1 nats."""
+def colorize_example(
+    tokenizer, input_ids: list[int], mask: list[float], reverse_kl: torch.Tensor | None
+) -> str:
+    """Prompt tokens dim; trained tokens green / yellow / red as their reverse KL is <0.1, <1, >=1 nats.
+
+    Without a KL (SFT has no teacher forward) trained tokens are shown plain.
+    """
     pieces = []
     for position, token in enumerate(input_ids):
         text = tokenizer.decode([token])
         if not mask[position]:
             pieces.append(f"{DIM}{text}{RESET}")
+            continue
+        if reverse_kl is None:
+            pieces.append(text)
             continue
         kl = float(reverse_kl[position])
         level = sum(kl >= threshold for threshold in KL_THRESHOLDS)

