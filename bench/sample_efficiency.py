@@ -296,6 +296,8 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,  # TRL defaults to bf16 autocast and gradient checkpointing: opd runs
+        gradient_checkpointing=False,  # float32 without recomputation, so TRL does too
         seed=0,
     )
     trainer = DistillationTrainer(

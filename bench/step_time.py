@@ -71,6 +71,8 @@ def run_trl(args, steps: int) -> dict:
             save_strategy="no",
             report_to="none",
             use_cpu=args.device == "cpu",
+            bf16=False,  # TRL defaults to bf16 autocast and gradient checkpointing: opd runs
+            gradient_checkpointing=False,  # float32 without recomputation, so TRL does too
         )
         trainer = DistillationTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.student),
