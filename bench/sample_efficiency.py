@@ -52,6 +52,8 @@ TASKS = {
     },
 }
 BATCH = 16
+TEACHER_TARGET = 0.95
+TEACHER_ROUNDS = 2
 EVAL_PROMPTS = 48
 
 
@@ -313,34 +315,36 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
 
 
 def prepare_teacher(task: str, base: Path, args) -> tuple[Path, float]:
-    """SFT the base model on the task's worked solutions (opd, objective nll); cached with its accuracy."""
+    """SFT the base model on the task's worked solutions (opd, objective nll) until it is near 100%.
+
+    Rounds of ``teacher_steps`` steps (each a new seed, continuing from the last round) until the
+    held-out accuracy reaches ``TEACHER_TARGET`` or ``TEACHER_ROUNDS`` rounds; cached with its accuracy.
+    """
     target = cache_root() / f"teacher-{task}"
     summary = target / "teacher.json"
-    if summary.exists():
-        return target, json.loads(summary.read_text())["accuracy"]
-    log_path = cache_root() / "runs" / f"teacher-{task}"
+    state = json.loads(summary.read_text()) if summary.exists() else {"accuracy": 0.0, "steps": 0}
     steps = TASKS[task]["teacher_steps"]
-    config = opd_config(
-        log_path,
-        base,
-        base,
-        task,
-        args,
-        objective="nll",
-        data_source="dataset",
-        learning_rate=5e-5,
-        max_steps=steps,
-    )
-    config["eval_every"] = steps
-    curve = run_opd(config, task)
-    from opd.runs.checkpoints import latest_model_dir
+    while state["accuracy"] < TEACHER_TARGET and state["steps"] < TEACHER_ROUNDS * steps:
+        log_path = cache_root() / "runs" / f"teacher-{task}"
+        config = opd_config(
+            log_path, base, base, task, args,
+            objective="nll", data_source="dataset", learning_rate=5e-5, max_steps=steps,
+        )  # fmt: skip
+        config |= {"eval_every": steps, "seed": state["steps"] // steps}
+        if state["steps"]:
+            config["load_checkpoint_path"] = str(target)
+        curve = run_opd(config, task)
+        from opd.runs.checkpoints import latest_model_dir
 
-    if target.exists():
-        shutil.rmtree(target)
-    shutil.copytree(latest_model_dir(log_path), target)
-    shutil.rmtree(log_path)
-    summary.write_text(json.dumps({"accuracy": curve[-1]["accuracy"], "steps": steps}))
-    return target, curve[-1]["accuracy"]
+        staging = target.with_name(target.name + ".tmp")
+        shutil.copytree(latest_model_dir(log_path), staging)
+        shutil.rmtree(log_path)
+        state = {"accuracy": curve[-1]["accuracy"], "steps": state["steps"] + steps}
+        (staging / "teacher.json").write_text(json.dumps(state))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.replace(target)
+        print(f"teacher for {task}: {state['accuracy']:.0%} after {state['steps']} SFT steps", flush=True)
+    return target, state["accuracy"]
 
 
 def first_reaching(curve: list[dict], level: float) -> dict | None:
