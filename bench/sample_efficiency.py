@@ -128,14 +128,16 @@ def pruned_student(base: Path, keep: int) -> Path:
     return target
 
 
-def opd_config(log_path: Path, student: Path, teacher: Path, task: str, args, **training) -> dict:
+def opd_config(
+    log_path: Path, student: Path, teacher: Path, task: str, args, lora_rank: int = 0, **training
+) -> dict:
     train_file, test_file = write_task_files(task)
     return {
         "log_path": str(log_path),
         "on_existing_log_path": "overwrite",
         "save_every": 0,
         "eval_every": args.eval_every,
-        "student": {"model": str(student), "lora_rank": 0},
+        "student": {"model": str(student), "lora_rank": lora_rank},
         "teacher": {"model": str(teacher)},
         "datasets": [
             {
@@ -180,7 +182,7 @@ def run_opd(config: dict, task: str, step_offset: int = 0, seconds_offset: float
 
 
 def run_method(method: str, task: str, student: Path, teacher: Path, args, directory: Path) -> list[dict]:
-    lr = args.lr
+    common = {"learning_rate": args.lr, "lora_rank": args.lora_rank}
     if method in ("opd-rkl", "opd-jsd", "sft"):
         training = {
             "opd-rkl": {"objective": "sampled_reverse_kl"},
@@ -188,35 +190,22 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
             "sft": {"objective": "nll", "data_source": "teacher"},
         }[method]
         config = opd_config(
-            directory, student, teacher, task, args, learning_rate=lr, max_steps=args.steps, **training
+            directory, student, teacher, task, args, max_steps=args.steps, **common, **training
         )
         return run_opd(config, task)
     if method == "sft-then-opd":
         sft_steps = args.steps // 4
         first = opd_config(
-            directory / "sft",
-            student,
-            teacher,
-            task,
-            args,
-            learning_rate=lr,
-            max_steps=sft_steps,
-            objective="nll",
-            data_source="teacher",
-        )
+            directory / "sft", student, teacher, task, args,
+            max_steps=sft_steps, objective="nll", data_source="teacher", **common,
+        )  # fmt: skip
         sft_curve = run_opd(first, task)
         from opd.runs.checkpoints import latest_model_dir
 
         second = opd_config(
-            directory / "opd",
-            student,
-            teacher,
-            task,
-            args,
-            learning_rate=lr,
-            max_steps=args.steps - sft_steps,
-            objective="sampled_reverse_kl",
-        )
+            directory / "opd", student, teacher, task, args,
+            max_steps=args.steps - sft_steps, objective="sampled_reverse_kl", **common,
+        )  # fmt: skip
         second["load_checkpoint_path"] = str(latest_model_dir(directory / "sft"))
         return sft_curve[:-1] + run_opd(second, task, sft_steps, sft_curve[-1]["seconds"])
     if method == "trl":
@@ -228,6 +217,7 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
     """TRL's trainer on the same prompts, batch, length and optimizer; evaluated with opd's code."""
     import torch
     from datasets import Dataset
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
 
@@ -309,6 +299,11 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
         train_dataset=data,
         processing_class=tokenizer,
         callbacks=[EvalAndTime()],
+        peft_config=LoraConfig(
+            r=args.lora_rank, lora_alpha=args.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
+        if args.lora_rank
+        else None,
     )
     trainer.train()
     return points
@@ -425,6 +420,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning (teachers always are)")
     parser.add_argument("--tag", default="", help="suffix for the run names (e.g. a learning-rate sweep)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
@@ -449,6 +445,7 @@ def main() -> None:
                     "student": student_name,
                     "method": method + args.tag,
                     "lr": args.lr,
+                    "lora_rank": args.lora_rank,
                     "steps": args.steps,
                     "teacher_accuracy": teacher_accuracy,
                     "curve": curve,
