@@ -359,16 +359,22 @@ def report(results: list[dict], out: Path) -> str:
 
     lines = []
     for task, student in sorted({(r["task"], r["student"]) for r in results}):
-        group = [r for r in results if r["task"] == task and r["student"] == student]
+        group = sorted(
+            (r for r in results if r["task"] == task and r["student"] == student),
+            key=lambda r: (
+                METHODS.index(next(m for m in reversed(METHODS) if r["method"].startswith(m))),
+                r["method"],
+            ),
+        )
         teacher = group[0]["teacher_accuracy"]
         budget = min(r["curve"][-1]["seconds"] for r in group)
         lines += [
             f"\n{task}, student {student}: teacher {teacher:.0%}, "
             f"start {group[0]['curve'][0]['accuracy']:.0%}, "
             f"90% of teacher = {0.9 * teacher:.0%}; equal time budget = {budget:.0f} s\n",
-            "| method | acc @ last step | acc @ equal time | steps to 90% | seconds to 90% | s/step "
-            "| teacher KL first -> last |",
-            "|---|---|---|---|---|---|---|",
+            "| method | acc by eval step (%) | acc @ last step | acc @ equal time | steps to 90% "
+            "| seconds to 90% | s/step | teacher KL first -> last |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in group:
             curve, hit = r["curve"], first_reaching(r["curve"], 0.9 * teacher)
@@ -376,7 +382,8 @@ def report(results: list[dict], out: Path) -> str:
             kl = f"{curve[0]['teacher_kl']:.3f} -> {curve[-1]['teacher_kl']:.3f}"
             reached = (str(hit["step"]), f"{hit['seconds']:.0f}") if hit else ("not reached", "-")
             lines.append(
-                f"| {r['method']} | {curve[-1]['accuracy']:.0%} | {accuracy_at_seconds(curve, budget):.0%} | "
+                f"| {r['method']} | {' / '.join(str(round(100 * p['accuracy'])) for p in curve)} "
+                f"| {curve[-1]['accuracy']:.0%} | {accuracy_at_seconds(curve, budget):.0%} | "
                 f"{reached[0]} | {reached[1]} | {per_step:.1f} | {kl} |"
             )
         figure, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -394,7 +401,7 @@ def report(results: list[dict], out: Path) -> str:
         for axis, xlabel, ylabel in zip(
             axes,
             ("step", "training seconds", "step"),
-            ("held-out accuracy", "held-out accuracy", "teacher KL"),
+            ("held-out accuracy", "held-out accuracy", "teacher KL per token (sampled)"),
             strict=True,
         ):
             axis.set_xlabel(xlabel)
