@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import time
+from functools import cache
 from pathlib import Path
 
 from smollm2 import converted_dir
@@ -75,8 +76,9 @@ def worked_solution(expression: str, answer: str, multistep: bool) -> str:
     return "\n".join(lines) + f"\n<answer>{answer}</answer>"
 
 
+@cache
 def write_task_files(task: str) -> tuple[Path, Path]:
-    """Train (with worked solutions) and held-out JSONL files carrying the reasoning-gym entries."""
+    """Train (with worked solutions) and held-out JSONL files with the reasoning-gym entries, once a run."""
     import reasoning_gym
 
     spec, directory = TASKS[task], cache_root() / "data"
