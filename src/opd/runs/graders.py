@@ -41,15 +41,6 @@ def _reasoning_gym_scorer(task: str):
     return reasoning_gym.create_dataset(task, size=1, seed=0).score_answer
 
 
-ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
-
-
-def final_answer(completion: str) -> str:
-    """The last ``<answer>...</answer>`` (reasoning-gym's convention after worked steps), else all of it."""
-    tagged = ANSWER_TAG.findall(completion)
-    return tagged[-1].strip() if tagged else completion
-
-
 def reasoning_gym_score(completion: str, prompt: Prompt) -> float:
     """The task's own scorer, from ``reasoning-gym``, on the entry the prompt was generated from.
 
@@ -61,8 +52,11 @@ def reasoning_gym_score(completion: str, prompt: Prompt) -> float:
             "the reasoning_gym grader needs prompts from a reasoning_gym: source, or JSONL records "
             "whose 'metadata' is the reasoning-gym entry ({question, answer, metadata})"
         )
+    from reasoning_gym.utils import extract_answer
+
     scorer = _reasoning_gym_scorer(entry["metadata"]["source_dataset"])
-    return float(scorer(answer=final_answer(completion), entry=entry))
+    tagged = extract_answer(completion)  # the last <answer>...</answer>, reasoning-gym's own convention
+    return float(scorer(answer=completion if tagged is None else tagged, entry=entry))
 
 
 GRADERS: dict[str, Grader] = {
