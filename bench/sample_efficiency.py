@@ -8,7 +8,8 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
 (greedy accuracy with the task's own scorer, and the teacher's sampled-token KL):
 
     opd-rkl       opd, objective sampled_reverse_kl (on-policy, per-token reverse KL advantage)
-    opd-jsd       opd, objective jsd (generalized JSD, beta 0.5, full distribution, on-policy)
+    opd-k3        opd, objective k3 (on-policy; a disliked token's gradient is bounded by 1)
+    opd-jsd       opd, objective jsd (generalized JSD, beta 0.5 or --jsd-beta, full distribution, on-policy)
     trl           TRL's DistillationTrainer (on-policy, generalized JSD with its default beta 1)
     sft           opd, objective nll on fresh teacher samples (data_source teacher)
     sft-then-opd  sft for the first quarter of the steps, then opd-rkl from there
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from smollm2 import converted_dir
 
-METHODS = ("opd-rkl", "opd-jsd", "trl", "sft", "sft-then-opd")
+METHODS = ("opd-rkl", "opd-k3", "opd-jsd", "trl", "sft", "sft-then-opd")
 TASKS = {
     "short": {
         "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
@@ -149,7 +150,7 @@ def opd_config(
                 "group_size": 1,
                 "eval_source": str(test_file),
                 "eval_num_prompts": EVAL_PROMPTS,
-                "grader": "reasoning_gym",
+                "grader": args.grader,
             }
         ],
         "training": {"max_tokens": TASKS[task]["max_tokens"], "temperature": 1.0} | training,
@@ -184,11 +185,16 @@ def run_opd(config: dict, task: str, step_offset: int = 0, seconds_offset: float
 
 
 def run_method(method: str, task: str, student: Path, teacher: Path, args, directory: Path) -> list[dict]:
-    common = {"learning_rate": args.lr, "lora_rank": args.lora_rank}
-    if method in ("opd-rkl", "opd-jsd", "sft"):
+    common = {
+        "learning_rate": args.lr,
+        "lora_rank": args.lora_rank,
+        "loss_aggregation": args.loss_aggregation,
+    }
+    if method in ("opd-rkl", "opd-k3", "opd-jsd", "sft"):
         training = {
             "opd-rkl": {"objective": "sampled_reverse_kl"},
-            "opd-jsd": {"objective": "jsd", "beta": 0.5},
+            "opd-k3": {"objective": "k3"},
+            "opd-jsd": {"objective": "jsd", "beta": args.jsd_beta},
             "sft": {"objective": "nll", "data_source": "teacher"},
         }[method]
         config = opd_config(
@@ -219,14 +225,14 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
     """TRL's trainer on the same prompts, batch, length and optimizer; evaluated with opd's code."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DistillationConfig, DistillationTrainer
+    from trl import DistillationTrainer
+    from trl_setup import distillation_config, lora_config
 
     from opd.data.prompts import load_prompts
     from opd.data.render import ChatRenderer
     from opd.runs.evaluation import EvalSet, direct_scorer, evaluate
-    from opd.runs.graders import reasoning_gym_score
+    from opd.runs.graders import GRADERS
     from opd.sampling.hf_generate import HFGenerateSampler
     from opd.teachers.local import LocalTeacher
 
@@ -239,7 +245,7 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
     renderer = ChatRenderer(tokenizer)
     sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
     scorer = LocalTeacher(teacher_model, vocab_size=len(tokenizer), pad_id=sampler.pad_id)
-    eval_set = EvalSet(task, 0, load_prompts(str(test_file)), reasoning_gym_score, direct_scorer(scorer))
+    eval_set = EvalSet(task, 0, load_prompts(str(test_file)), GRADERS[args.grader], direct_scorer(scorer))
     points: list[dict] = []
     clock = {"seconds": 0.0}
 
@@ -276,8 +282,8 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
         def on_train_end(self, _args, state, *_, **__):
             record(state.global_step)
 
-    config = DistillationConfig(
-        output_dir=str(directory),
+    config = distillation_config(
+        str(directory),
         per_device_train_batch_size=BATCH,
         max_completion_length=TASKS[task]["max_tokens"],
         temperature=1.0,
@@ -286,12 +292,7 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
         adam_beta2=0.95,
         max_grad_norm=1.0,
         max_steps=args.steps,
-        logging_steps=1000,
-        save_strategy="no",
-        report_to="none",
         use_cpu=True,
-        bf16=False,  # TRL defaults to bf16 autocast and gradient checkpointing: opd runs
-        gradient_checkpointing=False,  # float32 without recomputation, so TRL does too
         seed=0,
     )
     trainer = DistillationTrainer(
@@ -301,11 +302,7 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
         train_dataset=data,
         processing_class=tokenizer,
         callbacks=[EvalAndTime()],
-        peft_config=LoraConfig(
-            r=args.lora_rank, lora_alpha=args.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM"
-        )
-        if args.lora_rank
-        else None,
+        peft_config=lora_config(args.lora_rank) if args.lora_rank else None,
     )
     trainer.train()
     return points
@@ -344,6 +341,36 @@ def prepare_teacher(task: str, base: Path, args) -> tuple[Path, float]:
     return target, state["accuracy"]
 
 
+def teacher_accuracy_graded_by(
+    task: str, teacher: Path, accuracy_under_task_scorer: float, grader: str
+) -> float:
+    """The teacher's held-out greedy accuracy under ``grader``, measured once and kept in teacher.json."""
+    if grader == "reasoning_gym":
+        return accuracy_under_task_scorer
+    summary = teacher / "teacher.json"
+    state = json.loads(summary.read_text())
+    if f"accuracy_{grader}" not in state:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from opd.data.prompts import load_prompts
+        from opd.data.render import ChatRenderer
+        from opd.runs.evaluation import accuracy
+        from opd.runs.graders import GRADERS
+        from opd.sampling.hf_generate import HFGenerateSampler
+
+        tokenizer = AutoTokenizer.from_pretrained(teacher)
+        model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+        renderer = ChatRenderer(tokenizer)
+        sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+        prompts = load_prompts(str(write_task_files(task)[1]))
+        state[f"accuracy_{grader}"] = accuracy(
+            sampler, renderer, prompts, GRADERS[grader], max_tokens=TASKS[task]["max_tokens"]
+        )
+        summary.write_text(json.dumps(state))
+    return state[f"accuracy_{grader}"]
+
+
 def first_reaching(curve: list[dict], level: float) -> dict | None:
     return next((point for point in curve if point["accuracy"] >= level), None)
 
@@ -360,9 +387,13 @@ def report(results: list[dict], out: Path) -> str:
     import matplotlib.pyplot as plt
 
     lines = []
-    for task, student in sorted({(r["task"], r["student"]) for r in results}):
+
+    def study(result: dict) -> tuple:
+        return result["task"], result["student"], result.get("grader", "reasoning_gym"), result["steps"]
+
+    for task, student, grader, steps in sorted({study(r) for r in results}):
         group = sorted(
-            (r for r in results if r["task"] == task and r["student"] == student),
+            (r for r in results if study(r) == (task, student, grader, steps)),
             key=lambda r: (
                 METHODS.index(next(m for m in reversed(METHODS) if r["method"].startswith(m))),
                 r["method"],
@@ -371,7 +402,7 @@ def report(results: list[dict], out: Path) -> str:
         teacher = group[0]["teacher_accuracy"]
         budget = min(r["curve"][-1]["seconds"] for r in group)
         lines += [
-            f"\n{task}, student {student}: teacher {teacher:.0%}, "
+            f"\n{task}, student {student}, {steps} steps, graded by {grader}: teacher {teacher:.0%}, "
             f"start {group[0]['curve'][0]['accuracy']:.0%}, "
             f"90% of teacher = {0.9 * teacher:.0%}; equal time budget = {budget:.0f} s\n",
             "| method | acc by eval step (%) | acc @ last step | acc @ equal time | steps to 90% "
@@ -412,9 +443,9 @@ def report(results: list[dict], out: Path) -> str:
         for axis in axes[:2]:
             axis.axhline(0.9 * teacher, color="grey", linestyle="--", linewidth=1)
         axes[0].legend()
-        figure.suptitle(f"{task}, student {student}")
+        figure.suptitle(f"{task}, student {student}, {steps} steps, graded by {grader}")
         figure.tight_layout()
-        figure.savefig(out / f"sample_efficiency_{task}_{student}.png", dpi=90)
+        figure.savefig(out / f"sample_efficiency_{task}_{student}_{grader}_{steps}.png", dpi=90)
         plt.close(figure)
     return "\n".join(lines)
 
@@ -429,7 +460,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument(
+        "--jsd-beta", type=float, default=0.5, help="opd-jsd's beta (1: full-vocabulary reverse KL, as TRL)"
+    )
+    parser.add_argument(
+        "--loss-aggregation",
+        default="token_mean",
+        choices=("token_mean", "sequence_mean", "sum"),
+        help="opd methods only (TRL and the teachers keep their own)",
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning (teachers always are)")
+    parser.add_argument(
+        "--grader",
+        default="reasoning_gym",
+        choices=("reasoning_gym", "last_number"),
+        help="reasoning_gym: the task's scorer on the <answer> tag or the whole reply (format counts); "
+        "last_number: the last number in the reply (arithmetic only, as a lenient eval would)",
+    )
     parser.add_argument("--tag", default="", help="suffix for the run names (e.g. a learning-rate sweep)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
@@ -437,11 +484,13 @@ def main() -> None:
     base = converted_dir()
     for task in args.tasks:
         teacher, teacher_accuracy = prepare_teacher(task, base, args)
+        teacher_accuracy = teacher_accuracy_graded_by(task, teacher, teacher_accuracy, args.grader)
         print(f"teacher for {task}: {teacher_accuracy:.0%} held out ({teacher})", flush=True)
         for student_name in args.students:
             student = base if student_name == "base" else pruned_student(base, int(student_name[6:]))
             for method in args.methods:
-                name = f"{task}-{student_name}-{method}{args.tag}"
+                graded_by = "" if args.grader == "reasoning_gym" else f"-{args.grader}"
+                name = f"{task}-{student_name}-{method}{args.tag}{graded_by}"
                 result_file = args.out / f"{name}.json"
                 if result_file.exists():
                     continue
@@ -455,7 +504,9 @@ def main() -> None:
                     "method": method + args.tag,
                     "lr": args.lr,
                     "lora_rank": args.lora_rank,
+                    "loss_aggregation": args.loss_aggregation,
                     "steps": args.steps,
+                    "grader": args.grader,
                     "teacher_accuracy": teacher_accuracy,
                     "curve": curve,
                     "wall_seconds": time.perf_counter() - started,

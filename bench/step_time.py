@@ -39,9 +39,9 @@ def prompts(count: int) -> list[str]:
 
 def run_trl(args, steps: int) -> dict:
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DistillationConfig, DistillationTrainer
+    from trl import DistillationTrainer
+    from trl_setup import distillation_config, lora_config
 
     tokenizer = AutoTokenizer.from_pretrained(args.student)
     if tokenizer.pad_token is None:
@@ -59,20 +59,15 @@ def run_trl(args, steps: int) -> dict:
             step_times.append(time.perf_counter() - self.started)
 
     with tempfile.TemporaryDirectory() as output:
-        config = DistillationConfig(
-            output_dir=output,
+        config = distillation_config(
+            output,
             per_device_train_batch_size=args.prompts,
             max_completion_length=args.max_tokens,
             temperature=1.0,
             beta=1.0,
             learning_rate=1e-5,
             max_steps=steps,
-            logging_steps=1000,
-            save_strategy="no",
-            report_to="none",
             use_cpu=args.device == "cpu",
-            bf16=False,  # TRL defaults to bf16 autocast and gradient checkpointing: opd runs
-            gradient_checkpointing=False,  # float32 without recomputation, so TRL does too
         )
         trainer = DistillationTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.student),
@@ -80,9 +75,7 @@ def run_trl(args, steps: int) -> dict:
             args=config,
             train_dataset=data,
             processing_class=tokenizer,
-            peft_config=LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-            if args.mode == "lora"
-            else None,
+            peft_config=lora_config(16) if args.mode == "lora" else None,
             callbacks=[Timer()],
         )
         trainer.train()

@@ -75,7 +75,7 @@ def bpe_model(tmp_path_factory):
 def rollout_and_scores(config):
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.sample_batch(0)
-    return trainer, batch, trainer.score_with_teachers(batch).logprobs_BT
+    return trainer, batch, trainer.teachers.score(batch).logprobs_BT
 
 
 def test_same_tokenizer_through_the_cross_tokenizer_path_is_exact(demo_models, tmp_path):

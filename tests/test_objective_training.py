@@ -1,6 +1,7 @@
 """Each objective, trained on the demo task, lowers the divergence it optimises."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def fixed_batch_divergence(trainer: Trainer, **objective) -> float:
     total = tokens = 0.0
     for step in EVAL_STEPS:
         batch, _ = trainer.sample_batch(step)
-        teacher = trainer.score_with_teachers(batch, training)
+        teacher = trainer.teachers.score(batch, training)
         with torch.no_grad():
             per_token, _, _ = objective_per_token(
                 trainer.student, batch, teacher, torch.zeros_like(batch.mask_BT), training, trainer.vocab_size
@@ -97,3 +98,39 @@ def test_sft_pays_for_no_teacher_forward(demo_models, tmp_path, monkeypatch):
     assert all(row["loss"] > 0 and "teacher_kl" not in row for row in rows)
     html = build_report(tmp_path / "run").read_text()
     assert "<td>-</td>" in html  # samples without token KL, shown plain
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, beta):
+    """The trainer's jsd at each sampled token equals the divergence computed from both models' full
+    logits at the position that predicts it: the teacher's hidden states line up with the student's."""
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    config["training"].update(objective="jsd", beta=beta)
+    trainer = Trainer(config_from_dict(config), progress=False)
+    batch, _ = trainer.sample_batch(0)
+    teacher = trainer.teachers.score(batch)
+    vocab = trainer.vocab_size
+    with torch.no_grad():
+        per_token, _, _ = objective_per_token(
+            trainer.student, batch, teacher, torch.zeros_like(batch.mask_BT), trainer.config.training, vocab
+        )
+        full = [
+            torch.log_softmax(
+                model(batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits[..., :vocab], -1
+            )
+            for model in (trainer.student, trainer.teachers.per_dataset[0].model)
+        ]
+    rows, positions = batch.mask_BT.bool().nonzero(as_tuple=True)
+    student_log, teacher_log = (log[rows, positions - 1] for log in full)
+    mixture = (
+        torch.logsumexp(torch.stack([student_log + math.log(1 - beta), teacher_log + math.log(beta)]), 0)
+        if beta < 1
+        else None
+    )
+    if beta == 1.0:
+        expected = (student_log.exp() * (student_log - teacher_log)).sum(-1)
+    else:
+        expected = beta * (teacher_log.exp() * (teacher_log - mixture)).sum(-1) + (1 - beta) * (
+            student_log.exp() * (student_log - mixture)
+        ).sum(-1)
+    torch.testing.assert_close(per_token[rows, positions], expected, atol=1e-4, rtol=1e-4)

@@ -41,7 +41,7 @@ def test_teacher_equal_to_student_gives_zero_kl_and_unit_ratio(base_config, mode
     trainer = Trainer(config_from_dict(base_config), progress=False)
     batch, source = trainer.sample_batch(0)
     assert source == "student"
-    teacher_logprobs = trainer.score_with_teachers(batch).logprobs_BT
+    teacher_logprobs = trainer.teachers.score(batch).logprobs_BT
     mask = batch.mask_BT.bool()
     torch.testing.assert_close(teacher_logprobs[mask], batch.sampled_logprobs_BT[mask], atol=1e-5, rtol=0)
     metrics = trainer.train_step(0)
@@ -98,8 +98,8 @@ def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
     monkeypatch.setattr(
-        trainer,
-        "score_with_teachers",
+        trainer.teachers,
+        "score",
         lambda batch: TeacherTargets(torch.full_like(batch.sampled_logprobs_BT, float("nan"))),
     )
     with pytest.warns(UserWarning, match="non-finite log-probs"):

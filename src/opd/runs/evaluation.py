@@ -56,7 +56,7 @@ def graded(
 
 def accuracy(
     sampler: Sampler, renderer: ChatRenderer, prompts: list[Prompt], grader: Grader, *, max_tokens: int
-):
+) -> float:
     """Mean grade of greedy completions."""
     rendered = [renderer.prompt_ids(p.messages) for p in prompts]
     completions = sampler.sample(rendered, temperature=1.0, max_tokens=max_tokens, greedy=True)
@@ -85,8 +85,9 @@ def evaluate(
         prefix = f"test/{eval_set.name}"
         rendered = [renderer.prompt_ids(p.messages) for p in eval_set.prompts]
         if eval_set.grader is not None:
-            greedy = sampler.sample(rendered, temperature=1.0, max_tokens=max_tokens, greedy=True)
-            metrics[f"{prefix}/accuracy"] = graded(renderer, greedy, eval_set.prompts, eval_set.grader)
+            metrics[f"{prefix}/accuracy"] = accuracy(
+                sampler, renderer, eval_set.prompts, eval_set.grader, max_tokens=max_tokens
+            )
         torch.manual_seed(seed)
         sampled = sampler.sample(rendered, temperature=temperature, max_tokens=max_tokens)
         if eval_set.grader is not None:

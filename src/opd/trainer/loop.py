@@ -7,8 +7,6 @@ the negative sampled-token reverse KL -> ``num_substeps`` optimizer steps on the
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import random
 import time
 import warnings
@@ -20,12 +18,12 @@ import yaml
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 
-from opd.config import Config, ConfigError, TeacherConfig, TrainingConfig, config_to_dict
+from opd.config import Config, ConfigError, config_to_dict
 from opd.data.batching import CompositeBatches
 from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
-from opd.logprobs import logit_transform_for, sequence_logprobs
-from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
+from opd.logprobs import sequence_logprobs
+from opd.models import load_causal_lm, load_tokenizer
 from opd.objectives.advantages import kl_advantages, reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import colorize_example
@@ -45,13 +43,10 @@ from opd.runs.resume import (
 from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
-from opd.teachers.alignment import TeacherFormat
-from opd.teachers.base import Teacher
-from opd.teachers.local import LocalTeacher
-from opd.teachers.remote import RemoteTeacher
 from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
 from opd.trainer.sft import completion_tokens
-from opd.trainer.update import TeacherTargets, policy_update
+from opd.trainer.teacher_panel import TeacherPanel
+from opd.trainer.update import policy_update
 
 PROGRESS_KEYS = ("teacher_kl", "entropy", "kl_sample_train", "completion_len_mean")
 
@@ -154,29 +149,18 @@ class Trainer:
             stop_strings=self.renderer.stop_strings,
         )
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
-        self.teacher_formats: list[TeacherFormat | None] = []
         self.batches = CompositeBatches(
             self.datasets,
             [d.groups_per_batch for d in config.datasets],
             [d.name for d in config.datasets],
             config.seed,
         )
-        self.teachers = self._load_teachers()
+        self.teachers = TeacherPanel(config, self.tokenizer, self.renderer, self.sampler.pad_id)
         training = config.training
         if training.objective == "topk_forward_kl" and training.topk > self.vocab_size:
             raise ConfigError(
                 f"training.topk: {training.topk} is larger than the vocabulary ({self.vocab_size} tokens)"
             )
-        self.teacher_samplers = {
-            id(teacher): HFGenerateSampler(
-                teacher.model,
-                self.tokenizer,
-                stop_token_ids=self.renderer.stop_token_ids,
-                stop_strings=self.renderer.stop_strings,
-            )
-            for teacher in self.teachers
-            if isinstance(teacher, LocalTeacher)
-        }
         self.eval_sets = self._load_eval_sets()
         check_loggers(config)
         self.spans = SpanRecorder(None)
@@ -207,13 +191,8 @@ class Trainer:
                 and dataset.grader != "reasoning_gym"
             ):
                 grader = None
-            eval_sets.append(EvalSet(dataset.name, index, prompts, grader, self.teacher_logprobs))
+            eval_sets.append(EvalSet(dataset.name, index, prompts, grader, self.teachers.logprobs))
         return eval_sets
-
-    def teacher_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers applied)."""
-        token_only = dataclasses.replace(self.config.training, objective="sampled_reverse_kl")
-        return self.score_with_teachers(batch, token_only).logprobs_BT
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """``test/*`` metrics of the current student on every dataset's held-out prompts."""
@@ -231,80 +210,6 @@ class Trainer:
             max_tokens=self.config.training.max_tokens,
             seed=self.config.seed,
             pad_id=self.sampler.pad_id,
-        )
-
-    def _load_teachers(self) -> list[Teacher]:
-        loaded: dict[tuple, Teacher] = {}
-        per_dataset = []
-        for index, dataset in enumerate(self.config.datasets):
-            teacher_cfg: TeacherConfig = self.config.teacher_for(dataset)
-            where = f"datasets[{index}].teacher" if dataset.teacher else "teacher"
-            key = (
-                teacher_cfg.backend,
-                teacher_cfg.base_url,
-                teacher_cfg.model,
-                teacher_cfg.dtype,
-                teacher_cfg.device,
-            )
-            teacher_format = self._teacher_format(teacher_cfg)
-            if key not in loaded:
-                loaded[key] = self._load_teacher(teacher_cfg, where, teacher_format)
-            per_dataset.append(loaded[key])
-            self.teacher_formats.append(teacher_format)
-        return per_dataset
-
-    def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
-        """How a teacher with its own template or tokenizer sees the rollouts (None: as the student)."""
-        if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer:
-            return None
-        name = teacher_cfg.tokenizer or teacher_cfg.model
-        own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
-        tokenizer = load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(self.tokenizer)
-        template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
-        renderer = ChatRenderer(tokenizer, template)
-        return TeacherFormat(
-            renderer, self.tokenizer, self.renderer.stop_token_ids, teacher_cfg.cross_tokenizer
-        )
-
-    def _load_teacher(
-        self, teacher_cfg: TeacherConfig, where: str, teacher_format: TeacherFormat | None
-    ) -> Teacher:
-        tokenizer_name = teacher_cfg.tokenizer or (
-            teacher_cfg.model if teacher_cfg.backend == "local" else None
-        )
-        if tokenizer_name is not None and not teacher_cfg.cross_tokenizer:
-            field_name = f"{where}.tokenizer" if teacher_cfg.tokenizer else f"{where}.model"
-            teacher_tokenizer = load_tokenizer(
-                tokenizer_name, field_name, trust_remote_code=teacher_cfg.trust_remote_code
-            )
-            check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
-        if teacher_cfg.backend != "local":
-            return RemoteTeacher(
-                backend=teacher_cfg.backend,
-                base_url=teacher_cfg.base_url,
-                model=teacher_cfg.model,
-                api_key_env=teacher_cfg.api_key_env,
-                timeout_s=teacher_cfg.timeout_s,
-                max_retries=teacher_cfg.max_retries,
-                max_concurrency=teacher_cfg.max_concurrency,
-                request_batch_size=teacher_cfg.request_batch_size,
-            )
-        model = load_causal_lm(
-            teacher_cfg.model,
-            f"{where}.model",
-            dtype=teacher_cfg.dtype,
-            device=teacher_cfg.device,
-            trust_remote_code=teacher_cfg.trust_remote_code,
-        )
-        vocab_size = self.vocab_size
-        if teacher_cfg.cross_tokenizer:
-            vocab_size = len(teacher_format.renderer.tokenizer)
-        return LocalTeacher(
-            model,
-            vocab_size=vocab_size,
-            pad_id=self.sampler.pad_id,
-            batch_size=self.config.training.teacher_batch_size,
-            chunk_size=self.config.training.logprob_chunk_size,
         )
 
     def data_source_at(self, step: int) -> str:
@@ -345,81 +250,11 @@ class Trainer:
                 prompts, temperature=training.temperature, max_tokens=training.max_tokens
             )
         else:
-            completions = [None] * len(prompts)
-            for rows in self._rows_by_teacher(dataset_indices).values():
-                sampler = self.teacher_samplers[id(self.teachers[dataset_indices[rows[0]]])]
-                sampled = sampler.sample(
-                    [prompts[r] for r in rows],
-                    temperature=training.temperature,
-                    max_tokens=training.max_tokens,
-                )
-                for row, completion in zip(rows, sampled, strict=True):
-                    completions[row] = completion
+            completions = self.teachers.sample(
+                prompts, dataset_indices, temperature=training.temperature, max_tokens=training.max_tokens
+            )
         batch = build_rollout_batch(prompts, completions, dataset_indices, self.sampler.pad_id, messages)
         return batch, source
-
-    def _rows_by_teacher(self, dataset_indices: list[int]) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for row, dataset_index in enumerate(dataset_indices):
-            groups.setdefault(id(self.teachers[dataset_index]), []).append(row)
-        return groups
-
-    def score_with_teachers(
-        self, batch: RolloutBatch, training: TrainingConfig | None = None
-    ) -> TeacherTargets:
-        """Each row scored by its dataset's teacher, with what the objective needs (top-k, hidden).
-
-        ``training`` overrides the run's objective settings (to evaluate another divergence).
-        """
-        training = training or self.config.training
-        topk = training.topk if training.objective == "topk_forward_kl" else 0
-        hidden = training.objective == "jsd"
-        shape = batch.sampled_logprobs_BT.shape
-        targets = TeacherTargets(torch.zeros(shape))
-        if topk:
-            targets.topk_ids_BTK = torch.zeros(*shape, topk, dtype=torch.long)
-            targets.topk_logprobs_BTK = torch.zeros(*shape, topk)
-        sequences = batch.sequences
-        masks = [row.bool().tolist() for row in batch.mask_BT]
-        for rows in self._rows_by_teacher(batch.dataset_index_B.tolist()).values():
-            dataset_index = int(batch.dataset_index_B[rows[0]])
-            teacher, teacher_format = self.teachers[dataset_index], self.teacher_formats[dataset_index]
-            if teacher_format is not None:
-                built = [
-                    teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :])
-                    for r in rows
-                ]
-                sent, sent_masks = [b.token_ids for b in built], [b.score_mask for b in built]
-            else:
-                sent, sent_masks = [sequences[r] for r in rows], [masks[r] for r in rows]
-            scores = teacher.score(
-                sent, sent_masks, topk=topk, hidden=hidden, temperature=training.temperature
-            )
-            for i, row in enumerate(rows):
-                values = scores.logprobs[i]
-                if teacher_format is not None:
-                    start, end = batch.prompt_lengths[row], len(sequences[row])
-                    student = batch.sampled_logprobs_BT[row, start:end].tolist()
-                    answer = values[built[i].completion_start :].tolist()
-                    targets.logprobs_BT[row, start:end] = torch.tensor(
-                        teacher_format.student_view(built[i], answer, student)
-                    )
-                else:
-                    targets.logprobs_BT[row, : values.shape[0]] = values
-                scored = batch.mask_BT[row].bool()
-                if topk:
-                    targets.topk_ids_BTK[row][scored] = scores.topk_ids[i]
-                    targets.topk_logprobs_BTK[row][scored] = scores.topk_logprobs[i]
-                if hidden:
-                    if targets.hidden_BTD is None:
-                        width = scores.hidden[i].shape[-1]
-                        targets.hidden_BTD = torch.zeros(*shape, width, device=scores.hidden[i].device)
-                        targets.head, targets.transform = (
-                            teacher.lm_head,
-                            logit_transform_for(teacher.model, training.temperature),
-                        )
-                    targets.hidden_BTD[row][scored.to(targets.hidden_BTD.device)] = scores.hidden[i].float()
-        return targets
 
     def kl_metrics(self, batch: RolloutBatch, reverse_kl_BT: torch.Tensor) -> dict[str, float]:
         """``teacher_kl`` = sum(reverse KL) / completion tokens, overall and per dataset."""
@@ -441,7 +276,7 @@ class Trainer:
         teacher = reverse_kl = None
         if training.objective != "nll":  # SFT reads only the tokens: no teacher forward to pay for
             with self.spans.span(step, "teacher"):
-                teacher = self.score_with_teachers(batch)
+                teacher = self.teachers.score(batch)
         scored_at = time.perf_counter()
         mask = batch.mask_BT
         on_policy = source == "student"
