@@ -419,7 +419,9 @@ def report(results: list[dict], out: Path) -> str:
                 f"| {curve[-1]['accuracy']:.0%} | {accuracy_at_seconds(curve, budget):.0%} | "
                 f"{reached[0]} | {reached[1]} | {per_step:.1f} | {kl} |"
             )
-        figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+        figure, axes = plt.subplots(1, 3, figsize=(17, 4))
+        for axis in axes:
+            axis.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 runs, each its own colour
         for r in group:
             curve = r["curve"]
             axes[0].plot(
@@ -442,9 +444,9 @@ def report(results: list[dict], out: Path) -> str:
             axis.grid(alpha=0.3)
         for axis in axes[:2]:
             axis.axhline(0.9 * teacher, color="grey", linestyle="--", linewidth=1)
-        axes[0].legend()
+        figure.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize="small")
         figure.suptitle(f"{task}, student {student}, {steps} steps, graded by {grader}")
-        figure.tight_layout()
+        figure.tight_layout(rect=(0, 0, 0.86, 1))
         figure.savefig(out / f"sample_efficiency_{task}_{student}_{grader}_{steps}.png", dpi=90)
         plt.close(figure)
     return "\n".join(lines)
