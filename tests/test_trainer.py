@@ -166,7 +166,7 @@ def test_per_dataset_teachers_and_metrics(base_config, model_dirs, prompts_file)
         }
     )
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.teachers[0] is not trainer.teachers[1]
+    assert trainer.teachers.per_dataset[0] is not trainer.teachers.per_dataset[1]
     metrics = trainer.train_step(0)
     assert abs(metrics["teacher_kl/self"]) < 1e-5  # scored by the student itself
     assert metrics["teacher_kl/rev"] > 0.1
