@@ -221,29 +221,43 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
+def float32_sampler(path: Path):
+    """The model at ``path`` in float32, with its tokenizer, chat renderer and opd's HF sampler."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.data.render import ChatRenderer
+    from opd.sampling.hf_generate import HFGenerateSampler
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    renderer = ChatRenderer(tokenizer)
+    return (
+        model,
+        tokenizer,
+        renderer,
+        HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids),
+    )
+
+
 def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> list[dict]:
     """TRL's trainer on the same prompts, batch, length and optimizer; evaluated with opd's code."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DistillationTrainer
     from trl_setup import distillation_config, lora_config
 
     from opd.data.prompts import load_prompts
-    from opd.data.render import ChatRenderer
     from opd.runs.evaluation import EvalSet, direct_scorer, evaluate
     from opd.runs.graders import GRADERS
-    from opd.sampling.hf_generate import HFGenerateSampler
     from opd.teachers.local import LocalTeacher
 
     train_file, test_file = write_task_files(task)
-    tokenizer = AutoTokenizer.from_pretrained(student)
+    model, tokenizer, renderer, sampler = float32_sampler(student)
     prompts = load_prompts(str(train_file))[: args.steps * BATCH]
     data = Dataset.from_list([{"prompt": list(p.messages)} for p in prompts])
     teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
-    renderer = ChatRenderer(tokenizer)
-    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
     scorer = LocalTeacher(teacher_model, vocab_size=len(tokenizer), pad_id=sampler.pad_id)
     eval_set = EvalSet(task, 0, load_prompts(str(test_file)), GRADERS[args.grader], direct_scorer(scorer))
     points: list[dict] = []
@@ -350,19 +364,11 @@ def teacher_accuracy_graded_by(
     summary = teacher / "teacher.json"
     state = json.loads(summary.read_text())
     if f"accuracy_{grader}" not in state:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         from opd.data.prompts import load_prompts
-        from opd.data.render import ChatRenderer
         from opd.runs.evaluation import accuracy
         from opd.runs.graders import GRADERS
-        from opd.sampling.hf_generate import HFGenerateSampler
 
-        tokenizer = AutoTokenizer.from_pretrained(teacher)
-        model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
-        renderer = ChatRenderer(tokenizer)
-        sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+        _, _, renderer, sampler = float32_sampler(teacher)
         prompts = load_prompts(str(write_task_files(task)[1]))
         state[f"accuracy_{grader}"] = accuracy(
             sampler, renderer, prompts, GRADERS[grader], max_tokens=TASKS[task]["max_tokens"]
