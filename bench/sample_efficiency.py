@@ -138,6 +138,7 @@ def opd_config(
     return {
         "log_path": str(log_path),
         "on_existing_log_path": "overwrite",
+        "seed": args.seed,
         "save_every": 0,
         "eval_every": args.eval_every,
         "student": {"model": str(student), "lora_rank": lora_rank},
@@ -271,7 +272,7 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
             [eval_set],
             temperature=1.0,
             max_tokens=TASKS[task]["max_tokens"],
-            seed=0,
+            seed=args.seed,
             pad_id=sampler.pad_id,
         )
         model.train()
@@ -307,7 +308,7 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
         max_grad_norm=1.0,
         max_steps=args.steps,
         use_cpu=True,
-        seed=0,
+        seed=args.seed,
     )
     trainer = DistillationTrainer(
         model=model,
@@ -485,6 +486,9 @@ def main() -> None:
         help="reasoning_gym: the task's scorer on the <answer> tag or the whole reply (format counts); "
         "last_number: the last number in the reply (arithmetic only, as a lenient eval would)",
     )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling and prompt order of the student runs (not the teachers)"
+    )
     parser.add_argument("--tag", default="", help="suffix for the run names (e.g. a learning-rate sweep)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
@@ -511,6 +515,7 @@ def main() -> None:
                     "student": student_name,
                     "method": method + args.tag,
                     "lr": args.lr,
+                    "seed": args.seed,
                     "lora_rank": args.lora_rank,
                     "loss_aggregation": args.loss_aggregation,
                     "steps": args.steps,

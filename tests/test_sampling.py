@@ -77,6 +77,24 @@ def test_greedy_is_deterministic(setup):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
+@pytest.mark.parametrize("greedy", [False, True])
+def test_generation_config_passes_strict_validation(setup, greedy):
+    """No field generate would ignore or warn about (top_k 0 once warned on every greedy eval)."""
+    _, _, sampler, _ = setup
+    sampler.generation_config(max_tokens=4, greedy=greedy).validate(strict=True)
+
+
+def test_greedy_picks_the_argmax_despite_model_generation_defaults(setup):
+    model, _, sampler, prompts = setup
+    model.generation_config.repetition_penalty = 3.0
+    (completion,) = sampler.sample(prompts[1:2], temperature=0.7, max_tokens=6, greedy=True)
+    ids = list(prompts[1])
+    with torch.no_grad():
+        for token in completion.token_ids:
+            assert token == int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+
+
 def test_masks_cover_exactly_the_completion_including_eos():
     prompts = [[1, 5, 6], [1, 7]]
     completions = [Completion([9, 10, 2], [-0.1, -0.2, -0.3], True), Completion([11], [-0.4], False)]

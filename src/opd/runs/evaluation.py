@@ -55,10 +55,17 @@ def graded(
 
 
 def accuracy(
-    sampler: Sampler, renderer: ChatRenderer, prompts: list[Prompt], grader: Grader, *, max_tokens: int
+    sampler: Sampler,
+    renderer: ChatRenderer,
+    prompts: list[Prompt],
+    grader: Grader,
+    *,
+    max_tokens: int,
+    rendered: list[list[int]] | None = None,
 ) -> float:
-    """Mean grade of greedy completions."""
-    rendered = [renderer.prompt_ids(p.messages) for p in prompts]
+    """Mean grade of greedy completions; ``rendered`` (the prompts' token ids) if already at hand."""
+    if rendered is None:
+        rendered = [renderer.prompt_ids(p.messages) for p in prompts]
     completions = sampler.sample(rendered, temperature=1.0, max_tokens=max_tokens, greedy=True)
     return graded(renderer, completions, prompts, grader)
 
@@ -86,7 +93,7 @@ def evaluate(
         rendered = [renderer.prompt_ids(p.messages) for p in eval_set.prompts]
         if eval_set.grader is not None:
             metrics[f"{prefix}/accuracy"] = accuracy(
-                sampler, renderer, eval_set.prompts, eval_set.grader, max_tokens=max_tokens
+                sampler, renderer, eval_set.prompts, eval_set.grader, max_tokens=max_tokens, rendered=rendered
             )
         torch.manual_seed(seed)
         sampled = sampler.sample(rendered, temperature=temperature, max_tokens=max_tokens)

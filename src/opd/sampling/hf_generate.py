@@ -73,6 +73,22 @@ class HFGenerateSampler:
             completions += self._sample_batch(prompts[start : start + size], temperature, max_tokens, greedy)
         return completions
 
+    def generation_config(self, max_tokens: int, greedy: bool) -> GenerationConfig:
+        """What ``generate`` is told: the temperature is applied by the recorder, not here.
+
+        Sampling must not truncate (top_k 0, top_p 1); greedy decoding takes neither field, as
+        ``generate`` warns about sampling fields set for greedy decoding.
+        """
+        truncation = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        return GenerationConfig(
+            do_sample=not greedy,
+            max_new_tokens=max_tokens,
+            **truncation,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.pad_id,
+            stop_strings=self.stop_strings or None,
+        )
+
     def _sample_batch(self, prompts, temperature, max_tokens, greedy) -> list[Completion]:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
@@ -82,16 +98,7 @@ class HFGenerateSampler:
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
         recorder = _SampledLogprobRecorder(1.0 if greedy else temperature, len(self.tokenizer))
-        generation_config = GenerationConfig(
-            do_sample=not greedy,
-            max_new_tokens=max_tokens,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=self.pad_id,
-            stop_strings=self.stop_strings or None,
-        )
+        generation_config = self.generation_config(max_tokens, greedy)
         # generate() fills every unset field from the model's own generation_config
         # (repetition_penalty, min_new_tokens, ...); hide it so only our settings apply.
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model

@@ -1,0 +1,114 @@
+"""Is opd's sampler at its floor? ``generate`` vs a bare cached decode loop vs the matmuls alone.
+
+At a small batch on a CPU, one decode step reads every weight once and does little arithmetic
+with each, so reading the weights is most of the step's time. For
+``--batch`` rows this prints the seconds per decoded token of:
+
+- opd's ``HFGenerateSampler`` (HF ``generate``, KV cache, log-prob recorder, stop checks);
+- a hand-written loop of cached forward calls with multinomial sampling and nothing else;
+- the floor: one matmul per linear layer of the model (lm head included) at the same batch,
+  i.e. reading the weights once, without attention, norms or Python;
+
+and the ratios to the floor. When the first two sit close to the floor, a faster sampler
+written around the same model in the same precision has little left to win.
+
+    python bench/sampler_floor.py --model ~/.cache/opd/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import time
+
+import torch
+from torch import nn
+
+
+def per_token_seconds(run, tokens: int, repeats: int) -> float:
+    """Median seconds of ``run()`` over ``repeats`` calls (after one warm-up), per decoded token."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) / tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="a local Hugging Face causal LM directory")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=40)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    from opd.sampling.hf_generate import HFGenerateSampler
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    vocab = len(tokenizer)
+    prompt_ids = torch.randint(0, vocab, (args.batch, args.prompt_tokens), generator=generator)
+    # No stop id can end a row early: every row decodes exactly --new-tokens tokens.
+    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=[vocab + 1])
+    prompts = prompt_ids.tolist()
+
+    def opd_sampler() -> None:
+        sampler.sample(prompts, temperature=1.0, max_tokens=args.new_tokens)
+
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name still works, with a warning)
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @torch.inference_mode()
+    def bare_loop() -> None:
+        attention = torch.ones_like(prompt_ids)
+        cache = {cache_argument: DynamicCache()}
+        logits = model(input_ids=prompt_ids, attention_mask=attention, **cache).logits
+        for _ in range(args.new_tokens - 1):
+            token = torch.multinomial(torch.softmax(logits[:, -1].float(), dim=-1), 1)
+            attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+            logits = model(input_ids=token, attention_mask=attention, **cache).logits
+
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    inputs = [torch.randn(args.batch, m.in_features) for m in linears]
+
+    @torch.inference_mode()
+    def weights_read() -> None:
+        for linear, x in zip(linears, inputs, strict=True):
+            x @ linear.weight.T
+
+    @torch.inference_mode()
+    def prefill() -> None:
+        model(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), logits_to_keep=1)
+
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    floor = per_token_seconds(weights_read, 1, args.repeats * 5)
+    rows = {
+        "opd HFGenerateSampler": per_token_seconds(opd_sampler, args.new_tokens, args.repeats),
+        "bare cached decode loop": per_token_seconds(bare_loop, args.new_tokens, args.repeats),
+        "matmuls alone (floor)": floor,
+    }
+    print(
+        f"{args.model}: batch {args.batch}, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, "
+        f"{torch.get_num_threads()} threads; linear weights {weight_bytes / 2**20:.0f} MiB float32, "
+        f"read at {weight_bytes / floor / 2**30:.1f} GiB/s by the floor"
+    )
+    print(
+        f"the two decoders' times include the prompt's prefill: one forward, "
+        f"{per_token_seconds(prefill, 1, args.repeats) * 1000:.0f} ms"
+    )
+    print(f"{'':>24} {'ms/token':>9} {'vs floor':>9}")
+    for name, seconds in rows.items():
+        print(f"{name:>24} {seconds * 1000:9.1f} {seconds / floor:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
