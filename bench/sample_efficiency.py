@@ -427,19 +427,19 @@ def report(results: list[dict], out: Path) -> str:
                 f"{reached[0]} | {reached[1]} | {per_step:.1f} | {kl} |"
             )
         figure, axes = plt.subplots(1, 3, figsize=(17, 4))
-        for axis in axes:
-            axis.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 runs, each its own colour
-        for r in group:
+        colours = plt.cm.tab20.colors
+        for index, r in enumerate(group):
             curve = r["curve"]
-            axes[0].plot(
-                [p["step"] for p in curve], [p["accuracy"] for p in curve], marker="o", label=r["method"]
-            )
-            axes[1].plot(
-                [p["seconds"] for p in curve], [p["accuracy"] for p in curve], marker="o", label=r["method"]
-            )
-            axes[2].plot(
-                [p["step"] for p in curve], [p["teacher_kl"] for p in curve], marker="o", label=r["method"]
-            )
+            # 20 colours; past 20 runs the colours repeat with dashed lines and square markers
+            style = {
+                "color": colours[index % len(colours)],
+                "linestyle": "-" if index < len(colours) else "--",
+                "marker": "o" if index < len(colours) else "s",
+                "label": r["method"],
+            }
+            axes[0].plot([p["step"] for p in curve], [p["accuracy"] for p in curve], **style)
+            axes[1].plot([p["seconds"] for p in curve], [p["accuracy"] for p in curve], **style)
+            axes[2].plot([p["step"] for p in curve], [p["teacher_kl"] for p in curve], **style)
         for axis, xlabel, ylabel in zip(
             axes,
             ("step", "training seconds", "step"),
