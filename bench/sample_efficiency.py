@@ -460,6 +460,8 @@ def report(results: list[dict], out: Path) -> str:
 
 
 def main() -> None:
+    from opd.objectives.policy_losses import LOSS_AGGREGATIONS
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -475,7 +477,7 @@ def main() -> None:
     parser.add_argument(
         "--loss-aggregation",
         default="token_mean",
-        choices=("token_mean", "sequence_mean", "sum"),
+        choices=LOSS_AGGREGATIONS,
         help="opd methods only (TRL and the teachers keep their own)",
     )
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning (teachers always are)")

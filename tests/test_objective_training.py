@@ -122,14 +122,12 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
         ]
     rows, positions = batch.mask_BT.bool().nonzero(as_tuple=True)
     student_log, teacher_log = (log[rows, positions - 1] for log in full)
-    mixture = (
-        torch.logsumexp(torch.stack([student_log + math.log(1 - beta), teacher_log + math.log(beta)]), 0)
-        if beta < 1
-        else None
-    )
     if beta == 1.0:
         expected = (student_log.exp() * (student_log - teacher_log)).sum(-1)
     else:
+        mixture = torch.logsumexp(
+            torch.stack([student_log + math.log(1 - beta), teacher_log + math.log(beta)]), 0
+        )
         expected = beta * (teacher_log.exp() * (teacher_log - mixture)).sum(-1) + (1 - beta) * (
             student_log.exp() * (student_log - mixture)
         ).sum(-1)
