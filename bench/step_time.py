@@ -28,7 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
-TOOLS = ("trl", "opd-jsd", "opd-sampled")
+# tool -> what it runs; ratios are against "trl" (TRL in float32, as opd trains)
+TOOLS = {
+    "trl": "TRL DistillationTrainer, float32",
+    "trl-bf16": "TRL with bf16=True (its default: bfloat16 autocast for generation and training)",
+    "opd-jsd": "opd jsd beta 1 (TRL's objective), float32",
+    "opd-sampled": "opd sampled_reverse_kl, float32",
+    "opd-jsd-bf16s": "opd jsd, rollouts from a bfloat16 copy (student.sampling_dtype)",
+    "opd-sampled-bf16s": "opd sampled_reverse_kl, rollouts from a bfloat16 copy",
+}
 
 
 def prompts(count: int) -> list[str]:
@@ -37,7 +45,7 @@ def prompts(count: int) -> list[str]:
     return [p.messages[0]["content"] for p in generate_task_prompts("reverse", seed=123, count=count)]
 
 
-def run_trl(args, steps: int) -> dict:
+def run_trl(args, steps: int, bf16: bool) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DistillationTrainer
@@ -68,6 +76,7 @@ def run_trl(args, steps: int) -> dict:
             learning_rate=1e-5,
             max_steps=steps,
             use_cpu=args.device == "cpu",
+            bf16=bf16,
         )
         trainer = DistillationTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.student),
@@ -82,7 +91,7 @@ def run_trl(args, steps: int) -> dict:
     return {"step_seconds": step_times[1:], "tokens": None}
 
 
-def run_opd(args, steps: int, objective: str) -> dict:
+def run_opd(args, steps: int, objective: str, sampling_dtype: str | None) -> dict:
     from opd.config import config_from_dict
     from opd.trainer.loop import Trainer
 
@@ -100,6 +109,7 @@ def run_opd(args, steps: int, objective: str) -> dict:
                     "model": args.student,
                     "lora_rank": 16 if args.mode == "lora" else 0,
                     "device": args.device,
+                    "sampling_dtype": sampling_dtype,
                 },
                 "teacher": {"model": args.teacher, "device": args.device},
                 "datasets": [
@@ -131,10 +141,11 @@ def run_opd(args, steps: int, objective: str) -> dict:
 def child(args) -> None:
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     steps = args.steps + 1
-    if args.child == "trl":
-        result = run_trl(args, steps)
+    if args.child.startswith("trl"):
+        result = run_trl(args, steps, bf16=args.child == "trl-bf16")
     else:
-        result = run_opd(args, steps, "jsd" if args.child == "opd-jsd" else "sampled_reverse_kl")
+        objective = "jsd" if args.child.startswith("opd-jsd") else "sampled_reverse_kl"
+        result = run_opd(args, steps, objective, "bfloat16" if args.child.endswith("-bf16s") else None)
     result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["baseline_mib"] = baseline / 1024
     print("RESULT " + json.dumps(result))
@@ -183,7 +194,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="*", default=["full", "lora"], choices=["full", "lora"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tools",
+        nargs="*",
+        default=["trl", "opd-jsd", "opd-sampled"],
+        choices=list(TOOLS),
+        help="; ".join(f"{tool}: {what}" for tool, what in TOOLS.items()) + " (trl is always run)",
+    )
+    parser.add_argument("--child", choices=list(TOOLS), help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -200,12 +218,13 @@ def main() -> None:
         f"<= {args.max_tokens} tokens, {args.steps} timed steps x {args.repeats} repeats, {args.device}"
     )
     print(
-        f"{'mode':>5} {'tool':>12} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} {'vs TRL':>7}"
+        f"{'mode':>5} {'tool':>17} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} {'vs TRL':>7}"
     )
+    tools = ["trl"] + [tool for tool in args.tools if tool != "trl"]
     for mode in args.modes:
-        runs: dict[str, list[dict]] = {tool: [] for tool in TOOLS}
+        runs: dict[str, list[dict]] = {tool: [] for tool in tools}
         for _ in range(args.repeats):
-            for tool in TOOLS:
+            for tool in tools:
                 runs[tool].append(measure(args, tool, mode))
         summary = {}
         for tool, results in runs.items():
@@ -215,7 +234,7 @@ def main() -> None:
         for tool, (seconds, peak, tokens) in summary.items():
             rate = f"{statistics.mean(tokens) / seconds:9.0f}" if tokens else f"{'n/a':>9}"
             print(
-                f"{mode:>5} {tool:>12} {seconds:8.3f} {seconds / summary['trl'][0]:7.2f} {rate} "
+                f"{mode:>5} {tool:>17} {seconds:8.3f} {seconds / summary['trl'][0]:7.2f} {rate} "
                 f"{peak:9.0f} {peak / summary['trl'][1]:7.2f}"
             )
 

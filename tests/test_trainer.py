@@ -172,6 +172,26 @@ def test_per_dataset_teachers_and_metrics(base_config, model_dirs, prompts_file)
     assert metrics["teacher_kl/rev"] > 0.1
 
 
+def test_datasets_sharing_a_teacher_share_its_loaded_tokenizer_and_format(
+    base_config, prompts_file, monkeypatch
+):
+    from opd.trainer import teacher_panel
+
+    loads = []
+    original = teacher_panel.load_tokenizer
+    monkeypatch.setattr(
+        teacher_panel, "load_tokenizer", lambda name, *a, **k: loads.append(name) or original(name, *a, **k)
+    )
+    base_config["teacher"]["chat_template"] = "tokenizer"
+    second = dict(base_config["datasets"][0], name="again", source=str(prompts_file))
+    base_config["datasets"].append(second)
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    assert trainer.teachers.formats[0] is trainer.teachers.formats[1] is not None
+    assert trainer.teachers.per_dataset[0] is trainer.teachers.per_dataset[1]
+    # one load for the teacher's template format, one for the vocabulary check
+    assert loads == [base_config["teacher"]["model"]] * 2
+
+
 def test_show_examples_prints_colored_tokens(base_config, capsys):
     base_config["training"].update(show_examples=True, max_steps=1)
     train(config_from_dict(base_config), progress=False)

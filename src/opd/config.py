@@ -51,6 +51,12 @@ class StudentConfig:
     """Run model code shipped in the checkpoint; off unless you trust its source."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about a third more compute."""
+    sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
+    The copy's trainable weights are refreshed before every rollout; ``bfloat16`` under a float32
+    student halves the bytes each decode step reads (memory: half the student's weights more).
+    Its log-probs are the copy's, so the policy loss's importance ratio covers the gap, as it
+    does for a vLLM sampler. Evaluation always decodes with the student itself."""
 
 
 @dataclass

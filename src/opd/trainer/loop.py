@@ -23,7 +23,7 @@ from opd.data.batching import CompositeBatches
 from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
 from opd.logprobs import sequence_logprobs
-from opd.models import load_causal_lm, load_tokenizer
+from opd.models import DTYPES, load_causal_lm, load_tokenizer
 from opd.objectives.advantages import kl_advantages, reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import colorize_example
@@ -43,6 +43,8 @@ from opd.runs.resume import (
 from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler
+from opd.sampling.precision import SamplingCopy
+from opd.trainer.optimizer import build_optimizer
 from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
 from opd.trainer.sft import completion_tokens
 from opd.trainer.teacher_panel import TeacherPanel
@@ -94,25 +96,6 @@ def prepare_student(model, config: Config):
     return get_peft_model(model, lora)
 
 
-def build_optimizer(model, config: Config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with the reference's betas; constant LR after a linear warmup."""
-    training = config.training
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        parameters,
-        lr=training.learning_rate,
-        betas=(training.adam_beta1, training.adam_beta2),
-        eps=training.adam_eps,
-        weight_decay=training.weight_decay,
-    )
-    warmup = training.warmup_steps
-
-    def lr_factor(optimizer_step: int) -> float:
-        return min(1.0, (optimizer_step + 1) / warmup) if warmup > 0 else 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
-
 class Trainer:
     """Holds the models, data and optimizer of one run; :meth:`run` trains.
 
@@ -142,12 +125,13 @@ class Trainer:
         extra_stops = generation_eos if isinstance(generation_eos, list) else [generation_eos]
         self.renderer = ChatRenderer(self.tokenizer, student_cfg.chat_template, extra_stop_ids=extra_stops)
         self.student = prepare_student(base, config)
-        self.sampler = HFGenerateSampler(
-            self.student,
-            self.tokenizer,
-            stop_token_ids=self.renderer.stop_token_ids,
-            stop_strings=self.renderer.stop_strings,
-        )
+        self.sampler = self._sampler_for(self.student)
+        self.sampling_copy: SamplingCopy | None = None
+        self.rollout_sampler = self.sampler
+        sampling_dtype = DTYPES.get(student_cfg.sampling_dtype)
+        if sampling_dtype is not None and sampling_dtype != base.dtype:
+            self.sampling_copy = SamplingCopy(self.student, sampling_dtype)
+            self.rollout_sampler = self._sampler_for(self.sampling_copy.model)
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
         self.batches = CompositeBatches(
             self.datasets,
@@ -167,6 +151,14 @@ class Trainer:
         self.samples: JsonlWriter | None = None
         self.optimizer, self.scheduler = build_optimizer(self.student, config)
         self.num_steps = config.training.max_steps or len(self.batches)
+
+    def _sampler_for(self, model) -> HFGenerateSampler:
+        return HFGenerateSampler(
+            model,
+            self.tokenizer,
+            stop_token_ids=self.renderer.stop_token_ids,
+            stop_strings=self.renderer.stop_strings,
+        )
 
     def _load_dataset(self, index: int) -> list[Prompt]:
         dataset = self.config.datasets[index]
@@ -246,7 +238,9 @@ class Trainer:
         if source == "dataset":
             completions = targets
         elif source == "student":
-            completions = self.sampler.sample(
+            if self.sampling_copy is not None:
+                self.sampling_copy.refresh()
+            completions = self.rollout_sampler.sample(
                 prompts, temperature=training.temperature, max_tokens=training.max_tokens
             )
         else:
@@ -413,6 +407,8 @@ class Trainer:
             restore_rng_states(start.trainer_state["rng"])
         elif self.config.load_checkpoint_path:
             load_student_weights(self.student, Path(self.config.load_checkpoint_path).expanduser())
+        if self.sampling_copy is not None:
+            self.sampling_copy.refresh(trainable_only=False)
         (log_path / CONFIG_NAME).write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
         if start.step >= self.num_steps:

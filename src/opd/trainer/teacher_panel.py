@@ -47,6 +47,7 @@ class TeacherPanel:
 
     def _load_all(self) -> list[Teacher]:
         loaded: dict[tuple, Teacher] = {}
+        formats: dict[tuple, TeacherFormat | None] = {}
         per_dataset = []
         for index, dataset in enumerate(self.config.datasets):
             teacher_cfg: TeacherConfig = self.config.teacher_for(dataset)
@@ -58,7 +59,14 @@ class TeacherPanel:
                 teacher_cfg.dtype,
                 teacher_cfg.device,
             )
-            teacher_format = self._teacher_format(teacher_cfg)
+            format_key = (
+                teacher_cfg.tokenizer or teacher_cfg.model,
+                teacher_cfg.chat_template,
+                teacher_cfg.cross_tokenizer,
+            )
+            if format_key not in formats:
+                formats[format_key] = self._teacher_format(teacher_cfg)
+            teacher_format = formats[format_key]
             if key not in loaded:
                 loaded[key] = self._load_teacher(teacher_cfg, where, teacher_format)
             per_dataset.append(loaded[key])

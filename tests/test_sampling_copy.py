@@ -1,0 +1,115 @@
+"""Sampling from a bfloat16 copy of the student, and the fused AdamW the student trains with."""
+
+import torch
+
+from opd.config import config_from_dict
+from opd.logprobs import sequence_logprobs
+from opd.sampling.precision import SamplingCopy
+from opd.trainer.loop import Trainer, train
+from opd.trainer.optimizer import adamw
+from tests.conftest import tiny_llama
+
+
+def assert_copy_holds(student, copied, dtype=torch.bfloat16):
+    for (name, trained), (copied_name, held) in zip(
+        student.named_parameters(), copied.named_parameters(), strict=True
+    ):
+        assert name == copied_name and held.dtype == dtype
+        assert torch.equal(held, trained.detach().to(dtype)), name
+
+
+def test_copy_is_cast_keeps_ties_and_buffers_and_shares_no_storage(char_tokenizer):
+    student = tiny_llama(len(char_tokenizer), seed=3)
+    sampling = SamplingCopy(student, torch.bfloat16)
+    copied = sampling.model
+    assert_copy_holds(student, copied)
+    assert copied.lm_head.weight is copied.model.embed_tokens.weight
+    assert copied.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in student.parameters())
+    assert not any(p.requires_grad for p in copied.parameters())
+    with torch.no_grad():
+        student.model.norm.weight.add_(1.0)
+    assert not torch.equal(copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16))
+
+
+def test_refresh_copies_trainable_weights_and_all_of_them_on_request(char_tokenizer):
+    student = tiny_llama(len(char_tokenizer), seed=3)
+    sampling = SamplingCopy(student, torch.bfloat16)
+    student.model.norm.weight.requires_grad_(False)
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.mul_(0.5).add_(0.25)
+    sampling.refresh()
+    frozen = sampling.model.model.norm.weight
+    assert not torch.equal(frozen, student.model.norm.weight.to(torch.bfloat16))
+    assert torch.equal(
+        sampling.model.model.layers[0].mlp.up_proj.weight,
+        student.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16),
+    )
+    sampling.refresh(trainable_only=False)
+    assert_copy_holds(student, sampling.model)
+
+
+def test_rollouts_come_from_the_refreshed_copy_and_evaluation_from_the_student(base_config):
+    base_config["student"]["sampling_dtype"] = "bfloat16"
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    assert trainer.sampler.model is trainer.student
+    trainer.train_step(0)
+    batch, _ = trainer.sample_batch(1)
+    assert_copy_holds(trainer.student, trainer.sampling_copy.model)
+    mask = batch.mask_BT.bool()
+    with torch.no_grad():
+        from_copy, _ = sequence_logprobs(
+            trainer.sampling_copy.model, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+        )
+        from_student, _ = sequence_logprobs(
+            trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+        )
+    torch.testing.assert_close(from_copy[mask], batch.sampled_logprobs_BT[mask], atol=2e-2, rtol=0)
+    copy_error = (from_copy[mask] - batch.sampled_logprobs_BT[mask]).abs().max()
+    student_error = (from_student[mask] - batch.sampled_logprobs_BT[mask]).abs().max()
+    assert copy_error < student_error
+    metrics = trainer.train_step(1)
+    assert 0 < abs(metrics["kl_sample_train"]) < 0.05
+
+
+def test_copy_of_a_lora_student_follows_its_adapters(base_config):
+    base_config["student"] |= {"lora_rank": 4, "sampling_dtype": "bfloat16"}
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    before = {n: p.clone() for n, p in trainer.sampling_copy.model.named_parameters()}
+    trainer.train_step(0)
+    trainer.sample_batch(1)
+    assert_copy_holds(trainer.student, trainer.sampling_copy.model)
+    changed = [n for n, p in trainer.sampling_copy.model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed and all("lora_" in n for n in changed)
+
+
+def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
+    first = train(config_from_dict(base_config), progress=False)
+    second = dict(
+        base_config,
+        log_path=str(tmp_path / "second"),
+        load_checkpoint_path=str(tmp_path / "run" / "checkpoints" / "step_000002"),
+    )
+    second["student"] = dict(base_config["student"], sampling_dtype="bfloat16")
+    trainer = Trainer(config_from_dict(second), progress=False)
+    trainer.config.training.max_steps = trainer.num_steps = 0
+    trainer.run()
+    assert_copy_holds(first.student, trainer.sampling_copy.model)
+
+
+def test_sampling_dtype_equal_to_the_students_makes_no_copy(base_config):
+    base_config["student"] |= {"dtype": "float32", "sampling_dtype": "float32"}
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    assert trainer.sampling_copy is None and trainer.rollout_sampler is trainer.sampler
+
+
+def test_adamw_is_fused_on_cpu_and_takes_a_decoupled_decay_step():
+    weight = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = adamw([weight], lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    assert optimizer.defaults["fused"] is True
+    weight.grad = torch.tensor([0.5, -4.0])
+    optimizer.step()
+    # first step: bias-corrected m / sqrt(v) = sign(grad); decay multiplies by 1 - lr * wd
+    expected = torch.tensor([1.0 * (1 - 0.001) - 0.1, -2.0 * (1 - 0.001) + 0.1])
+    torch.testing.assert_close(weight.detach(), expected)
