@@ -12,7 +12,7 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
     opd-jsd       opd, objective jsd (generalized JSD, beta 0.5 or --jsd-beta, full distribution, on-policy)
     trl           TRL's DistillationTrainer (on-policy, generalized JSD with its default beta 1)
     sft           opd, objective nll on fresh teacher samples (data_source teacher)
-    sft-then-opd  sft for the first quarter of the steps, then opd-rkl from there
+    sft-then-opd  sft for the first quarter of the steps, then opd-rkl (or --then) from there
 
 Two tasks: `short` (chain_sum, 2 one-digit terms, the answer only) and `multistep`
 (chain_sum, 4-5 one-digit terms, the teacher writes one operation per line, then
@@ -191,13 +191,14 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
         "lora_rank": args.lora_rank,
         "loss_aggregation": args.loss_aggregation,
     }
-    if method in ("opd-rkl", "opd-k3", "opd-jsd", "sft"):
-        training = {
-            "opd-rkl": {"objective": "sampled_reverse_kl"},
-            "opd-k3": {"objective": "k3"},
-            "opd-jsd": {"objective": "jsd", "beta": args.jsd_beta},
-            "sft": {"objective": "nll", "data_source": "teacher"},
-        }[method]
+    objectives = {
+        "opd-rkl": {"objective": "sampled_reverse_kl"},
+        "opd-k3": {"objective": "k3"},
+        "opd-jsd": {"objective": "jsd", "beta": args.jsd_beta},
+        "sft": {"objective": "nll", "data_source": "teacher"},
+    }
+    if method in objectives:
+        training = objectives[method]
         config = opd_config(
             directory, student, teacher, task, args, max_steps=args.steps, **common, **training
         )
@@ -213,7 +214,7 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
 
         second = opd_config(
             directory / "opd", student, teacher, task, args,
-            max_steps=args.steps - sft_steps, objective="sampled_reverse_kl", **common,
+            max_steps=args.steps - sft_steps, **objectives[args.then], **common,
         )  # fmt: skip
         second["load_checkpoint_path"] = str(latest_model_dir(directory / "sft"))
         return sft_curve[:-1] + run_opd(second, task, sft_steps, sft_curve[-1]["seconds"])
@@ -480,6 +481,12 @@ def main() -> None:
         choices=LOSS_AGGREGATIONS,
         help="opd methods only (TRL and the teachers keep their own)",
     )
+    parser.add_argument(
+        "--then",
+        default="opd-rkl",
+        choices=("opd-rkl", "opd-k3", "opd-jsd"),
+        help="sft-then-opd's on-policy method after the SFT quarter",
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning (teachers always are)")
     parser.add_argument(
         "--grader",
@@ -526,6 +533,10 @@ def main() -> None:
                     "curve": curve,
                     "wall_seconds": time.perf_counter() - started,
                 }
+                if method == "sft-then-opd":
+                    result["then"] = args.then
+                if "opd-jsd" in (method, result.get("then")):
+                    result["jsd_beta"] = args.jsd_beta
                 result_file.write_text(json.dumps(result, indent=1))
                 print(
                     json.dumps({k: v for k, v in result.items() if k != "curve"} | {"last": curve[-1]}),
