@@ -11,7 +11,6 @@ from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.logprobs import sequence_logprobs
 from opd.teachers.local import pad_right
-from opd.trainer.optimizer import adamw
 
 
 def completion_tokens(renderer: ChatRenderer, prompt: Prompt) -> tuple[list[int], list[int]]:
@@ -43,7 +42,9 @@ def supervised_finetune(
     device = next(model.parameters()).device
     rng = random.Random(seed)
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(parameters, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    # torch's default (looped) AdamW on purpose: the demo's tiny models are built here, and the
+    # fused kernel's other rounding grows into different models (the demo would start elsewhere)
+    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 - i / max(steps, 1))
     pad_id = renderer.tokenizer.pad_token_id or 0
     losses = []
