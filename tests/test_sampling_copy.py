@@ -56,6 +56,8 @@ def test_rollouts_come_from_the_refreshed_copy_and_evaluation_from_the_student(b
     assert trainer.sampler.model is trainer.student
     trainer.train_step(0)
     batch, _ = trainer.sample_batch(1)
+    assert all(p.numel() == 0 for p in trainer.sampling_copy.model.parameters())  # released
+    trainer.sampling_copy.refresh()  # the weights it sampled with: the student has not moved since
     assert_copy_holds(trainer.student, trainer.sampling_copy.model)
     mask = batch.mask_BT.bool()
     with torch.no_grad():
@@ -79,6 +81,9 @@ def test_copy_of_a_lora_student_follows_its_adapters(base_config):
     before = {n: p.clone() for n, p in trainer.sampling_copy.model.named_parameters()}
     trainer.train_step(0)
     trainer.sample_batch(1)
+    held = {n: p.numel() > 0 for n, p in trainer.sampling_copy.model.named_parameters()}
+    assert all(held[n] == ("lora_" not in n) for n in held)  # adapters released, frozen base kept
+    trainer.sampling_copy.refresh()
     assert_copy_holds(trainer.student, trainer.sampling_copy.model)
     changed = [n for n, p in trainer.sampling_copy.model.named_parameters() if not torch.equal(p, before[n])]
     assert changed and all("lora_" in n for n in changed)

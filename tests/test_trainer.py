@@ -94,6 +94,14 @@ def test_micro_batches_give_the_same_gradient_as_one_batch(base_config):
         torch.testing.assert_close(change, changes[1][name], atol=1e-6, rtol=1e-4, msg=name)
 
 
+def test_gradients_are_freed_after_every_substep(base_config):
+    base_config["training"]["num_substeps"] = 2
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    metrics = trainer.train_step(0)
+    assert metrics["skipped"] == 0 and trainer.optimizer.state
+    assert all(p.grad is None for p in trainer.student.parameters())
+
+
 def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     before = {k: v.clone() for k, v in trainer.student.state_dict().items()}

@@ -18,9 +18,12 @@ class SamplingCopy:
     """``model`` with its floating-point parameters cast to ``dtype``, kept in step by :meth:`refresh`.
 
     Buffers (rotary frequencies, ...) are copied as they are, as ``from_pretrained`` keeps them.
+    Between rollouts :meth:`release` frees the copies of the trainable weights (they change
+    at every update anyway), so the update's peak memory holds only the frozen ones.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
         cast = {
             id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
             for p in model.parameters()
@@ -33,8 +36,14 @@ class SamplingCopy:
 
     @torch.no_grad()
     def refresh(self, *, trainable_only: bool = True) -> None:
-        """Copy the student's current weights in: the trainable ones after an update, all of
+        """Cast the student's current weights in: the trainable ones after an update, all of
         them after weights were loaded from a checkpoint."""
         for trained, copied in self._pairs:
             if trained.requires_grad or not trainable_only:
-                copied.copy_(trained)
+                copied.data = trained.detach().to(self.dtype, copy=True)
+
+    def release(self) -> None:
+        """Free the trainable weights' copies until the next :meth:`refresh`."""
+        for trained, copied in self._pairs:
+            if trained.requires_grad:
+                copied.data = torch.empty(0, dtype=self.dtype, device=copied.device)

@@ -243,6 +243,8 @@ class Trainer:
             completions = self.rollout_sampler.sample(
                 prompts, temperature=training.temperature, max_tokens=training.max_tokens
             )
+            if self.sampling_copy is not None:
+                self.sampling_copy.release()
         else:
             completions = self.teachers.sample(
                 prompts, dataset_indices, temperature=training.temperature, max_tokens=training.max_tokens

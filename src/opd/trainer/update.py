@@ -172,6 +172,7 @@ def policy_update(
     """Split the batch into substeps; per substep accumulate micro-batch gradients, clip, step.
 
     A substep whose gradient is not finite is skipped (weights untouched) with a warning.
+    Gradients are freed once used, so sampling and scoring the next batch run without them.
     """
     device = next(model.parameters()).device
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -187,7 +188,6 @@ def policy_update(
         num_tokens = int(part.mask_BT.sum())
         num_sequences = part.mask_BT.shape[0]
         micro = training.micro_batch_size or num_sequences
-        optimizer.zero_grad(set_to_none=True)
         for rows in contiguous_slices(num_sequences, math.ceil(num_sequences / micro)):
             piece = part.select(rows)
             mask = piece.mask_BT.to(device)
@@ -213,6 +213,7 @@ def policy_update(
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         totals["grad_norm"] += grad_norm
         applied += 1
