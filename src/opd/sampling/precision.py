@@ -1,7 +1,7 @@
 """A copy of the student in a cheaper dtype, for sampling rollouts.
 
 Decoding reads every weight once per new token, so its time follows the bytes read: a
-bfloat16 copy of a float32 student decodes up to twice as fast (1.6-1.9x for SmolLM2-135M on
+bfloat16 copy of a float32 student decodes up to twice as fast (1.5-1.9x for SmolLM2-135M on
 a CPU with bfloat16 instructions), as vLLM-based trainers do. The recorded log-probs are the
 copy's, so the importance ratio of the policy loss (and ``kl_sample_train``) sees the gap.
 """
