@@ -93,6 +93,20 @@ def prompts_file(tmp_path):
     return path
 
 
+def trained_and_loading(base_config: dict, tmp_path):
+    """Train ``base_config`` (2 steps), then a config for a new run that loads its last checkpoint."""
+    from opd.config import config_from_dict
+    from opd.trainer.loop import train
+
+    first = train(config_from_dict(base_config), progress=False)
+    second = dict(
+        base_config,
+        log_path=str(tmp_path / "second"),
+        load_checkpoint_path=str(tmp_path / "run" / "checkpoints" / "step_000002"),
+    )
+    return first, second
+
+
 @pytest.fixture
 def base_config(model_dirs, prompts_file, tmp_path):
     """A config dict for a 2-step full fine-tune run on the tiny models."""

@@ -15,6 +15,7 @@ from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import CheckpointError, list_checkpoints
 from opd.runs.metrics import read_jsonl
 from opd.trainer.loop import Trainer, train
+from tests.conftest import trained_and_loading
 
 STEPS = 8
 
@@ -148,12 +149,7 @@ def test_log_path_that_is_a_file_is_refused_before_training(base_config, tmp_pat
 
 
 def test_load_checkpoint_path_takes_weights_with_a_fresh_optimizer(base_config, tmp_path):
-    first = train(config_from_dict(base_config), progress=False)
-    second = dict(
-        base_config,
-        log_path=str(tmp_path / "second"),
-        load_checkpoint_path=str(tmp_path / "run" / "checkpoints" / "step_000002"),
-    )
+    first, second = trained_and_loading(base_config, tmp_path)
     trainer = Trainer(config_from_dict(second), progress=False)
     original = {k: v.clone() for k, v in trainer.student.state_dict().items()}
     trainer.config.training.max_steps = trainer.num_steps = 0

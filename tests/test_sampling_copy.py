@@ -5,9 +5,9 @@ import torch
 from opd.config import config_from_dict
 from opd.logprobs import sequence_logprobs
 from opd.sampling.precision import SamplingCopy
-from opd.trainer.loop import Trainer, train
+from opd.trainer.loop import Trainer
 from opd.trainer.optimizer import adamw
-from tests.conftest import tiny_llama
+from tests.conftest import tiny_llama, trained_and_loading
 
 
 def assert_copy_holds(student, copied, dtype=torch.bfloat16):
@@ -90,12 +90,7 @@ def test_copy_of_a_lora_student_follows_its_adapters(base_config):
 
 
 def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
-    first = train(config_from_dict(base_config), progress=False)
-    second = dict(
-        base_config,
-        log_path=str(tmp_path / "second"),
-        load_checkpoint_path=str(tmp_path / "run" / "checkpoints" / "step_000002"),
-    )
+    first, second = trained_and_loading(base_config, tmp_path)
     second["student"] = dict(base_config["student"], sampling_dtype="bfloat16")
     trainer = Trainer(config_from_dict(second), progress=False)
     trainer.config.training.max_steps = trainer.num_steps = 0
