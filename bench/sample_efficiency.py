@@ -12,7 +12,7 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
     opd-jsd       opd, objective jsd (generalized JSD, beta 0.5 or --jsd-beta, full distribution, on-policy)
     trl           TRL's DistillationTrainer (on-policy, generalized JSD with its default beta 1)
     sft           opd, objective nll on fresh teacher samples (data_source teacher)
-    sft-then-opd  sft for the first quarter of the steps, then opd-rkl (or --then) from there
+    sft-then-opd  sft for the first quarter of the steps (or --sft-steps), then opd-rkl (or --then)
 
 Two tasks: `short` (chain_sum, 2 one-digit terms, the answer only) and `multistep`
 (chain_sum, 4-5 one-digit terms, the teacher writes one operation per line, then
@@ -204,7 +204,7 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
         )
         return run_opd(config, task)
     if method == "sft-then-opd":
-        sft_steps = args.steps // 4
+        sft_steps = args.sft_steps
         first = opd_config(
             directory / "sft", student, teacher, task, args,
             max_steps=sft_steps, objective="nll", data_source="teacher", **common,
@@ -487,6 +487,12 @@ def main() -> None:
         choices=("opd-rkl", "opd-k3", "opd-jsd"),
         help="sft-then-opd's on-policy method after the SFT quarter",
     )
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="sft-then-opd's SFT steps (default: a quarter of --steps)",
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning (teachers always are)")
     parser.add_argument(
         "--grader",
@@ -501,6 +507,8 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix for the run names (e.g. a learning-rate sweep)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    if args.sft_steps is None:
+        args.sft_steps = args.steps // 4
     args.out.mkdir(parents=True, exist_ok=True)
     base = converted_dir()
     for task in args.tasks:
@@ -535,6 +543,7 @@ def main() -> None:
                 }
                 if method == "sft-then-opd":
                     result["then"] = args.then
+                    result["sft_steps"] = args.sft_steps
                 if "opd-jsd" in (method, result.get("then")):
                     result["jsd_beta"] = args.jsd_beta
                 result_file.write_text(json.dumps(result, indent=1))

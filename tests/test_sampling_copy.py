@@ -18,52 +18,57 @@ def assert_copy_holds(student, copied, dtype=torch.bfloat16):
         assert torch.equal(held, trained.detach().to(dtype)), name
 
 
+def released(model) -> bool:
+    return all(p.numel() == 0 for p in model.parameters())
+
+
 def test_copy_is_cast_keeps_ties_and_buffers_and_shares_no_storage(char_tokenizer):
     student = tiny_llama(len(char_tokenizer), seed=3)
     sampling = SamplingCopy(student, torch.bfloat16)
-    copied = sampling.model
-    assert_copy_holds(student, copied)
-    assert copied.lm_head.weight is copied.model.embed_tokens.weight
-    assert copied.model.rotary_emb.inv_freq.dtype == torch.float32
-    assert all(p.dtype == torch.float32 for p in student.parameters())
-    assert not any(p.requires_grad for p in copied.parameters())
-    with torch.no_grad():
-        student.model.norm.weight.add_(1.0)
-    assert not torch.equal(copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16))
+    assert released(sampling.model)  # every weight is trainable: none is held between rollouts
+    with sampling.rollout() as copied:
+        assert_copy_holds(student, copied)
+        assert copied.lm_head.weight is copied.model.embed_tokens.weight
+        assert copied.model.rotary_emb.inv_freq.dtype == torch.float32
+        assert all(p.dtype == torch.float32 for p in student.parameters())
+        assert not any(p.requires_grad for p in copied.parameters())
+        with torch.no_grad():
+            student.model.norm.weight.add_(1.0)
+        assert not torch.equal(copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16))
+    assert released(sampling.model)
 
 
-def test_refresh_copies_trainable_weights_and_all_of_them_on_request(char_tokenizer):
+def test_frozen_weights_are_cast_once_and_trainable_ones_at_each_rollout(char_tokenizer):
     student = tiny_llama(len(char_tokenizer), seed=3)
-    sampling = SamplingCopy(student, torch.bfloat16)
     student.model.norm.weight.requires_grad_(False)
+    sampling = SamplingCopy(student, torch.bfloat16)
+    frozen = sampling.model.model.norm.weight
+    assert torch.equal(frozen, student.model.norm.weight.to(torch.bfloat16))
     with torch.no_grad():
         for parameter in student.parameters():
             parameter.mul_(0.5).add_(0.25)
-    sampling.refresh()
-    frozen = sampling.model.model.norm.weight
-    assert not torch.equal(frozen, student.model.norm.weight.to(torch.bfloat16))
-    assert torch.equal(
-        sampling.model.model.layers[0].mlp.up_proj.weight,
-        student.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16),
-    )
-    sampling.refresh(trainable_only=False)
-    assert_copy_holds(student, sampling.model)
+    with sampling.rollout() as copied:
+        assert not torch.equal(copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16))
+        assert torch.equal(
+            copied.model.layers[0].mlp.up_proj.weight,
+            student.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16),
+        )
+    assert frozen.numel() > 0 and copied.model.layers[0].mlp.up_proj.weight.numel() == 0
 
 
-def test_rollouts_come_from_the_refreshed_copy_and_evaluation_from_the_student(base_config):
+def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config):
     base_config["student"]["sampling_dtype"] = "bfloat16"
     trainer = Trainer(config_from_dict(base_config), progress=False)
     assert trainer.sampler.model is trainer.student
+    assert trainer.rollout_sampler.model is trainer.sampling_copy.model
     trainer.train_step(0)
     batch, _ = trainer.sample_batch(1)
-    assert all(p.numel() == 0 for p in trainer.sampling_copy.model.parameters())  # released
-    trainer.sampling_copy.refresh()  # the weights it sampled with: the student has not moved since
-    assert_copy_holds(trainer.student, trainer.sampling_copy.model)
+    assert released(trainer.sampling_copy.model)
     mask = batch.mask_BT.bool()
-    with torch.no_grad():
-        from_copy, _ = sequence_logprobs(
-            trainer.sampling_copy.model, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
-        )
+    # the weights it sampled with: the student has not moved since
+    with torch.no_grad(), trainer.sampling_copy.rollout() as copied:
+        assert_copy_holds(trainer.student, copied)
+        from_copy, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
         from_student, _ = sequence_logprobs(
             trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
         )
@@ -75,18 +80,19 @@ def test_rollouts_come_from_the_refreshed_copy_and_evaluation_from_the_student(b
     assert 0 < abs(metrics["kl_sample_train"]) < 0.05
 
 
-def test_copy_of_a_lora_student_follows_its_adapters(base_config):
+def test_copy_of_a_lora_student_holds_its_base_and_follows_its_adapters(base_config):
     base_config["student"] |= {"lora_rank": 4, "sampling_dtype": "bfloat16"}
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    before = {n: p.clone() for n, p in trainer.sampling_copy.model.named_parameters()}
+    base_storage = {
+        n: p.data_ptr() for n, p in trainer.sampling_copy.model.named_parameters() if "lora_" not in n
+    }
     trainer.train_step(0)
     trainer.sample_batch(1)
     held = {n: p.numel() > 0 for n, p in trainer.sampling_copy.model.named_parameters()}
     assert all(held[n] == ("lora_" not in n) for n in held)  # adapters released, frozen base kept
-    trainer.sampling_copy.refresh()
-    assert_copy_holds(trainer.student, trainer.sampling_copy.model)
-    changed = [n for n, p in trainer.sampling_copy.model.named_parameters() if not torch.equal(p, before[n])]
-    assert changed and all("lora_" in n for n in changed)
+    with trainer.sampling_copy.rollout() as copied:
+        assert_copy_holds(trainer.student, copied)
+        assert {n: p.data_ptr() for n, p in copied.named_parameters() if "lora_" not in n} == base_storage
 
 
 def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
@@ -95,7 +101,8 @@ def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
     trainer = Trainer(config_from_dict(second), progress=False)
     trainer.config.training.max_steps = trainer.num_steps = 0
     trainer.run()
-    assert_copy_holds(first.student, trainer.sampling_copy.model)
+    with trainer.sampling_copy.rollout() as copied:
+        assert_copy_holds(first.student, copied)
 
 
 def test_sampling_dtype_equal_to_the_students_makes_no_copy(base_config):

@@ -9,41 +9,45 @@ copy's, so the importance ratio of the policy loss (and ``kl_sample_train``) see
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 
 class SamplingCopy:
-    """``model`` with its floating-point parameters cast to ``dtype``, kept in step by :meth:`refresh`.
+    """``model`` with its floating-point parameters cast to ``dtype``, for rollouts only.
 
-    Buffers (rotary frequencies, ...) are copied as they are, as ``from_pretrained`` keeps them.
-    Between rollouts :meth:`release` frees the copies of the trainable weights (they change
-    at every update anyway), so the update's peak memory holds only the frozen ones.
+    The frozen weights (LoRA's base; none with full fine-tuning) are cast once. The trainable
+    ones change at every update (and at a checkpoint load), so :meth:`rollout` casts them in
+    and frees them when it ends: the update's peak memory never holds them. Buffers (rotary
+    frequencies, ...) are copied as they are, as ``from_pretrained`` keeps them.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.dtype = dtype
         cast = {
-            id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+            id(p): nn.Parameter(self._empty(p) if p.requires_grad else p.detach().to(dtype, copy=True), False)
             for p in model.parameters()
             if p.is_floating_point()
         }
-        # deepcopy takes a memo entry as the copy of that object: each parameter is cast
-        # once, without a full-precision duplicate of the model ever existing.
+        # deepcopy takes a memo entry as the copy of that object: each parameter becomes its
+        # cast or a placeholder, without a full-precision duplicate of the model ever existing.
         self.model = copy.deepcopy(model, memo=dict(cast)).eval()
-        self._pairs = [(trained, cast[id(trained)]) for trained in model.parameters() if id(trained) in cast]
+        self._trainable = [(p, cast[id(p)]) for p in model.parameters() if p.requires_grad and id(p) in cast]
 
-    @torch.no_grad()
-    def refresh(self, *, trainable_only: bool = True) -> None:
-        """Cast the student's current weights in: the trainable ones after an update, all of
-        them after weights were loaded from a checkpoint."""
-        for trained, copied in self._pairs:
-            if trained.requires_grad or not trainable_only:
+    def _empty(self, parameter: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=parameter.device)
+
+    @contextmanager
+    def rollout(self) -> Iterator[nn.Module]:
+        """The copy holding the student's current weights, its trainable ones freed on exit."""
+        with torch.no_grad():
+            for trained, copied in self._trainable:
                 copied.data = trained.detach().to(self.dtype, copy=True)
-
-    def release(self) -> None:
-        """Free the trainable weights' copies until the next :meth:`refresh`."""
-        for trained, copied in self._pairs:
-            if trained.requires_grad:
-                copied.data = torch.empty(0, dtype=self.dtype, device=copied.device)
+        try:
+            yield self.model
+        finally:
+            for trained, copied in self._trainable:
+                copied.data = self._empty(trained)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,13 +239,10 @@ class Trainer:
         if source == "dataset":
             completions = targets
         elif source == "student":
-            if self.sampling_copy is not None:
-                self.sampling_copy.refresh()
-            completions = self.rollout_sampler.sample(
-                prompts, temperature=training.temperature, max_tokens=training.max_tokens
-            )
-            if self.sampling_copy is not None:
-                self.sampling_copy.release()
+            with self.sampling_copy.rollout() if self.sampling_copy else nullcontext():
+                completions = self.rollout_sampler.sample(
+                    prompts, temperature=training.temperature, max_tokens=training.max_tokens
+                )
         else:
             completions = self.teachers.sample(
                 prompts, dataset_indices, temperature=training.temperature, max_tokens=training.max_tokens
@@ -409,8 +407,6 @@ class Trainer:
             restore_rng_states(start.trainer_state["rng"])
         elif self.config.load_checkpoint_path:
             load_student_weights(self.student, Path(self.config.load_checkpoint_path).expanduser())
-        if self.sampling_copy is not None:
-            self.sampling_copy.refresh(trainable_only=False)
         (log_path / CONFIG_NAME).write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
         if start.step >= self.num_steps:
