@@ -38,22 +38,16 @@ def test_copy_is_cast_keeps_ties_and_buffers_and_shares_no_storage(char_tokenize
     assert released(sampling.model)
 
 
-def test_frozen_weights_are_cast_once_and_trainable_ones_at_each_rollout(char_tokenizer):
+def test_frozen_and_trainable_weights_are_cast_at_each_rollout(char_tokenizer):
     student = tiny_llama(len(char_tokenizer), seed=3)
     student.model.norm.weight.requires_grad_(False)
     sampling = SamplingCopy(student, torch.bfloat16)
-    frozen = sampling.model.model.norm.weight
-    assert torch.equal(frozen, student.model.norm.weight.to(torch.bfloat16))
     with torch.no_grad():
         for parameter in student.parameters():
             parameter.mul_(0.5).add_(0.25)
     with sampling.rollout() as copied:
-        assert not torch.equal(copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16))
-        assert torch.equal(
-            copied.model.layers[0].mlp.up_proj.weight,
-            student.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16),
-        )
-    assert frozen.numel() > 0 and copied.model.layers[0].mlp.up_proj.weight.numel() == 0
+        assert_copy_holds(student, copied)
+    assert released(sampling.model)
 
 
 def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config):
@@ -80,19 +74,15 @@ def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config
     assert 0 < abs(metrics["kl_sample_train"]) < 0.05
 
 
-def test_copy_of_a_lora_student_holds_its_base_and_follows_its_adapters(base_config):
+def test_copy_of_a_lora_student_follows_its_adapters_and_holds_nothing_between_rollouts(base_config):
     base_config["student"] |= {"lora_rank": 4, "sampling_dtype": "bfloat16"}
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    base_storage = {
-        n: p.data_ptr() for n, p in trainer.sampling_copy.model.named_parameters() if "lora_" not in n
-    }
     trainer.train_step(0)
     trainer.sample_batch(1)
-    held = {n: p.numel() > 0 for n, p in trainer.sampling_copy.model.named_parameters()}
-    assert all(held[n] == ("lora_" not in n) for n in held)  # adapters released, frozen base kept
+    assert released(trainer.sampling_copy.model)
     with trainer.sampling_copy.rollout() as copied:
         assert_copy_holds(trainer.student, copied)
-        assert {n: p.data_ptr() for n, p in copied.named_parameters() if "lora_" not in n} == base_storage
+        assert any("lora_" in name for name, _ in copied.named_parameters())
 
 
 def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):

@@ -53,7 +53,7 @@ class StudentConfig:
     """Recompute activations in backward: less memory, about a third more compute."""
     sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
-    The copy's trainable weights are cast in before every rollout and freed after it; ``bfloat16``
+    The copy's weights are cast in before every rollout and freed after it; ``bfloat16``
     under a float32 student halves the bytes each decode step reads (1.5-1.9x faster on a CPU).
     Its log-probs are the copy's, so the policy loss's importance ratio covers the gap, as it
     does for a vLLM sampler. Evaluation always decodes with the student itself."""

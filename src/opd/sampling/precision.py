@@ -19,35 +19,34 @@ from torch import nn
 class SamplingCopy:
     """``model`` with its floating-point parameters cast to ``dtype``, for rollouts only.
 
-    The frozen weights (LoRA's base; none with full fine-tuning) are cast once. The trainable
-    ones change at every update (and at a checkpoint load), so :meth:`rollout` casts them in
-    and frees them when it ends: the update's peak memory never holds them. Buffers (rotary
-    frequencies, ...) are copied as they are, as ``from_pretrained`` keeps them.
+    The weights are cast in by :meth:`rollout` and freed when it ends, so the copy costs no
+    memory outside sampling (the update's peak never holds it), and a LoRA student's frozen
+    base, cast again at every rollout, costs a cast (about 0.2 s for 135M weights on a CPU)
+    instead of half the base's size for the whole run. Buffers (rotary frequencies, ...) are
+    copied as they are, as ``from_pretrained`` keeps them.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.dtype = dtype
-        cast = {
-            id(p): nn.Parameter(self._empty(p) if p.requires_grad else p.detach().to(dtype, copy=True), False)
-            for p in model.parameters()
-            if p.is_floating_point()
+        placeholders = {
+            id(p): nn.Parameter(self._empty(p), False) for p in model.parameters() if p.is_floating_point()
         }
-        # deepcopy takes a memo entry as the copy of that object: each parameter becomes its
-        # cast or a placeholder, without a full-precision duplicate of the model ever existing.
-        self.model = copy.deepcopy(model, memo=dict(cast)).eval()
-        self._trainable = [(p, cast[id(p)]) for p in model.parameters() if p.requires_grad and id(p) in cast]
+        # deepcopy takes a memo entry as the copy of that object: the parameters are not
+        # copied, and ties between them are kept.
+        self.model = copy.deepcopy(model, memo=dict(placeholders)).eval()
+        self._pairs = [(p, placeholders[id(p)]) for p in model.parameters() if id(p) in placeholders]
 
     def _empty(self, parameter: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=parameter.device)
 
     @contextmanager
     def rollout(self) -> Iterator[nn.Module]:
-        """The copy holding the student's current weights, its trainable ones freed on exit."""
+        """The copy holding the student's current weights, freed again on exit."""
         with torch.no_grad():
-            for trained, copied in self._trainable:
+            for trained, copied in self._pairs:
                 copied.data = trained.detach().to(self.dtype, copy=True)
         try:
             yield self.model
         finally:
-            for trained, copied in self._trainable:
+            for trained, copied in self._pairs:
                 copied.data = self._empty(trained)
