@@ -12,6 +12,8 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
     opd-jsd       opd, objective jsd (generalized JSD, beta 0.5 or --jsd-beta, full distribution, on-policy)
     trl           TRL's DistillationTrainer (on-policy, generalized JSD with its default beta 1)
     sft           opd, objective nll on fresh teacher samples (data_source teacher)
+    sft-fixed     opd, objective nll on a fixed dataset: teacher samples on --sft-prompts prompts,
+                  drawn once (their seconds count), then repeated epoch after epoch (data_source dataset)
     sft-then-opd  sft for the first quarter of the steps (or --sft-steps), then opd-rkl (or --then)
 
 Two tasks: `short` (chain_sum, 2 one-digit terms, the answer only) and `multistep`
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from smollm2 import converted_dir
 
-METHODS = ("opd-rkl", "opd-k3", "opd-jsd", "trl", "sft", "sft-then-opd")
+METHODS = ("opd-rkl", "opd-k3", "opd-jsd", "trl", "sft", "sft-fixed", "sft-then-opd")
 TASKS = {
     "short": {
         "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
@@ -131,10 +133,52 @@ def pruned_student(base: Path, keep: int) -> Path:
     return target
 
 
+def teacher_dataset(task: str, teacher: Path, prompts: int, seed: int) -> tuple[Path, float]:
+    """JSONL of the first ``prompts`` training prompts with one teacher sample each (temperature 1).
+
+    Drawn once per (task, size, seed) and cached; returns the file and the seconds sampling took.
+    """
+    import torch
+
+    from opd.data.prompts import load_prompts
+
+    path = cache_root() / "data" / f"{task}-teacher{prompts}-seed{seed}.jsonl"
+    timing = path.with_suffix(".seconds")
+    if path.exists() and timing.exists():
+        return path, float(timing.read_text())
+    train_file, _ = write_task_files(task)
+    records = [json.loads(line) for line in train_file.read_text().splitlines()[:prompts]]
+    messages = [p.messages for p in load_prompts(str(train_file))[:prompts]]
+    _, tokenizer, renderer, sampler = float32_sampler(teacher)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    completions = []
+    for start in range(0, prompts, BATCH):
+        ids = [renderer.prompt_ids(m) for m in messages[start : start + BATCH]]
+        completions += sampler.sample(ids, temperature=1.0, max_tokens=TASKS[task]["max_tokens"])
+    seconds = time.perf_counter() - started
+    stops = set(renderer.stop_token_ids)
+    with path.open("w") as handle:
+        for record, completion in zip(records, completions, strict=True):
+            tokens = [t for t in completion.token_ids if t not in stops]
+            record["completion"] = tokenizer.decode(tokens)
+            handle.write(json.dumps(record) + "\n")
+    timing.write_text(f"{seconds}\n")
+    return path, seconds
+
+
 def opd_config(
-    log_path: Path, student: Path, teacher: Path, task: str, args, lora_rank: int = 0, **training
+    log_path: Path,
+    student: Path,
+    teacher: Path,
+    task: str,
+    args,
+    lora_rank: int = 0,
+    train_file: Path | None = None,
+    **training,
 ) -> dict:
-    train_file, test_file = write_task_files(task)
+    task_train_file, test_file = write_task_files(task)
+    train_file = train_file or task_train_file
     return {
         "log_path": str(log_path),
         "on_existing_log_path": "overwrite",
@@ -203,6 +247,13 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
             directory, student, teacher, task, args, max_steps=args.steps, **common, **training
         )
         return run_opd(config, task)
+    if method == "sft-fixed":
+        dataset, sampling_seconds = teacher_dataset(task, teacher, args.sft_prompts, args.seed)
+        config = opd_config(
+            directory, student, teacher, task, args, train_file=dataset, max_steps=args.steps,
+            objective="nll", data_source="dataset", **common,
+        )  # fmt: skip
+        return run_opd(config, task, seconds_offset=sampling_seconds)
     if method == "sft-then-opd":
         sft_steps = args.sft_steps
         first = opd_config(
@@ -493,6 +544,12 @@ def main() -> None:
         default=None,
         help="sft-then-opd's SFT steps (default: a quarter of --steps)",
     )
+    parser.add_argument(
+        "--sft-prompts",
+        type=int,
+        default=None,
+        help="sft-fixed's dataset size in prompts (default: --sft-steps batches' worth)",
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning (teachers always are)")
     parser.add_argument(
         "--grader",
@@ -509,6 +566,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sft_steps is None:
         args.sft_steps = args.steps // 4
+    if args.sft_prompts is None:
+        args.sft_prompts = args.sft_steps * BATCH
     args.out.mkdir(parents=True, exist_ok=True)
     base = converted_dir()
     for task in args.tasks:
@@ -541,6 +600,8 @@ def main() -> None:
                     "curve": curve,
                     "wall_seconds": time.perf_counter() - started,
                 }
+                if method == "sft-fixed":
+                    result["sft_prompts"] = args.sft_prompts
                 if method == "sft-then-opd":
                     result["then"] = args.then
                     result["sft_steps"] = args.sft_steps
