@@ -14,7 +14,8 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
     sft           opd, objective nll on fresh teacher samples (data_source teacher)
     sft-fixed     opd, objective nll on a fixed dataset: teacher samples on --sft-prompts prompts,
                   drawn once (their seconds count), then repeated epoch after epoch (data_source dataset)
-    sft-then-opd  sft for the first quarter of the steps (or --sft-steps), then opd-rkl (or --then)
+    sft-then-opd  sft (or sft-fixed: --sft-data fixed) for the first quarter of the steps (or
+                  --sft-steps), then opd-rkl (or --then)
 
 Two tasks: `short` (chain_sum, 2 one-digit terms, the answer only) and `multistep`
 (chain_sum, 4-5 one-digit terms, the teacher writes one operation per line, then
@@ -255,12 +256,15 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
         )  # fmt: skip
         return run_opd(config, task, seconds_offset=sampling_seconds)
     if method == "sft-then-opd":
-        sft_steps = args.sft_steps
+        sft_steps, sampling_seconds, sft_data = args.sft_steps, 0.0, {"data_source": "teacher"}
+        if args.sft_data == "fixed":
+            dataset, sampling_seconds = teacher_dataset(task, teacher, args.sft_prompts, args.seed)
+            sft_data = {"data_source": "dataset", "train_file": dataset}
         first = opd_config(
             directory / "sft", student, teacher, task, args,
-            max_steps=sft_steps, objective="nll", data_source="teacher", **common,
+            max_steps=sft_steps, objective="nll", **sft_data, **common,
         )  # fmt: skip
-        sft_curve = run_opd(first, task)
+        sft_curve = run_opd(first, task, seconds_offset=sampling_seconds)
         from opd.runs.checkpoints import latest_model_dir
 
         second = opd_config(
@@ -545,6 +549,12 @@ def main() -> None:
         help="sft-then-opd's SFT steps (default: a quarter of --steps)",
     )
     parser.add_argument(
+        "--sft-data",
+        default="fresh",
+        choices=("fresh", "fixed"),
+        help="sft-then-opd's SFT data: fresh teacher samples (as sft) or the fixed set (as sft-fixed)",
+    )
+    parser.add_argument(
         "--sft-prompts",
         type=int,
         default=None,
@@ -600,11 +610,12 @@ def main() -> None:
                     "curve": curve,
                     "wall_seconds": time.perf_counter() - started,
                 }
-                if method == "sft-fixed":
+                if method == "sft-fixed" or (method == "sft-then-opd" and args.sft_data == "fixed"):
                     result["sft_prompts"] = args.sft_prompts
                 if method == "sft-then-opd":
                     result["then"] = args.then
                     result["sft_steps"] = args.sft_steps
+                    result["sft_data"] = args.sft_data
                 if "opd-jsd" in (method, result.get("then")):
                     result["jsd_beta"] = args.jsd_beta
                 result_file.write_text(json.dumps(result, indent=1))
