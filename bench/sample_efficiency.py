@@ -63,7 +63,8 @@ EVAL_PROMPTS = 48
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "sample-efficiency"
+    """v2: the held-out split is disjoint from train (v1's teachers saw held-out prompts)."""
+    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "sample-efficiency-v2"
 
 
 def worked_solution(expression: str, answer: str, multistep: bool) -> str:
@@ -82,17 +83,29 @@ def worked_solution(expression: str, answer: str, multistep: bool) -> str:
 
 @cache
 def write_task_files(task: str) -> tuple[Path, Path]:
-    """Train (with worked solutions) and held-out JSONL files with the reasoning-gym entries, once a run."""
+    """Train (with worked solutions) and held-out JSONL files with the reasoning-gym entries, once a run.
+
+    The splits come from opd's disjoint seed blocks, and no train question is a held-out one.
+    """
     import reasoning_gym
+
+    from opd.data.prompts import reasoning_gym_seed
 
     spec, directory = TASKS[task], cache_root() / "data"
     directory.mkdir(parents=True, exist_ok=True)
+
+    def entries(split: str, size: int) -> list[dict]:
+        seed = reasoning_gym_seed(0, split)
+        return reasoning_gym.create_dataset("chain_sum", size=size, seed=seed, **spec["task_config"])
+
+    test = entries("test", EVAL_PROMPTS)
+    held_out = {entry["question"] for entry in test}
+    train = [entry for entry in entries("train", 4000) if entry["question"] not in held_out]
     paths = []
-    for split, seed, size in (("train", 1, 4000), ("test", 2, EVAL_PROMPTS)):
+    for split, split_entries in (("train", train), ("test", test)):
         path = directory / f"{task}-{split}.jsonl"
-        entries = reasoning_gym.create_dataset("chain_sum", size=size, seed=seed, **spec["task_config"])
         with path.open("w") as handle:
-            for entry in entries:
+            for entry in split_entries:
                 record = {
                     "prompt": f"{entry['question']} {spec['instruction']}",
                     "answer": entry["answer"],

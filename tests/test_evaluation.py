@@ -57,6 +57,21 @@ def test_reasoning_gym_source_and_its_own_scorer():
     assert grader_for("auto", "data.jsonl") is exact_match and grader_for("none", "x") is None
 
 
+def test_reasoning_gym_test_split_shares_no_question_with_train():
+    # reasoning-gym seeds item i from seed + i: with seeds 0 and 1 the test split would be the
+    # train split shifted by one item (99 of 100 questions shared)
+    config = {"min_terms": 4, "max_terms": 5, "min_digits": 2, "max_digits": 2}
+    train = load_prompts("reasoning_gym:chain_sum", seed=0, count=300, task_config=config)
+    test = load_prompts("reasoning_gym:chain_sum@test", seed=0, count=100, task_config=config)
+    other_seed = load_prompts("reasoning_gym:chain_sum", seed=1, count=300, task_config=config)
+    questions = {p.messages[0]["content"] for p in train}
+    assert len(questions) == 300
+    assert not questions & {p.messages[0]["content"] for p in test}
+    assert not questions & {p.messages[0]["content"] for p in other_seed}
+    with pytest.raises(DataError, match=r"reasoning_gym:chain_sum: count 2000000 is more than"):
+        load_prompts("reasoning_gym:chain_sum", count=2_000_000)
+
+
 def test_reasoning_gym_entries_from_jsonl_and_answer_tags(tmp_path):
     import reasoning_gym
 

@@ -97,8 +97,23 @@ def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+SEED_BLOCK = 2**20
+"""reasoning-gym makes item ``i`` of a dataset seeded ``s`` from seed ``s + i``, so datasets with
+nearby seeds share items: each run seed gets its own block of this many item seeds for train,
+and the test split a block ``2**31`` above it (below ``2**32``, which numpy-seeded tasks need)."""
+
+
+def reasoning_gym_seed(seed: int, split: str) -> int:
+    """The reasoning-gym dataset seed of a split: train and test never share an item seed."""
+    return (seed * SEED_BLOCK) % 2**31 + (2**31 if split == "test" else 0)
+
+
 def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict[str, Any]) -> list[Prompt]:
-    """``<task>`` or ``<task>@test`` from reasoning-gym (offline generators), with their graders' entries."""
+    """``<task>`` or ``<task>@test`` from reasoning-gym (offline generators), with their graders' entries.
+
+    The splits come from disjoint seed blocks; a task with few distinct questions (two one-digit
+    terms) still repeats some by chance, as any sample from a small space does.
+    """
     try:
         import reasoning_gym
     except ImportError:
@@ -108,9 +123,12 @@ def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict
     task, _, split = spec.partition("@")
     if split not in ("", "train", "test"):
         raise DataError(f"reasoning_gym:{spec}: unknown split '{split}'; use @train or @test")
-    split_seed = seed * 2 + (1 if split == "test" else 0)
+    if count > SEED_BLOCK:
+        raise DataError(f"reasoning_gym:{spec}: count {count} is more than {SEED_BLOCK} prompts per split")
     try:
-        dataset = reasoning_gym.create_dataset(task, size=count, seed=split_seed, **task_config)
+        dataset = reasoning_gym.create_dataset(
+            task, size=count, seed=reasoning_gym_seed(seed, split or "train"), **task_config
+        )
     except Exception as error:
         raise DataError(f"reasoning_gym:{spec}: cannot create the task ({error})") from error
     return [
