@@ -99,8 +99,9 @@ def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
 
 SEED_BLOCK = 2**20
 """reasoning-gym makes item ``i`` of a dataset seeded ``s`` from seed ``s + i``, so datasets with
-nearby seeds share items: each run seed gets its own block of this many item seeds for train,
-and the test split a block ``2**31`` above it (below ``2**32``, which numpy-seeded tasks need)."""
+nearby seeds share items: each run seed gets its own block of this many item seeds for train
+(seeds 2048 apart share one), and the test split a block ``2**31`` above it (below ``2**32``,
+which numpy-seeded tasks need)."""
 
 
 def reasoning_gym_seed(seed: int, split: str) -> int:
@@ -124,7 +125,10 @@ def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict
     if split not in ("", "train", "test"):
         raise DataError(f"reasoning_gym:{spec}: unknown split '{split}'; use @train or @test")
     if count > SEED_BLOCK:
-        raise DataError(f"reasoning_gym:{spec}: count {count} is more than {SEED_BLOCK} prompts per split")
+        raise DataError(
+            f"reasoning_gym:{spec}: count {count} is more than {SEED_BLOCK} prompts per split; "
+            "lower it, or write the prompts to a JSONL file and use that as the source"
+        )
     try:
         dataset = reasoning_gym.create_dataset(
             task, size=count, seed=reasoning_gym_seed(seed, split or "train"), **task_config
