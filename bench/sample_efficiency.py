@@ -181,6 +181,14 @@ def teacher_dataset(task: str, teacher: Path, prompts: int, seed: int) -> tuple[
     return path, seconds
 
 
+def sft_data(task: str, teacher: Path, args, fixed: bool) -> tuple[dict, float]:
+    """opd's settings for SFT data (fresh teacher samples, or the fixed set) and the seconds the set took."""
+    if not fixed:
+        return {"data_source": "teacher"}, 0.0
+    dataset, seconds = teacher_dataset(task, teacher, args.sft_prompts, args.seed)
+    return {"data_source": "dataset", "train_file": dataset}, seconds
+
+
 def opd_config(
     log_path: Path,
     student: Path,
@@ -262,20 +270,17 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
         )
         return run_opd(config, task)
     if method == "sft-fixed":
-        dataset, sampling_seconds = teacher_dataset(task, teacher, args.sft_prompts, args.seed)
+        data, sampling_seconds = sft_data(task, teacher, args, fixed=True)
         config = opd_config(
-            directory, student, teacher, task, args, train_file=dataset, max_steps=args.steps,
-            objective="nll", data_source="dataset", **common,
-        )  # fmt: skip
+            directory, student, teacher, task, args, max_steps=args.steps, objective="nll", **data, **common
+        )
         return run_opd(config, task, seconds_offset=sampling_seconds)
     if method == "sft-then-opd":
-        sft_steps, sampling_seconds, sft_data = args.sft_steps, 0.0, {"data_source": "teacher"}
-        if args.sft_data == "fixed":
-            dataset, sampling_seconds = teacher_dataset(task, teacher, args.sft_prompts, args.seed)
-            sft_data = {"data_source": "dataset", "train_file": dataset}
+        sft_steps = args.sft_steps
+        data, sampling_seconds = sft_data(task, teacher, args, fixed=args.sft_data == "fixed")
         first = opd_config(
             directory / "sft", student, teacher, task, args,
-            max_steps=sft_steps, objective="nll", **sft_data, **common,
+            max_steps=sft_steps, objective="nll", **data, **common,
         )  # fmt: skip
         sft_curve = run_opd(first, task, seconds_offset=sampling_seconds)
         from opd.runs.checkpoints import latest_model_dir
