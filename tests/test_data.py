@@ -82,6 +82,23 @@ def test_batches_are_seeded_reproducible_and_cover_each_prompt_once_per_pass():
     assert [item.dataset_index for item in batches.batch(0)] == [0, 0, 0, 1, 1]
 
 
+def test_every_pass_reshuffles_and_any_step_can_be_asked_first():
+    prompts = [Prompt(messages=({"role": "user", "content": f"p{i}"},)) for i in range(10)]
+    batches = CompositeBatches([prompts], [4], ["p"], seed=3)
+    passes = [
+        [item.prompt.messages[0]["content"] for s in (2 * k, 2 * k + 1) for item in batches.batch(s)]
+        for k in range(4)
+    ]
+    for seen in passes:
+        assert len(set(seen)) == 8  # each pass: 8 distinct prompts (2 batches of 4)
+    assert len({tuple(seen) for seen in passes}) == 4  # no pass repeats another's order
+    left_out = [frozenset(f"p{i}" for i in range(10)) - set(seen) for seen in passes]
+    assert len(set(left_out)) > 1  # the two remainder prompts change between passes
+    resumed = CompositeBatches([prompts], [4], ["p"], seed=3)
+    assert resumed.batch(5) == batches.batch(5)  # a resumed run asks for step 5 first
+    assert resumed.batch(0) == batches.batch(0)
+
+
 def test_dataset_smaller_than_a_batch_is_refused():
     prompts = generate_task_prompts("reverse", seed=0, count=3)
     with pytest.raises(

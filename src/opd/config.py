@@ -171,7 +171,8 @@ class TrainingConfig:
     micro_batch_size: int | None = None
     """Sequences per forward/backward inside a substep (gradient accumulation); None = all."""
     max_steps: int | None = None
-    """Stop after this many steps; None runs one pass over the shortest dataset."""
+    """Stop after this many steps; None runs one pass over the shortest dataset (more: each
+    dataset starts another pass, reshuffled, when it runs out)."""
     max_grad_norm: float | None = 1.0
     """Clip the gradient's global norm; None disables clipping."""
     weight_decay: float = 0.0

@@ -19,35 +19,49 @@ class BatchItem:
 class CompositeBatches:
     """Each step takes ``groups_per_batch[d]`` prompts from every dataset ``d``.
 
-    Every dataset is shuffled once with ``seed`` (and its index); the number of steps in
-    one pass is set by the dataset that runs out first.
+    Every pass over a dataset is a fresh shuffle seeded by ``seed``, the dataset's index and
+    the pass number, so a multi-epoch run neither repeats one batch order nor always leaves
+    out the same remainder prompts. The number of steps in one pass is set by the dataset
+    that runs out first.
     """
 
     def __init__(
         self, datasets: list[list[Prompt]], groups_per_batch: list[int], names: list[str], seed: int
     ):
-        self.orders: list[list[Prompt]] = []
-        for index, (prompts, per_batch, name) in enumerate(
-            zip(datasets, groups_per_batch, names, strict=True)
-        ):
+        for prompts, per_batch, name in zip(datasets, groups_per_batch, names, strict=True):
             if len(prompts) < per_batch:
                 raise DataError(
                     f"dataset '{name}': {len(prompts)} prompts, fewer than one batch of "
                     f"groups_per_batch={per_batch}; add prompts or lower groups_per_batch"
                 )
-            order = list(prompts)
-            random.Random(f"{seed}/{index}").shuffle(order)
-            self.orders.append(order)
+        self.datasets = datasets
         self.groups_per_batch = groups_per_batch
+        self.seed = seed
+        self._orders: dict[tuple[int, int], list[Prompt]] = {}
 
     def __len__(self) -> int:
-        return min(len(order) // n for order, n in zip(self.orders, self.groups_per_batch, strict=True))
+        return min(len(prompts) // n for prompts, n in zip(self.datasets, self.groups_per_batch, strict=True))
+
+    def order(self, dataset_index: int, pass_index: int) -> list[Prompt]:
+        """Dataset ``dataset_index`` in the order of its pass ``pass_index`` (kept for that pass)."""
+        key = (dataset_index, pass_index)
+        if key not in self._orders:
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != dataset_index}
+            order = list(self.datasets[dataset_index])
+            # pass 0 keeps the seed string of the single-shuffle version: old runs replay exactly
+            suffix = f"/{pass_index}" if pass_index else ""
+            random.Random(f"{self.seed}/{dataset_index}{suffix}").shuffle(order)
+            self._orders[key] = order
+        return self._orders[key]
 
     def batch(self, step: int) -> list[BatchItem]:
-        """The prompts of step ``step`` (wrapping around after one pass)."""
+        """The prompts of step ``step``; a dataset's next pass starts when it runs out."""
         items = []
-        for index, (order, per_batch) in enumerate(zip(self.orders, self.groups_per_batch, strict=True)):
-            passes = len(order) // per_batch
-            start = (step % passes) * per_batch
-            items.extend(BatchItem(index, prompt) for prompt in order[start : start + per_batch])
+        for index, (prompts, per_batch) in enumerate(zip(self.datasets, self.groups_per_batch, strict=True)):
+            pass_index, position = divmod(step, len(prompts) // per_batch)
+            start = position * per_batch
+            items.extend(
+                BatchItem(index, prompt)
+                for prompt in self.order(index, pass_index)[start : start + per_batch]
+            )
         return items
