@@ -13,7 +13,8 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
     trl           TRL's DistillationTrainer (on-policy, generalized JSD with its default beta 1)
     sft           opd, objective nll on fresh teacher samples (data_source teacher)
     sft-fixed     opd, objective nll on a fixed dataset: teacher samples on --sft-prompts prompts,
-                  drawn once (their seconds count), then repeated epoch after epoch (data_source dataset)
+                  drawn once (their seconds count), then repeated epoch after epoch, reshuffled
+                  (data_source dataset)
     sft-then-opd  sft (or sft-fixed: --sft-data fixed) for the first quarter of the steps (or
                   --sft-steps), then opd-rkl (or --then)
 
