@@ -37,22 +37,22 @@ class CompositeBatches:
         self.datasets = datasets
         self.groups_per_batch = groups_per_batch
         self.seed = seed
-        self._orders: dict[tuple[int, int], list[Prompt]] = {}
+        self._current_pass: dict[int, tuple[int, list[Prompt]]] = {}
+        """Per dataset: the pass last asked for, and its order."""
 
     def __len__(self) -> int:
         return min(len(prompts) // n for prompts, n in zip(self.datasets, self.groups_per_batch, strict=True))
 
     def order(self, dataset_index: int, pass_index: int) -> list[Prompt]:
-        """Dataset ``dataset_index`` in the order of its pass ``pass_index`` (kept for that pass)."""
-        key = (dataset_index, pass_index)
-        if key not in self._orders:
-            self._orders = {k: v for k, v in self._orders.items() if k[0] != dataset_index}
+        """Dataset ``dataset_index`` in the order of its pass ``pass_index``."""
+        cached = self._current_pass.get(dataset_index)
+        if cached is None or cached[0] != pass_index:
             order = list(self.datasets[dataset_index])
             # pass 0 keeps the seed string of the single-shuffle version: old runs replay exactly
             suffix = f"/{pass_index}" if pass_index else ""
             random.Random(f"{self.seed}/{dataset_index}{suffix}").shuffle(order)
-            self._orders[key] = order
-        return self._orders[key]
+            cached = self._current_pass[dataset_index] = (pass_index, order)
+        return cached[1]
 
     def batch(self, step: int) -> list[BatchItem]:
         """The prompts of step ``step``; a dataset's next pass starts when it runs out."""
