@@ -16,7 +16,8 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
                   drawn once (their seconds count), then repeated epoch after epoch, reshuffled
                   (data_source dataset)
     sft-then-opd  sft (or sft-fixed: --sft-data fixed) for the first quarter of the steps (or
-                  --sft-steps), then opd-rkl (or --then)
+                  --sft-steps), then opd-rkl (or --then) with a fresh optimizer (warmed up over
+                  --then-warmup-steps)
 
 Two tasks: `short` (chain_sum, 2 one-digit terms, the answer only) and `multistep`
 (chain_sum, 4-5 one-digit terms, the teacher writes one operation per line, then
@@ -288,7 +289,8 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
 
         second = opd_config(
             directory / "opd", student, teacher, task, args,
-            max_steps=args.steps - sft_steps, **objectives[args.then], **common,
+            max_steps=args.steps - sft_steps, warmup_steps=args.then_warmup_steps,
+            **objectives[args.then], **common,
         )  # fmt: skip
         second["load_checkpoint_path"] = str(latest_model_dir(directory / "sft"))
         return sft_curve[:-1] + run_opd(second, task, sft_steps, sft_curve[-1]["seconds"])
@@ -568,6 +570,12 @@ def main() -> None:
         help="sft-then-opd's SFT steps (default: a quarter of --steps)",
     )
     parser.add_argument(
+        "--then-warmup-steps",
+        type=int,
+        default=0,
+        help="sft-then-opd: linear lr warmup of the on-policy phase's fresh optimizer (0: none)",
+    )
+    parser.add_argument(
         "--sft-data",
         default="fresh",
         choices=("fresh", "fixed"),
@@ -635,6 +643,7 @@ def main() -> None:
                     result["then"] = args.then
                     result["sft_steps"] = args.sft_steps
                     result["sft_data"] = args.sft_data
+                    result["then_warmup_steps"] = args.then_warmup_steps
                 if "opd-jsd" in (method, result.get("then")):
                     result["jsd_beta"] = args.jsd_beta
                 result_file.write_text(json.dumps(result, indent=1))
