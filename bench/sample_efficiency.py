@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import shutil
 import time
 from functools import cache
@@ -62,6 +63,8 @@ BATCH = 16
 TEACHER_TARGET = 0.95
 TEACHER_ROUNDS = 2
 EVAL_PROMPTS = 48
+LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9)
+"""Fractions of the teacher's accuracy whose first crossing the report tabulates (the target is 0.9)."""
 
 
 def cache_root() -> Path:
@@ -156,7 +159,7 @@ def teacher_dataset(task: str, teacher: Path, prompts: int, seed: int) -> tuple[
     """
     import torch
 
-    from opd.data.prompts import load_prompts
+    from opd.data.prompts import parse_prompt_record
 
     path = cache_root() / "data" / f"{task}-teacher{prompts}-seed{seed}.jsonl"
     timing = path.with_suffix(".seconds")
@@ -164,7 +167,7 @@ def teacher_dataset(task: str, teacher: Path, prompts: int, seed: int) -> tuple[
         return path, float(timing.read_text())
     train_file, _ = write_task_files(task)
     records = [json.loads(line) for line in train_file.read_text().splitlines()[:prompts]]
-    messages = [p.messages for p in load_prompts(str(train_file))[:prompts]]
+    messages = [parse_prompt_record(r, f"{train_file}:{i + 1}").messages for i, r in enumerate(records)]
     _, tokenizer, renderer, sampler = float32_sampler(teacher)
     torch.manual_seed(seed)
     started = time.perf_counter()
@@ -256,6 +259,7 @@ def run_opd(config: dict, task: str, step_offset: int = 0, seconds_offset: float
 def run_method(method: str, task: str, student: Path, teacher: Path, args, directory: Path) -> list[dict]:
     common = {
         "learning_rate": args.lr,
+        "lr_schedule": args.lr_schedule,
         "lora_rank": args.lora_rank,
         "loss_aggregation": args.loss_aggregation,
     }
@@ -380,7 +384,7 @@ def run_trl(task: str, student: Path, teacher: Path, args, directory: Path) -> l
         max_completion_length=TASKS[task]["max_tokens"],
         temperature=1.0,
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
+        lr_scheduler_type=args.lr_schedule,
         adam_beta2=0.95,
         max_grad_norm=1.0,
         max_steps=args.steps,
@@ -463,8 +467,33 @@ def accuracy_at_seconds(curve: list[dict], seconds: float) -> float:
     return [p for p in curve if p["seconds"] <= seconds + 1e-9][-1]["accuracy"]
 
 
+def columns(runs: list[dict], key: str) -> list[tuple[float, ...]]:
+    """One measure of the runs, gathered point by point (the runs evaluate at the same steps)."""
+    return list(zip(*([point[key] for point in r["curve"]] for r in runs), strict=True))
+
+
+def mean_over(runs: list[dict], key: str) -> list[float]:
+    """The runs' curves averaged point by point."""
+    return [sum(column) / len(column) for column in columns(runs, key)]
+
+
+def seed_groups(group: list[dict]) -> dict[str, list[dict]]:
+    """Runs that differ only in their ``-seedN`` tag (seed 0 has none), under one plot label.
+
+    One line per method keeps a plot of many seeds readable; runs evaluated at other steps stay apart.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in group:
+        method = re.sub(r"-seed\d+$", "", r["method"])
+        groups.setdefault((method, tuple(p["step"] for p in r["curve"])), []).append(r)
+    return {
+        method if len(runs) == 1 else f"{method} ({len(runs)} seeds)": runs
+        for (method, _), runs in groups.items()
+    }
+
+
 def report(results: list[dict], out: Path) -> str:
-    """Markdown tables (equal steps, equal seconds, steps/seconds to 90% of the teacher) and PNG plots."""
+    """Markdown tables (at equal steps and seconds; steps to fractions of the teacher) and PNG plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -503,20 +532,39 @@ def report(results: list[dict], out: Path) -> str:
                 f"| {curve[-1]['accuracy']:.0%} | {accuracy_at_seconds(curve, budget):.0%} | "
                 f"{reached[0]} | {reached[1]} | {per_step:.1f} | {kl} |"
             )
+        lines += [
+            "\nFirst evaluation at or above a fraction of the teacher's accuracy: step (training seconds).\n",
+            "| method | "
+            + " | ".join(f"{level:.0%} of teacher ({level * teacher:.0%})" for level in LEVELS)
+            + " |",
+            "|---|" + "---|" * len(LEVELS),
+        ]
+        for r in group:
+            cells = []
+            for level in LEVELS:
+                hit = first_reaching(r["curve"], level * teacher)
+                cells.append(f"{hit['step']} ({hit['seconds']:.0f})" if hit else "-")
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
         figure, axes = plt.subplots(1, 3, figsize=(17, 4))
-        colours = plt.cm.tab20.colors
-        for index, r in enumerate(group):
-            curve = r["curve"]
-            # 20 colours; past 20 runs the colours repeat with dashed lines and square markers
+        colours = plt.cm.tab10.colors
+        for index, (label, runs) in enumerate(seed_groups(group).items()):
             style = {
                 "color": colours[index % len(colours)],
                 "linestyle": "-" if index < len(colours) else "--",
                 "marker": "o" if index < len(colours) else "s",
-                "label": r["method"],
             }
-            axes[0].plot([p["step"] for p in curve], [p["accuracy"] for p in curve], **style)
-            axes[1].plot([p["seconds"] for p in curve], [p["accuracy"] for p in curve], **style)
-            axes[2].plot([p["step"] for p in curve], [p["teacher_kl"] for p in curve], **style)
+            steps_x = [p["step"] for p in runs[0]["curve"]]
+            seconds_x = mean_over(runs, "seconds")
+            for axis, x, key in (
+                (axes[0], steps_x, "accuracy"),
+                (axes[1], seconds_x, "accuracy"),
+                (axes[2], steps_x, "teacher_kl"),
+            ):
+                axis.plot(x, mean_over(runs, key), label=label, **style)
+                if len(runs) > 1:
+                    low = [min(column) for column in columns(runs, key)]
+                    high = [max(column) for column in columns(runs, key)]
+                    axis.fill_between(x, low, high, color=style["color"], alpha=0.15, linewidth=0)
         for axis, xlabel, ylabel in zip(
             axes,
             ("step", "training seconds", "step"),
@@ -528,9 +576,14 @@ def report(results: list[dict], out: Path) -> str:
             axis.grid(alpha=0.3)
         for axis in axes[:2]:
             axis.axhline(0.9 * teacher, color="grey", linestyle="--", linewidth=1)
-        figure.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize="small")
-        figure.suptitle(f"{task}, student {student}, {steps} steps, graded by {grader}")
-        figure.tight_layout(rect=(0, 0, 0.86, 1))
+        handles, labels = axes[0].get_legend_handles_labels()
+        legend_rows = -(-len(labels) // 3)
+        figure.set_size_inches(17, 4 + 0.22 * legend_rows)
+        figure.legend(handles, labels, loc="lower center", ncol=3, fontsize="small", frameon=False)
+        figure.suptitle(
+            f"{task}, student {student}, {steps} steps, graded by {grader} (seeds: mean line, min-max band)"
+        )
+        figure.tight_layout(rect=(0, 0.22 * legend_rows / (4 + 0.22 * legend_rows) + 0.02, 1, 1))
         figure.savefig(out / f"sample_efficiency_{task}_{student}_{grader}_{steps}.png", dpi=90)
         plt.close(figure)
     return "\n".join(lines)
@@ -548,6 +601,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=("constant", "linear", "cosine"),
+        help="after warmup, over each run's steps (each phase of sft-then-opd its own); TRL too",
+    )
     parser.add_argument(
         "--jsd-beta", type=float, default=0.5, help="opd-jsd's beta (1: full-vocabulary reverse KL, as TRL)"
     )
@@ -628,6 +687,7 @@ def main() -> None:
                     "student": student_name,
                     "method": method + args.tag,
                     "lr": args.lr,
+                    "lr_schedule": args.lr_schedule,
                     "seed": args.seed,
                     "lora_rank": args.lora_rank,
                     "loss_aggregation": args.loss_aggregation,

@@ -38,7 +38,10 @@ def assert_same_rows(rows_a, rows_b):
 
 def write_config(base_config, tmp_path, name, **top):
     config = dict(base_config, log_path=str(tmp_path / name), save_every=2, **top)
-    config["training"] = dict(base_config["training"], max_steps=STEPS, learning_rate=1e-2)
+    # a warmed-up, decaying LR: a resumed run must pick the schedule up where it stopped
+    config["training"] = dict(
+        base_config["training"], max_steps=STEPS, learning_rate=1e-2, warmup_steps=2, lr_schedule="cosine"
+    )
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -15,6 +15,7 @@ from opd.models import ModelLoadError
 from opd.runs.checkpoints import latest_model_dir
 from opd.runs.metrics import read_jsonl
 from opd.trainer.loop import Trainer, train
+from opd.trainer.optimizer import lr_factor
 from opd.trainer.update import TeacherTargets
 from tests.conftest import tiny_llama
 
@@ -76,6 +77,30 @@ def test_substeps_take_one_optimizer_step_each(base_config):
     trainer.train_step(0)
     states = [s["step"] for s in trainer.optimizer.state.values()]
     assert states and all(int(s) == 2 for s in states)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        # 2 warmup steps, then 4 decay steps (progress 0, 1/4, 1/2, 3/4); step 6 is past the end
+        ("linear", [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]),
+        ("cosine", [0.5, 1.0, 1.0, 0.853553, 0.5, 0.146447, 0.0]),  # (1 + cos(pi * progress)) / 2
+    ],
+)
+def test_lr_factor_warms_up_then_follows_the_schedule(schedule, expected):
+    factors = [lr_factor(step, warmup_steps=2, total_steps=6, schedule=schedule) for step in range(7)]
+    assert factors == pytest.approx(expected, abs=1e-6)
+
+
+def test_logged_lr_decays_over_the_run_with_substeps(base_config):
+    base_config["training"].update(
+        lr_schedule="linear", warmup_steps=1, max_steps=3, num_substeps=2, micro_batch_size=1
+    )
+    result = train(config_from_dict(base_config), progress=False)
+    logged = [row["lr"] for row in read_jsonl(result.log_path / "metrics.jsonl")]
+    # 6 optimizer steps, 1 of warmup: factors 1, 1, 4/5, 3/5, 2/5, 1/5; a step logs its first one's
+    assert logged == pytest.approx([1e-3, 8e-4, 4e-4], abs=1e-12)
 
 
 def test_micro_batches_give_the_same_gradient_as_one_batch(base_config):

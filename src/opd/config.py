@@ -149,9 +149,13 @@ class TrainingConfig:
     lmbda: float = 0.5
     """``mixed`` only: fraction of steps whose batch the student samples (GKD's lambda)."""
     learning_rate: float = 1e-4
-    """Peak learning rate (constant after warmup)."""
+    """Peak learning rate, reached after ``warmup_steps``."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to ``learning_rate``."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: hold ``learning_rate`` (``constant``), or decay it towards 0 at the run's
+    last optimizer step (``max_steps`` x ``num_substeps``) in a straight line (``linear``, as
+    Hugging Face's Trainer does by default) or along a half cosine (``cosine``)."""
     max_tokens: int = 64
     """Most tokens sampled per completion."""
     temperature: float = 1.0

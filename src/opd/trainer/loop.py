@@ -150,8 +150,10 @@ class Trainer:
         check_loggers(config)
         self.spans = SpanRecorder(None)
         self.samples: JsonlWriter | None = None
-        self.optimizer, self.scheduler = build_optimizer(self.student, config)
         self.num_steps = config.training.max_steps or len(self.batches)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.student, config, self.num_steps * config.training.num_substeps
+        )
 
     def _sampler_for(self, model) -> HFGenerateSampler:
         return HFGenerateSampler(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from opd.config import Config
@@ -28,8 +31,27 @@ def adamw(
     )
 
 
-def build_optimizer(model, config: Config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with the reference's betas; constant LR after a linear warmup."""
+def lr_factor(optimizer_step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """The fraction of the peak learning rate used by optimizer step ``optimizer_step`` (from 0).
+
+    Warmup reaches the peak at its last step; a decay reaches 0 one step after the last, so no
+    step is spent at a learning rate of 0.
+    """
+    if optimizer_step < warmup_steps:
+        return (optimizer_step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (optimizer_step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    model, config: Config, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with the reference's betas and the configured warmup and decay over ``total_steps``
+    optimizer steps."""
     training = config.training
     optimizer = adamw(
         [p for p in model.parameters() if p.requires_grad],
@@ -38,9 +60,7 @@ def build_optimizer(model, config: Config) -> tuple[torch.optim.Optimizer, torch
         eps=training.adam_eps,
         weight_decay=training.weight_decay,
     )
-    warmup = training.warmup_steps
-
-    def lr_factor(optimizer_step: int) -> float:
-        return min(1.0, (optimizer_step + 1) / warmup) if warmup > 0 else 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    schedule = functools.partial(
+        lr_factor, warmup_steps=training.warmup_steps, total_steps=total_steps, schedule=training.lr_schedule
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
