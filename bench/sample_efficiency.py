@@ -577,13 +577,13 @@ def report(results: list[dict], out: Path) -> str:
         for axis in axes[:2]:
             axis.axhline(0.9 * teacher, color="grey", linestyle="--", linewidth=1)
         handles, labels = axes[0].get_legend_handles_labels()
-        legend_rows = -(-len(labels) // 3)
-        figure.set_size_inches(17, 4 + 0.22 * legend_rows)
+        legend_height = 0.22 * -(-len(labels) // 3)  # inches: three labels a row
+        figure.set_size_inches(17, 4 + legend_height)
         figure.legend(handles, labels, loc="lower center", ncol=3, fontsize="small", frameon=False)
         figure.suptitle(
             f"{task}, student {student}, {steps} steps, graded by {grader} (seeds: mean line, min-max band)"
         )
-        figure.tight_layout(rect=(0, 0.22 * legend_rows / (4 + 0.22 * legend_rows) + 0.02, 1, 1))
+        figure.tight_layout(rect=(0, legend_height / (4 + legend_height) + 0.02, 1, 1))
         figure.savefig(out / f"sample_efficiency_{task}_{student}_{grader}_{steps}.png", dpi=90)
         plt.close(figure)
     return "\n".join(lines)
