@@ -154,7 +154,7 @@ class TrainingConfig:
     """Optimizer steps of linear warmup from 0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: hold ``learning_rate`` (``constant``), or decay it towards 0 at the run's
-    last optimizer step (``max_steps`` x ``num_substeps``) in a straight line (``linear``, as
+    last optimizer step (the run's steps x ``num_substeps``) in a straight line (``linear``, as
     Hugging Face's Trainer does by default) or along a half cosine (``cosine``)."""
     max_tokens: int = 64
     """Most tokens sampled per completion."""

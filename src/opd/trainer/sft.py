@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.logprobs import sequence_logprobs
 from opd.teachers.local import pad_right
+from opd.trainer.optimizer import lr_factor
 
 
 def completion_tokens(renderer: ChatRenderer, prompt: Prompt) -> tuple[list[int], list[int]]:
@@ -45,7 +47,8 @@ def supervised_finetune(
     # torch's default (looped) AdamW on purpose: the demo's tiny models are built here, and the
     # fused kernel's other rounding grows into different models (the demo would start elsewhere)
     optimizer = torch.optim.AdamW(parameters, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 - i / max(steps, 1))
+    decay = functools.partial(lr_factor, warmup_steps=0, total_steps=steps, schedule="linear")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     pad_id = renderer.tokenizer.pad_token_id or 0
     losses = []
     model.train()
