@@ -38,10 +38,13 @@ import os
 import re
 import shutil
 import time
+import typing
 from functools import cache
 from pathlib import Path
 
 from smollm2 import converted_dir
+
+from opd.config import TrainingConfig
 
 METHODS = ("opd-rkl", "opd-k3", "opd-jsd", "trl", "sft", "sft-fixed", "sft-then-opd")
 TASKS = {
@@ -604,7 +607,7 @@ def main() -> None:
     parser.add_argument(
         "--lr-schedule",
         default="constant",
-        choices=("constant", "linear", "cosine"),
+        choices=typing.get_args(typing.get_type_hints(TrainingConfig)["lr_schedule"]),
         help="after warmup, over each run's steps (each phase of sft-then-opd its own); TRL too",
     )
     parser.add_argument(
