@@ -36,7 +36,11 @@ TOOLS = {
     "opd-sampled": "opd sampled_reverse_kl, float32",
     "opd-jsd-bf16s": "opd jsd, rollouts from a bfloat16 copy (student.sampling_dtype)",
     "opd-sampled-bf16s": "opd sampled_reverse_kl, rollouts from a bfloat16 copy",
+    "opd-jsd-f32s": "opd jsd, rollouts from a float32 copy (LoRA merged into it: identical float32 work)",
+    "opd-sampled-f32s": "opd sampled_reverse_kl, rollouts from a float32 copy (LoRA merged)",
 }
+SAMPLING_DTYPES = {"-bf16s": "bfloat16", "-f32s": "float32"}
+PHASES = ("sample", "teacher", "train")  # opd's own time/* metrics, printed beside the totals
 
 
 def prompts(count: int) -> list[str]:
@@ -88,7 +92,7 @@ def run_trl(args, steps: int, bf16: bool) -> dict:
             callbacks=[Timer()],
         )
         trainer.train()
-    return {"step_seconds": step_times[1:], "tokens": None}
+    return {"step_seconds": step_times[1:], "tokens": None, "phases": {}}
 
 
 def run_opd(args, steps: int, objective: str, sampling_dtype: str | None) -> dict:
@@ -135,6 +139,7 @@ def run_opd(args, steps: int, objective: str, sampling_dtype: str | None) -> dic
     return {
         "step_seconds": [r["time/total"] for r in rows[1:]],
         "tokens": [r["num_tokens"] for r in rows[1:]],
+        "phases": {phase: [r[f"time/{phase}"] for r in rows[1:]] for phase in PHASES},
     }
 
 
@@ -145,7 +150,8 @@ def child(args) -> None:
         result = run_trl(args, steps, bf16=args.child == "trl-bf16")
     else:
         objective = "jsd" if args.child.startswith("opd-jsd") else "sampled_reverse_kl"
-        result = run_opd(args, steps, objective, "bfloat16" if args.child.endswith("-bf16s") else None)
+        suffix = "-" + args.child.rpartition("-")[2]
+        result = run_opd(args, steps, objective, SAMPLING_DTYPES.get(suffix))
     result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["baseline_mib"] = baseline / 1024
     print("RESULT " + json.dumps(result))
@@ -219,6 +225,7 @@ def main() -> None:
     )
     print(
         f"{'mode':>5} {'tool':>17} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} {'vs TRL':>7}"
+        f"  {' / '.join(PHASES)} (opd, median s)"
     )
     tools = ["trl"] + [tool for tool in args.tools if tool != "trl"]
     for mode in args.modes:
@@ -230,12 +237,18 @@ def main() -> None:
         for tool, results in runs.items():
             seconds = statistics.median(s for r in results for s in r["step_seconds"])
             tokens = [t for r in results for t in (r["tokens"] or [])]
-            summary[tool] = (seconds, statistics.median(r["peak_mib"] for r in results), tokens)
-        for tool, (seconds, peak, tokens) in summary.items():
+            phases = {
+                phase: statistics.median(s for r in results for s in r["phases"].get(phase, []))
+                for phase in PHASES
+                if results[0]["phases"]
+            }
+            summary[tool] = (seconds, statistics.median(r["peak_mib"] for r in results), tokens, phases)
+        for tool, (seconds, peak, tokens, phases) in summary.items():
             rate = f"{statistics.mean(tokens) / seconds:9.0f}" if tokens else f"{'n/a':>9}"
             print(
                 f"{mode:>5} {tool:>17} {seconds:8.3f} {seconds / summary['trl'][0]:7.2f} {rate} "
-                f"{peak:9.0f} {peak / summary['trl'][1]:7.2f}"
+                f"{peak:9.0f} {peak / summary['trl'][1]:7.2f}  "
+                + " / ".join(f"{phases[phase]:.2f}" for phase in phases)
             )
 
 

@@ -1,5 +1,6 @@
 """Sampling from a bfloat16 copy of the student, and the fused AdamW the student trains with."""
 
+import pytest
 import torch
 
 from opd.config import config_from_dict
@@ -74,15 +75,74 @@ def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config
     assert 0 < abs(metrics["kl_sample_train"]) < 0.05
 
 
-def test_copy_of_a_lora_student_follows_its_adapters_and_holds_nothing_between_rollouts(base_config):
-    base_config["student"] |= {"lora_rank": 4, "sampling_dtype": "bfloat16"}
+def lora_trained_a_step(base_config, **student):
+    base_config["student"] |= {"lora_rank": 4, "lora_alpha": 8} | student
+    base_config["training"]["learning_rate"] = 0.05
     trainer = Trainer(config_from_dict(base_config), progress=False)
     trainer.train_step(0)
-    trainer.sample_batch(1)
+    return trainer
+
+
+def copy_and_student_logprobs(trainer, batch):
+    with torch.no_grad(), trainer.sampling_copy.rollout() as copied:
+        from_copy, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+        from_student, _ = sequence_logprobs(
+            trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+        )
+    return from_copy, from_student
+
+
+def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_between_rollouts(base_config):
+    trainer = lora_trained_a_step(base_config, sampling_dtype="bfloat16")
+    batch, _ = trainer.sample_batch(1)
     assert released(trainer.sampling_copy.model)
+    student = trainer.student.get_base_model()
+    q_proj = student.model.layers[0].self_attn.q_proj
+    # W + (alpha / r) * B @ A, written out from the adapter's own matrices
+    delta = (q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight) * (8 / 4)
+    assert delta.abs().max() > 1e-3  # the step moved the adapter off its zero start
     with trainer.sampling_copy.rollout() as copied:
-        assert_copy_holds(trainer.student, copied)
-        assert any("lora_" in name for name, _ in copied.named_parameters())
+        assert not any("lora_" in name for name, _ in copied.named_parameters())
+        assert type(copied.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        expected = (q_proj.base_layer.weight + delta).to(torch.bfloat16)
+        assert torch.equal(copied.model.layers[0].self_attn.q_proj.weight, expected)
+        assert torch.equal(copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16))
+    from_copy, from_student = copy_and_student_logprobs(trainer, batch)
+    mask = batch.mask_BT.bool()
+    recorded = batch.sampled_logprobs_BT[mask]
+    copy_error = (from_copy[mask] - recorded).abs().max()
+    assert copy_error < 5e-2  # bfloat16 decoding vs a bfloat16 forward over the whole sequence
+    assert copy_error < (from_student[mask] - recorded).abs().max() / 2
+
+
+def test_a_lora_student_gets_a_merged_copy_in_its_own_dtype_that_scores_as_it_does(base_config):
+    trainer = lora_trained_a_step(base_config, dtype="float32", sampling_dtype="float32")
+    assert trainer.sampling_copy is not None and trainer.rollout_sampler.model is trainer.sampling_copy.model
+    batch, _ = trainer.sample_batch(1)
+    embedding = trainer.student.get_base_model().model.embed_tokens.weight
+    with trainer.sampling_copy.rollout() as copied:  # what needs no merge or cast is shared, not copied
+        assert copied.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()
+    assert embedding.numel() > 0
+    from_copy, from_student = copy_and_student_logprobs(trainer, batch)
+    mask = batch.mask_BT.bool()
+    torch.testing.assert_close(from_copy[mask], from_student[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch.sampled_logprobs_BT[mask], from_student[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_a_lora_embedding_tied_to_the_head_stays_unmerged_in_the_copy(base_config):
+    trainer = lora_trained_a_step(
+        base_config, dtype="float32", sampling_dtype="float32", lora_target_modules=["embed_tokens", "q_proj"]
+    )
+    batch, _ = trainer.sample_batch(1)
+    with trainer.sampling_copy.rollout() as copied:
+        lora_names = [name for name, _ in copied.named_parameters() if "lora_" in name]
+        assert lora_names and all(name.startswith("model.embed_tokens.") for name in lora_names)
+        assert type(copied.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        assert copied.lm_head.weight is copied.model.embed_tokens.base_layer.weight
+    from_copy, from_student = copy_and_student_logprobs(trainer, batch)
+    mask = batch.mask_BT.bool()
+    torch.testing.assert_close(from_copy[mask], from_student[mask], atol=1e-5, rtol=0)
 
 
 def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
@@ -95,7 +155,22 @@ def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
         assert_copy_holds(first.student, copied)
 
 
-def test_sampling_dtype_equal_to_the_students_makes_no_copy(base_config):
+def test_an_adapter_loaded_at_start_is_merged_into_the_copy(base_config, tmp_path):
+    base_config["student"] |= {"lora_rank": 4, "lora_alpha": 8}
+    first, second = trained_and_loading(base_config, tmp_path)
+    second["student"] = dict(base_config["student"], sampling_dtype="float32")
+    trainer = Trainer(config_from_dict(second), progress=False)
+    trainer.config.training.max_steps = trainer.num_steps = 0
+    trainer.run()
+    trained = first.student.get_base_model().model.layers[1].mlp.down_proj
+    delta = (trained.lora_B["default"].weight @ trained.lora_A["default"].weight) * (8 / 4)
+    assert delta.abs().max() > 0
+    with trainer.sampling_copy.rollout() as copied:
+        merged = copied.model.layers[1].mlp.down_proj.weight
+        torch.testing.assert_close(merged, trained.base_layer.weight + delta, atol=1e-6, rtol=0)
+
+
+def test_sampling_dtype_equal_to_a_full_fine_tuned_students_makes_no_copy(base_config):
     base_config["student"] |= {"dtype": "float32", "sampling_dtype": "float32"}
     trainer = Trainer(config_from_dict(base_config), progress=False)
     assert trainer.sampling_copy is None and trainer.rollout_sampler is trainer.sampler

@@ -130,7 +130,7 @@ class Trainer:
         self.sampling_copy: SamplingCopy | None = None
         self.rollout_sampler = self.sampler
         sampling_dtype = DTYPES.get(student_cfg.sampling_dtype)
-        if sampling_dtype is not None and sampling_dtype != base.dtype:
+        if sampling_dtype is not None and (sampling_dtype != base.dtype or student_cfg.lora_rank > 0):
             self.sampling_copy = SamplingCopy(self.student, sampling_dtype)
             self.rollout_sampler = self._sampler_for(self.sampling_copy.model)
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
