@@ -6,7 +6,7 @@ import torch
 from opd.data.render import ChatRenderer
 from opd.logprobs import sequence_logprobs
 from opd.sampling.base import Completion
-from opd.sampling.hf_generate import HFGenerateSampler
+from opd.sampling.hf_generate import HFGenerateSampler, inverse_cdf_sample
 from opd.trainer.rollouts import build_rollout_batch
 from tests.conftest import tiny_llama
 
@@ -77,11 +77,34 @@ def test_greedy_is_deterministic(setup):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
-@pytest.mark.parametrize("greedy", [False, True])
-def test_generation_config_passes_strict_validation(setup, greedy):
+def test_generation_config_passes_strict_validation(setup):
     """No field generate would ignore or warn about (top_k 0 once warned on every greedy eval)."""
     _, _, sampler, _ = setup
-    sampler.generation_config(max_tokens=4, greedy=greedy).validate(strict=True)
+    sampler.generation_config(max_tokens=4).validate(strict=True)
+
+
+def test_inverse_cdf_takes_the_token_whose_interval_holds_the_draw():
+    # cdf 0.1, 0.1, 0.7, 1.0 (token 1 has no width); rows unnormalised by 2 in the second half
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]] * 4 + [[0.2, 0.0, 1.2, 0.6]] * 4)
+    uniform = torch.tensor([0.0, 0.0999, 0.1, 0.9999] * 2)
+    assert inverse_cdf_sample(probs, uniform).tolist() == [0, 0, 2, 3] * 2
+
+
+def test_sampled_first_tokens_follow_the_softmax_of_the_logits(setup):
+    """Frequencies of 20000 draws sit within 5 standard errors of softmax(logits / T)."""
+    model, _, sampler, prompts = setup
+    draws, temperature = 20000, 0.8
+    torch.manual_seed(0)
+    completions = sampler.sample(prompts[:1] * draws, temperature=temperature, max_tokens=1)
+    first_tokens = torch.tensor([c.token_ids[0] for c in completions])
+    counts = torch.bincount(first_tokens, minlength=len(sampler.tokenizer))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0]])).logits[0, -1, : len(sampler.tokenizer)]
+    expected = torch.softmax(logits / temperature, -1).double()
+    assert expected.max() < 0.9 and (expected > 0.01).sum() >= 3  # not one near-certain token
+    frequency = counts.double() / draws
+    standard_error = (expected * (1 - expected) / draws).sqrt()
+    assert ((frequency - expected).abs() <= 5 * standard_error + 1e-4).all()
 
 
 def test_greedy_picks_the_argmax_despite_model_generation_defaults(setup):

@@ -8,16 +8,33 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from opd.sampling.base import Completion
 
 
+def inverse_cdf_sample(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
+    """One token per row, drawn from ``probs_BV`` (rows need not sum to 1) with the given U[0, 1) draws.
+
+    Token i is taken when ``u * total`` falls in ``[cdf[i-1], cdf[i])``, so zero-probability
+    tokens are never taken. The cumulative sum runs in float64, so its rounding is far below
+    any probability a float32 softmax can express. One uniform number per row, where
+    ``torch.multinomial`` draws one exponential per vocabulary entry (8 ms a row-batch for a
+    49k vocabulary on a CPU, against 0.2 ms here).
+    """
+    cdf_BV = probs_BV.double().cumsum(-1)
+    targets_B1 = uniform_B.double()[:, None] * cdf_BV[:, -1:]
+    return torch.searchsorted(cdf_BV, targets_B1, right=True).squeeze(-1)
+
+
 class _SampledLogprobRecorder(LogitsProcessor):
-    """Applies the temperature and remembers log-softmax of each step.
+    """Applies the temperature, remembers log-softmax of each step and, unless greedy, draws the token.
 
     At step t+1 ``input_ids`` ends with the token sampled at step t, so that token's
     log-prob is read from the previous step's distribution: only one B x V row is held.
+    When drawing, it returns scores that are -inf everywhere but the drawn token, so
+    ``generate``'s greedy argmax takes it.
     """
 
-    def __init__(self, temperature: float, vocab_size: int | None):
+    def __init__(self, temperature: float, vocab_size: int | None, *, draw: bool):
         self.temperature = temperature
         self.vocab_size = vocab_size
+        self.draw = draw
         self.previous_logprobs: torch.Tensor | None = None
         self.recorded: list[torch.Tensor] = []
 
@@ -31,7 +48,11 @@ class _SampledLogprobRecorder(LogitsProcessor):
         if self.vocab_size is not None and self.vocab_size < scores.shape[-1]:
             scores[:, self.vocab_size :] = float("-inf")
         self.previous_logprobs = torch.log_softmax(scores, dim=-1)
-        return scores
+        if not self.draw:
+            return scores
+        uniform_B = torch.rand(scores.shape[0], device=scores.device)
+        tokens_B = inverse_cdf_sample(self.previous_logprobs.exp(), uniform_B)
+        return torch.full_like(scores, float("-inf")).scatter_(-1, tokens_B[:, None], 0.0)
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
         """Log-probs of all generated tokens, (B, generated)."""
@@ -44,7 +65,8 @@ class HFGenerateSampler:
 
     The distribution sampled from is exactly ``softmax(logits / temperature)`` over the
     tokenizer's vocabulary (no top-k/top-p, and none of the model's own generation
-    defaults), so the recorded log-probs are the behaviour policy's.
+    defaults), so the recorded log-probs are the behaviour policy's. The recorder draws
+    each token (:func:`inverse_cdf_sample`) and ``generate`` runs greedy over its choice.
     """
 
     def __init__(
@@ -73,17 +95,11 @@ class HFGenerateSampler:
             completions += self._sample_batch(prompts[start : start + size], temperature, max_tokens, greedy)
         return completions
 
-    def generation_config(self, max_tokens: int, greedy: bool) -> GenerationConfig:
-        """What ``generate`` is told: the temperature is applied by the recorder, not here.
-
-        Sampling must not truncate (top_k 0, top_p 1); greedy decoding takes neither field, as
-        ``generate`` warns about sampling fields set for greedy decoding.
-        """
-        truncation = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    def generation_config(self, max_tokens: int) -> GenerationConfig:
+        """What ``generate`` is told: greedy, as the temperature and the draw are the recorder's."""
         return GenerationConfig(
-            do_sample=not greedy,
+            do_sample=False,
             max_new_tokens=max_tokens,
-            **truncation,
             eos_token_id=self.stop_token_ids,
             pad_token_id=self.pad_id,
             stop_strings=self.stop_strings or None,
@@ -97,8 +113,10 @@ class HFGenerateSampler:
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
-        recorder = _SampledLogprobRecorder(1.0 if greedy else temperature, len(self.tokenizer))
-        generation_config = self.generation_config(max_tokens, greedy)
+        recorder = _SampledLogprobRecorder(
+            1.0 if greedy else temperature, len(self.tokenizer), draw=not greedy
+        )
+        generation_config = self.generation_config(max_tokens)
         # generate() fills every unset field from the model's own generation_config
         # (repetition_penalty, min_new_tokens, ...); hide it so only our settings apply.
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
