@@ -5,7 +5,7 @@ with each, so reading the weights is most of the step's time. For
 ``--batch`` rows this prints the seconds per decoded token of:
 
 - opd's ``HFGenerateSampler`` (HF ``generate``, KV cache, log-prob recorder, stop checks);
-- a hand-written loop of cached forward calls with multinomial sampling and nothing else;
+- a hand-written loop of cached forward calls with opd's inverse-CDF draw and nothing else;
 - the floor: one matmul per linear layer of the model (lm head included) at the same batch,
   i.e. reading the weights once, without attention, norms or Python;
 
@@ -50,7 +50,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-    from opd.sampling.hf_generate import HFGenerateSampler
+    from opd.sampling.hf_generate import HFGenerateSampler, inverse_cdf_sample
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -73,7 +73,8 @@ def main() -> None:
         cache = {cache_argument: DynamicCache()}
         logits = model(input_ids=prompt_ids, attention_mask=attention, **cache).logits
         for _ in range(args.new_tokens - 1):
-            token = torch.multinomial(torch.softmax(logits[:, -1].float(), dim=-1), 1)
+            probs = torch.softmax(logits[:, -1].float(), dim=-1)
+            token = inverse_cdf_sample(probs, torch.rand(probs.shape[0]))[:, None]
             attention = torch.cat([attention, torch.ones_like(token)], dim=1)
             logits = model(input_ids=token, attention_mask=attention, **cache).logits
 
