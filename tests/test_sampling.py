@@ -88,6 +88,17 @@ def test_inverse_cdf_takes_the_token_whose_interval_holds_the_draw():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]] * 4 + [[0.2, 0.0, 1.2, 0.6]] * 4)
     uniform = torch.tensor([0.0, 0.0999, 0.1, 0.9999] * 2)
     assert inverse_cdf_sample(probs, uniform).tolist() == [0, 0, 2, 3] * 2
+    no_distribution = torch.full((1, 4), float("nan"))
+    assert inverse_cdf_sample(no_distribution, torch.tensor([0.5])).tolist() == [3]
+
+
+def test_a_model_with_nan_logits_yields_nan_logprobs_instead_of_crashing(setup):
+    model, _, sampler, prompts = setup
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    completions = sampler.sample(prompts, temperature=1.0, max_tokens=3)
+    assert all(len(c.token_ids) == 3 and c.token_ids[0] < len(sampler.tokenizer) for c in completions)
+    assert all(torch.isnan(torch.tensor(c.logprobs[0])) for c in completions)
 
 
 def test_sampled_first_tokens_follow_the_softmax_of_the_logits(setup):
