@@ -142,6 +142,18 @@ def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
         assert torch.equal(value, before[name])
 
 
+def test_a_student_with_nan_logits_has_its_step_skipped(base_config):
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    with torch.no_grad():
+        trainer.student.model.norm.weight[0] = float("nan")
+    before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
+    with pytest.warns(UserWarning, match="non-finite log-probs"):
+        metrics = trainer.train_step(0)
+    assert metrics["skipped"] == 1
+    for name, value in trainer.student.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True)
+
+
 def test_lora_trains_only_adapters_and_saves_a_peft_adapter(base_config, model_dirs):
     base_config["student"]["lora_rank"] = 4
     base_config["training"]["learning_rate"] = 1e-2
