@@ -51,6 +51,15 @@ def test_frozen_and_trainable_weights_are_cast_at_each_rollout(char_tokenizer):
     assert released(sampling.model)
 
 
+def copy_and_student_logprobs(trainer, batch):
+    with torch.no_grad(), trainer.sampling_copy.rollout() as copied:
+        from_copy, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+        from_student, _ = sequence_logprobs(
+            trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+        )
+    return from_copy, from_student
+
+
 def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config):
     base_config["student"]["sampling_dtype"] = "bfloat16"
     trainer = Trainer(config_from_dict(base_config), progress=False)
@@ -61,12 +70,9 @@ def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config
     assert released(trainer.sampling_copy.model)
     mask = batch.mask_BT.bool()
     # the weights it sampled with: the student has not moved since
-    with torch.no_grad(), trainer.sampling_copy.rollout() as copied:
+    with trainer.sampling_copy.rollout() as copied:
         assert_copy_holds(trainer.student, copied)
-        from_copy, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
-        from_student, _ = sequence_logprobs(
-            trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
-        )
+    from_copy, from_student = copy_and_student_logprobs(trainer, batch)
     torch.testing.assert_close(from_copy[mask], batch.sampled_logprobs_BT[mask], atol=2e-2, rtol=0)
     copy_error = (from_copy[mask] - batch.sampled_logprobs_BT[mask]).abs().max()
     student_error = (from_student[mask] - batch.sampled_logprobs_BT[mask]).abs().max()
@@ -81,15 +87,6 @@ def lora_trained_a_step(base_config, **student):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     trainer.train_step(0)
     return trainer
-
-
-def copy_and_student_logprobs(trainer, batch):
-    with torch.no_grad(), trainer.sampling_copy.rollout() as copied:
-        from_copy, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
-        from_student, _ = sequence_logprobs(
-            trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
-        )
-    return from_copy, from_student
 
 
 def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_between_rollouts(base_config):
