@@ -238,9 +238,8 @@ def main() -> None:
             seconds = statistics.median(s for r in results for s in r["step_seconds"])
             tokens = [t for r in results for t in (r["tokens"] or [])]
             phases = {
-                phase: statistics.median(s for r in results for s in r["phases"].get(phase, []))
-                for phase in PHASES
-                if results[0]["phases"]
+                phase: statistics.median(s for r in results for s in r["phases"][phase])
+                for phase in (PHASES if results[0]["phases"] else ())
             }
             summary[tool] = (seconds, statistics.median(r["peak_mib"] for r in results), tokens, phases)
         for tool, (seconds, peak, tokens, phases) in summary.items():

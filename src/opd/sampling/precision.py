@@ -12,6 +12,7 @@ ratio of the policy loss (and ``kl_sample_train``) sees any gap.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,9 +42,7 @@ def mergeable_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     embedding tied to the lm head: merging would change the head too), when an adapter is
     already merged or disabled, or when it uses DoRA or a LoRA bias (not a plain weight sum).
     """
-    use_count: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        use_count[id(parameter)] = use_count.get(id(parameter), 0) + 1
+    use_count = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
     layers = {}
     for name, module in model.named_modules():
         if _is_plain_lora_layer(module) and use_count[id(module.base_layer.weight)] == 1:
