@@ -152,3 +152,27 @@ def test_plain_renderer_stop_string_cuts_the_completion(char_tokenizer):
     ids = tokenizer("ab\n\nUser: more", add_special_tokens=False)["input_ids"]
     cut = sampler._cut(ids, [0.0] * len(ids))
     assert tokenizer.decode(cut.token_ids) == "ab\n\nUser:" and cut.finished
+
+
+def _head_products(model, sampler, prompts) -> list[str]:
+    """The matmul-family ops the sampler ran with the lm head's weight as an operand."""
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    head_shapes = ([hidden, vocab], [vocab, hidden])
+    with torch.profiler.profile(record_shapes=True) as profile:
+        sampler.sample(prompts, temperature=1.0, max_tokens=3)
+    return [
+        event.name
+        for event in profile.events()
+        if event.name in ("aten::mm", "aten::bmm")
+        and any(list(shape[-2:]) in head_shapes for shape in event.input_shapes if shape)
+    ]
+
+
+def test_a_frozen_head_is_never_multiplied_by_a_batch_expanded_copy_of_its_weight(setup):
+    """The prefill feeds the head a strided slice; without a contiguous input torch.matmul would
+    broadcast a frozen weight to (batch, hidden, vocab) and copy it (0.36 s a rollout for SmolLM2)."""
+    model, _, sampler, prompts = setup
+    model.requires_grad_(False)
+    products = _head_products(model, sampler, prompts * 3)
+    assert products and set(products) == {"aten::mm"}
+    assert not model.get_output_embeddings()._forward_pre_hooks  # the hook is gone afterwards

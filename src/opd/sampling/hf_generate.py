@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -22,6 +24,29 @@ def inverse_cdf_sample(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch
     targets_B1 = uniform_B.double()[:, None] * cdf_BV[:, -1:]
     tokens_B = torch.searchsorted(cdf_BV, targets_B1, right=True).squeeze(-1)
     return tokens_B.clamp_(max=probs_BV.shape[-1] - 1)
+
+
+def _contiguous_input(_module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(), *args[1:])
+
+
+@contextmanager
+def contiguous_head_input(model):
+    """Hand the lm head a contiguous input while ``model`` generates.
+
+    The prefill passes the head only the last position, a strided slice of the hidden states.
+    For a weight that does not require grad (a sampling copy, a frozen head under LoRA),
+    ``torch.matmul`` then cannot fold that slice into one matrix and multiplies it by a
+    batch-expanded copy of the weight: a batch x vocab x hidden copy, 0.36 s a rollout for
+    SmolLM2 at batch 8 on a CPU against 4 ms for the copied slice.
+    """
+    head = model.get_output_embeddings()
+    handle = None if head is None else head.register_forward_pre_hook(_contiguous_input)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 class _SampledLogprobRecorder(LogitsProcessor):
@@ -126,13 +151,14 @@ class HFGenerateSampler:
         was_training = self.model.training
         self.model.eval()
         try:
-            sequences = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=generation_config,
-                logits_processor=LogitsProcessorList([recorder]),
-                tokenizer=self.tokenizer if self.stop_strings else None,
-            )
+            with contiguous_head_input(self.model):
+                sequences = self.model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    generation_config=generation_config,
+                    logits_processor=LogitsProcessorList([recorder]),
+                    tokenizer=self.tokenizer if self.stop_strings else None,
+                )
         finally:
             self.model.train(was_training)
             base.generation_config = model_defaults
