@@ -38,8 +38,11 @@ TOOLS = {
     "opd-sampled-bf16s": "opd sampled_reverse_kl, rollouts from a bfloat16 copy",
     "opd-jsd-f32s": "opd jsd, rollouts from a float32 copy (LoRA merged into it: identical float32 work)",
     "opd-sampled-f32s": "opd sampled_reverse_kl, rollouts from a float32 copy (LoRA merged)",
+    "opd-jsd-mixed": "opd jsd at trl-bf16's precision: bfloat16 sampling copy, teacher and autocast update",
+    "opd-sampled-mixed": "opd sampled_reverse_kl at trl-bf16's precision (as opd-jsd-mixed)",
 }
-SAMPLING_DTYPES = {"-bf16s": "bfloat16", "-f32s": "float32"}
+SAMPLING_DTYPES = {"-bf16s": "bfloat16", "-f32s": "float32", "-mixed": "bfloat16"}
+MIXED = "-mixed"  # also runs the update under bfloat16 autocast and the teacher in bfloat16
 PHASES = ("sample", "teacher", "train")  # opd's own time/* metrics, printed beside the totals
 
 
@@ -95,7 +98,7 @@ def run_trl(args, steps: int, bf16: bool) -> dict:
     return {"step_seconds": step_times[1:], "tokens": None, "phases": {}}
 
 
-def run_opd(args, steps: int, objective: str, sampling_dtype: str | None) -> dict:
+def run_opd(args, steps: int, objective: str, sampling_dtype: str | None, mixed: bool) -> dict:
     from opd.config import config_from_dict
     from opd.trainer.loop import Trainer
 
@@ -115,7 +118,11 @@ def run_opd(args, steps: int, objective: str, sampling_dtype: str | None) -> dic
                     "device": args.device,
                     "sampling_dtype": sampling_dtype,
                 },
-                "teacher": {"model": args.teacher, "device": args.device},
+                "teacher": {
+                    "model": args.teacher,
+                    "device": args.device,
+                    "dtype": "bfloat16" if mixed else "auto",
+                },
                 "datasets": [
                     {
                         "name": "bench",
@@ -131,6 +138,7 @@ def run_opd(args, steps: int, objective: str, sampling_dtype: str | None) -> dic
                     "max_tokens": args.max_tokens,
                     "temperature": 1.0,
                     "max_steps": steps,
+                    "autocast": "bfloat16" if mixed else None,
                 },
             }
         )
@@ -151,7 +159,7 @@ def child(args) -> None:
     else:
         objective = "jsd" if args.child.startswith("opd-jsd") else "sampled_reverse_kl"
         suffix = "-" + args.child.rpartition("-")[2]
-        result = run_opd(args, steps, objective, SAMPLING_DTYPES.get(suffix))
+        result = run_opd(args, steps, objective, SAMPLING_DTYPES.get(suffix), mixed=suffix == MIXED)
     result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["baseline_mib"] = baseline / 1024
     print("RESULT " + json.dumps(result))
@@ -223,11 +231,13 @@ def main() -> None:
         f"student {args.student}, teacher {args.teacher}; {args.prompts} prompts x 1 completion, "
         f"<= {args.max_tokens} tokens, {args.steps} timed steps x {args.repeats} repeats, {args.device}"
     )
+    tools = ["trl"] + [tool for tool in args.tools if tool != "trl"]
+    versus_bf16 = "trl-bf16" in tools  # the mixed-precision rows' own baseline, as a second ratio
     print(
         f"{'mode':>5} {'tool':>17} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} {'vs TRL':>7}"
-        f"  {' / '.join(PHASES)} (opd, median s)"
+        + (f" {'vs TRL bf16':>11}" if versus_bf16 else "")
+        + f"  {' / '.join(PHASES)} (opd, median s)"
     )
-    tools = ["trl"] + [tool for tool in args.tools if tool != "trl"]
     for mode in args.modes:
         runs: dict[str, list[dict]] = {tool: [] for tool in tools}
         for _ in range(args.repeats):
@@ -246,7 +256,9 @@ def main() -> None:
             rate = f"{statistics.mean(tokens) / seconds:9.0f}" if tokens else f"{'n/a':>9}"
             print(
                 f"{mode:>5} {tool:>17} {seconds:8.3f} {seconds / summary['trl'][0]:7.2f} {rate} "
-                f"{peak:9.0f} {peak / summary['trl'][1]:7.2f}  "
+                f"{peak:9.0f} {peak / summary['trl'][1]:7.2f}"
+                + (f" {seconds / summary['trl-bf16'][0]:11.2f}" if versus_bf16 else "")
+                + "  "
                 + " / ".join(f"{phases[phase]:.2f}" for phase in phases)
             )
 

@@ -117,3 +117,34 @@ def test_logit_transform_reads_model_config():
     model.config.logit_scale = 0.25
     transform = logit_transform_for(model, temperature=2.0)
     assert transform == LogitTransform(scale=0.25, softcap=30.0, temperature=2.0)
+
+
+def test_autocast_runs_the_body_in_bfloat16_and_the_head_in_float32():
+    model = tiny_llama(40, seed=3).train()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]])
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    score = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]])
+    body_linears = [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+    output_dtypes = []
+
+    def record(_module, _inputs, output):
+        output_dtypes.append(output.dtype)
+
+    hooks = [m.register_forward_hook(record) for m in body_linears]
+    logp, _ = sequence_logprobs(model, ids, attention, score, autocast_dtype=torch.bfloat16)
+    for hook in hooks:
+        hook.remove()
+    assert len(output_dtypes) == len(body_linears) and set(output_dtypes) == {torch.bfloat16}
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state
+    logits = hidden[:, :-1].double() @ model.lm_head.weight.double().T
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * score[:, 1:]
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp[:, 1:].double(), ref, atol=1e-5, rtol=0)
+
+    full_precision, _ = sequence_logprobs(model, ids, attention, score)
+    gap = (logp - full_precision.detach())[score.bool()].abs()
+    assert 1e-4 < gap.max() < 0.1, gap
+    logp.sum().backward()
+    assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in model.parameters())

@@ -100,12 +100,14 @@ def test_sft_pays_for_no_teacher_forward(demo_models, tmp_path, monkeypatch):
     assert "<td>-</td>" in html  # samples without token KL, shown plain
 
 
-@pytest.mark.parametrize("beta", [1.0, 0.5])
-def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, beta):
+@pytest.mark.parametrize(("beta", "teacher_dtype"), [(1.0, "float32"), (0.5, "float32"), (1.0, "bfloat16")])
+def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, beta, teacher_dtype):
     """The trainer's jsd at each sampled token equals the divergence computed from both models' full
-    logits at the position that predicts it: the teacher's hidden states line up with the student's."""
+    logits at the position that predicts it: the teacher's hidden states line up with the student's,
+    in the teacher's own dtype too."""
     config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
     config["training"].update(objective="jsd", beta=beta)
+    config["teacher"]["dtype"] = teacher_dtype
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.sample_batch(0)
     teacher = trainer.teachers.score(batch)
@@ -114,12 +116,10 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
         per_token, _, _ = objective_per_token(
             trainer.student, batch, teacher, torch.zeros_like(batch.mask_BT), trainer.config.training, vocab
         )
-        full = [
-            torch.log_softmax(
-                model(batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits[..., :vocab], -1
-            )
-            for model in (trainer.student, trainer.teachers.per_dataset[0].model)
-        ]
+        full = []
+        for model in (trainer.student, trainer.teachers.per_dataset[0].model):
+            logits = model(batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits[..., :vocab]
+            full.append(torch.log_softmax(logits.float(), -1))
     rows, positions = batch.mask_BT.bool().nonzero(as_tuple=True)
     student_log, teacher_log = (log[rows, positions - 1] for log in full)
     if beta == 1.0:
@@ -132,3 +132,36 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
             student_log.exp() * (student_log - mixture)
         ).sum(-1)
     torch.testing.assert_close(per_token[rows, positions], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["k3", "jsd"])
+def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
+    demo_models, tmp_path, objective
+):
+    """Mixed precision changes the update's rounding, not its direction; weights, gradients and
+    AdamW's moments stay float32."""
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    config["training"].update(objective=objective, autocast="bfloat16")
+    trainer = Trainer(config_from_dict(config), progress=False)
+    batch, _ = trainer.sample_batch(0)
+    teacher = trainer.teachers.score(batch)
+    parameters = [p for p in trainer.student.parameters() if p.requires_grad]
+    gradients = {}
+    for autocast in (None, "bfloat16"):
+        training = dataclasses.replace(trainer.config.training, autocast=autocast)
+        per_token, _, _ = objective_per_token(
+            trainer.student, batch, teacher, torch.zeros_like(batch.mask_BT), training, trainer.vocab_size
+        )
+        (per_token * batch.mask_BT).sum().backward()
+        gradients[autocast] = torch.cat([p.grad.flatten() for p in parameters])
+        trainer.student.zero_grad(set_to_none=True)
+    cosine = torch.nn.functional.cosine_similarity(gradients[None], gradients["bfloat16"], dim=0)
+    # bfloat16 activations keep 8 bits of mantissa: measured 0.997 (k3) and 0.982 (jsd) here,
+    # against 0.38 and 0.57 between the float32 gradients of two different batches
+    assert 0.95 < cosine < 1.0, cosine
+
+    row = trainer.train_step(0)
+    assert math.isfinite(row["loss"])
+    state = [tensor for p in parameters for tensor in trainer.optimizer.state[p].values() if tensor.dim()]
+    assert state and {t.dtype for t in state} == {torch.float32}
+    assert {p.dtype for p in parameters} == {torch.float32}

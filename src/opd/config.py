@@ -189,6 +189,13 @@ class TrainingConfig:
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
+    autocast: Literal["bfloat16"] | None = None
+    """Mixed precision for the update: the student's transformer body runs forward and backward
+    under ``torch.autocast`` in this dtype, while weights, gradients, optimizer state, the lm
+    head and the log-probs stay in the weights' dtype (float32 on a CPU). About a third off the
+    update where bfloat16 matmuls are fast (GPUs; CPUs with avx512_bf16 or AMX), slower on
+    CPUs without them. Rollouts, teacher and evaluation are untouched (see
+    ``student.sampling_dtype``, ``teacher.dtype``). float16 is not offered: it needs loss scaling."""
     logprob_chunk_size: int = 1024
     """Positions whose logits exist at once when computing log-probs (memory vs speed)."""
     teacher_batch_size: int = 32

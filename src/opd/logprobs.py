@@ -269,16 +269,26 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
 
 
 def scored_hidden_states(
-    model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, score_mask_BT: torch.Tensor
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    score_mask_BT: torch.Tensor,
+    *,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Final hidden states that predict each scored token, without applying the lm head.
 
     Returns ``(hidden_ND, token_ids_N, selected_BT)``: one row per position t >= 1 with
     ``score_mask_BT[t]`` set (the hidden state at t - 1 predicts token t), row-major order,
-    and the (B, T - 1) boolean map of those positions for :func:`scatter_rows`.
+    and the (B, T - 1) boolean map of those positions for :func:`scatter_rows`. With
+    ``autocast_dtype`` the body runs under ``torch.autocast`` and the hidden states come back
+    in the head's dtype, so the lm head and everything after it run at full precision.
     """
-    backbone, _ = backbone_and_head(model)
-    hidden_BTD = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
+    backbone, head = backbone_and_head(model)
+    with torch.autocast(input_ids_BT.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        hidden_BTD = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
+    if autocast_dtype is not None:
+        hidden_BTD = hidden_BTD.to(head.weight.dtype)
     selected_BT = score_mask_BT[:, 1:].bool()
     return hidden_BTD[:, :-1][selected_BT], input_ids_BT[:, 1:][selected_BT], selected_BT
 
@@ -298,14 +308,16 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     vocab_size: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(x_t | x_<t) and entropy at every position where ``score_mask_BT`` is set.
 
     Only the scored positions go through the lm head. Position 0 cannot be scored (nothing
-    predicts it); outputs are (B, T) and zero where not scored.
+    predicts it); outputs are (B, T) and zero where not scored. ``autocast_dtype``: as in
+    :func:`scored_hidden_states`.
     """
     hidden_ND, token_ids_N, selected_BT = scored_hidden_states(
-        model, input_ids_BT, attention_mask_BT, score_mask_BT
+        model, input_ids_BT, attention_mask_BT, score_mask_BT, autocast_dtype=autocast_dtype
     )
     _, head = backbone_and_head(model)
     logprobs_N, entropy_N = selected_token_logprobs(

@@ -24,6 +24,7 @@ from opd.logprobs import (
     sequence_logprobs,
 )
 from opd.losses import k3_kl_token_estimate
+from opd.models import DTYPES
 from opd.objectives.distribution import generalized_jsd, topk_forward_kl
 from opd.objectives.policy_losses import POLICY_LOSSES, aggregate
 from opd.trainer.rollouts import RolloutBatch
@@ -80,7 +81,8 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
 def _jsd_rows(student_log_cV, rows, *, teacher_hidden_ND, teacher, vocab_size, beta):
     with torch.no_grad():
         weight, bias = head_weights(teacher.head, vocab_size)
-        logits, _ = chunk_logits(teacher_hidden_ND[rows], weight, bias, teacher.transform)
+        # hidden states arrive as float32 (lossless from bfloat16); the head runs in its own dtype
+        logits, _ = chunk_logits(teacher_hidden_ND[rows].to(weight.dtype), weight, bias, teacher.transform)
         teacher_log = torch.log_softmax(logits, dim=-1)
     return generalized_jsd(student_log_cV, teacher_log, beta)
 
@@ -103,8 +105,11 @@ def objective_per_token(
         t.to(device) for t in (piece.input_ids_BT, piece.attention_mask_BT, piece.mask_BT)
     )
     objective = training.objective
+    autocast_dtype = DTYPES.get(training.autocast)
     if objective in ("jsd", "topk_forward_kl"):
-        hidden_ND, token_ids_N, selected_BT = scored_hidden_states(model, ids, attention, mask)
+        hidden_ND, token_ids_N, selected_BT = scored_hidden_states(
+            model, ids, attention, mask, autocast_dtype=autocast_dtype
+        )
         scored = mask.bool()
         if objective == "jsd":
             row_loss = partial(
@@ -142,6 +147,7 @@ def objective_per_token(
         temperature=training.temperature,
         chunk_size=training.logprob_chunk_size,
         vocab_size=vocab_size,
+        autocast_dtype=autocast_dtype,
     )
     if objective == "sampled_reverse_kl":
         sampled = piece.sampled_logprobs_BT.to(device)
