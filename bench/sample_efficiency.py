@@ -215,7 +215,11 @@ def opd_config(
         "seed": args.seed,
         "save_every": 0,
         "eval_every": args.eval_every,
-        "student": {"model": str(student), "lora_rank": lora_rank},
+        "student": {
+            "model": str(student),
+            "lora_rank": lora_rank,
+            "sampling_dtype": "bfloat16" if args.mixed_precision else None,
+        },
         "teacher": {"model": str(teacher)},
         "datasets": [
             {
@@ -265,6 +269,7 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
         "lr_schedule": args.lr_schedule,
         "lora_rank": args.lora_rank,
         "loss_aggregation": args.loss_aggregation,
+        "autocast": "bfloat16" if args.mixed_precision else None,
     }
     objectives = {
         "opd-rkl": {"objective": "sampled_reverse_kl"},
@@ -651,6 +656,12 @@ def main() -> None:
     )
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning (teachers always are)")
     parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="opd methods: rollouts from a bfloat16 copy and the update under bfloat16 autocast "
+        "(student.sampling_dtype, training.autocast); the teacher stays float32",
+    )
+    parser.add_argument(
         "--grader",
         default="reasoning_gym",
         choices=("reasoning_gym", "last_number"),
@@ -694,6 +705,7 @@ def main() -> None:
                     "seed": args.seed,
                     "lora_rank": args.lora_rank,
                     "loss_aggregation": args.loss_aggregation,
+                    "mixed_precision": args.mixed_precision,
                     "steps": args.steps,
                     "grader": args.grader,
                     "teacher_accuracy": teacher_accuracy,
