@@ -31,11 +31,15 @@ class LogitTransform:
     temperature: float = 1.0
 
     def apply(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
-        """Return the transformed logits and dz/draw (a tensor, or a constant)."""
-        scaled = raw * self.scale
+        """Return the transformed logits and dz/draw (a tensor, or a constant).
+
+        Without a softcap the logits are scaled once, and not at all by a factor of 1 (each
+        pass over a chunk x V block costs as much as a small matmul on a CPU).
+        """
         if self.softcap is None:
-            return scaled / self.temperature, self.scale / self.temperature
-        squashed = torch.tanh(scaled / self.softcap)
+            factor = self.scale / self.temperature
+            return (raw if factor == 1.0 else raw * factor), factor
+        squashed = torch.tanh(raw * self.scale / self.softcap)
         derivative = (1.0 - squashed.square()) * (self.scale / self.temperature)
         return squashed * (self.softcap / self.temperature), derivative
 
