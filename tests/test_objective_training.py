@@ -134,14 +134,15 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
     torch.testing.assert_close(per_token[rows, positions], expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("objective", ["k3", "jsd"])
+@pytest.mark.parametrize(("objective", "lora_rank"), [("k3", 0), ("jsd", 0), ("k3", 8)])
 def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
-    demo_models, tmp_path, objective
+    demo_models, tmp_path, objective, lora_rank
 ):
     """Mixed precision changes the update's rounding, not its direction; weights, gradients and
-    AdamW's moments stay float32."""
+    AdamW's moments stay float32 (LoRA's adapters too)."""
     config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
     config["training"].update(objective=objective, autocast="bfloat16")
+    config["student"]["lora_rank"] = lora_rank
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.sample_batch(0)
     teacher = trainer.teachers.score(batch)
