@@ -179,13 +179,13 @@ class TeacherPanel:
                     targets.topk_logprobs_BTK[row][scored] = scores.topk_logprobs[i]
                 if hidden:
                     if targets.hidden_BTD is None:
-                        width = scores.hidden[i].shape[-1]
-                        targets.hidden_BTD = torch.zeros(*shape, width, device=scores.hidden[i].device)
+                        first = scores.hidden[i]  # kept in the teacher's dtype, as its head runs
+                        targets.hidden_BTD = first.new_zeros(*shape, first.shape[-1])
                         targets.head, targets.transform = (
                             teacher.lm_head,
                             logit_transform_for(teacher.model, training.temperature),
                         )
-                    targets.hidden_BTD[row][scored.to(targets.hidden_BTD.device)] = scores.hidden[i].float()
+                    targets.hidden_BTD[row][scored.to(targets.hidden_BTD.device)] = scores.hidden[i]
         return targets
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:

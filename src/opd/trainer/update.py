@@ -81,8 +81,7 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
 def _jsd_rows(student_log_cV, rows, *, teacher_hidden_ND, teacher, vocab_size, beta):
     with torch.no_grad():
         weight, bias = head_weights(teacher.head, vocab_size)
-        # hidden states arrive as float32 (lossless from bfloat16); the head runs in its own dtype
-        logits, _ = chunk_logits(teacher_hidden_ND[rows].to(weight.dtype), weight, bias, teacher.transform)
+        logits, _ = chunk_logits(teacher_hidden_ND[rows], weight, bias, teacher.transform)
         teacher_log = torch.log_softmax(logits, dim=-1)
     return generalized_jsd(student_log_cV, teacher_log, beta)
 
