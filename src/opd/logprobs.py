@@ -262,9 +262,14 @@ def chunked_head_objective(
     return torch.cat(losses), torch.cat(selected), torch.cat(entropies)
 
 
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a PEFT wrapper (adapter layers included), or ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     """The transformer body (returns hidden states) and the lm head of a causal LM, PEFT or not."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     backbone = getattr(base, base.base_model_prefix, None)
     head = base.get_output_embeddings()
     if backbone is None or head is None:

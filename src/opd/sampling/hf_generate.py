@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from opd.logprobs import unwrap_peft
 from opd.sampling.base import Completion
 
 
@@ -146,7 +147,7 @@ class HFGenerateSampler:
         generation_config = self.generation_config(max_tokens)
         # generate() fills every unset field from the model's own generation_config
         # (repetition_penalty, min_new_tokens, ...); hide it so only our settings apply.
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = unwrap_peft(self.model)
         model_defaults, base.generation_config = base.generation_config, GenerationConfig()
         was_training = self.model.training
         self.model.eval()

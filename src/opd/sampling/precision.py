@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from opd.logprobs import unwrap_peft
+
 
 def _adapter_delta(layer: nn.Module) -> torch.Tensor:
     """What a PEFT LoRA layer's active adapters add to its base weight."""
@@ -65,7 +67,7 @@ class SamplingCopy:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.dtype = dtype
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = unwrap_peft(model)
         placeholders = {
             id(p): nn.Parameter(self._empty(p), False) for p in base.parameters() if p.is_floating_point()
         }
