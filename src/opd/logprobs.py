@@ -73,7 +73,7 @@ def chunk_logits(
     return transform.apply(raw.float())
 
 
-def _chunk_logits_inplace(
+def chunk_logits_inplace(
     hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
 ) -> torch.Tensor:
     """Transformed float32 logits of a chunk in one buffer (no derivative kept)."""
@@ -103,7 +103,7 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
         logsumexp_N = torch.empty_like(logprobs_N)
         for start in range(0, hidden_ND.shape[0], chunk_size):
             end = start + chunk_size
-            shifted = _chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
+            shifted = chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
             row_max = shifted.amax(dim=-1)
             selected = shifted.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             shifted -= row_max[:, None]
@@ -128,40 +128,63 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs_N, _grad_entropy_N):
         hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        transform = ctx.transform
-        grad_hidden = torch.zeros_like(hidden_ND) if need_hidden else None
-        grad_weight = torch.zeros_like(weight_VD, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros_like(bias_V, dtype=torch.float32) if need_bias else None
-        constant_factor = transform.scale / transform.temperature if transform.softcap is None else 1.0
+        grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
         for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
-            hidden_chunk = hidden_ND[start:end]
-            if transform.softcap is None:
-                grad_raw = _chunk_logits_inplace(hidden_chunk, weight_VD, bias_V, transform)
-                derivative = None
-            else:
-                grad_raw, derivative = chunk_logits(hidden_chunk, weight_VD, bias_V, transform)
-            grad_out = grad_logprobs_N[start:end] * constant_factor
+            grad_raw, derivative = grads.logits(start, end)
+            grad_out = grad_logprobs_N[start:end] * grads.constant_factor
             grad_raw -= logsumexp_N[start:end, None]
             grad_raw.exp_()
             grad_raw *= -grad_out[:, None]
-            rows = torch.arange(hidden_chunk.shape[0], device=hidden_chunk.device)
+            rows = torch.arange(grad_raw.shape[0], device=grad_raw.device)
             grad_raw[rows, token_ids_N[start:end]] += grad_out
-            if derivative is not None:
-                grad_raw *= derivative
-            if need_hidden:
-                grad_hidden[start:end] = (grad_raw.to(weight_VD.dtype) @ weight_VD).to(hidden_ND.dtype)
-            if need_weight:
-                grad_weight.addmm_(grad_raw.T, hidden_chunk.float())
-            if need_bias:
-                grad_bias += grad_raw.sum(0)
+            grads.add(start, end, grad_raw, derivative)
             del grad_raw
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight_VD.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias_V.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return (*grads.result(), None, None, None, None)
+
+
+class HeadGradients:
+    """Gradients of ``transform(hidden @ weight.T + bias)`` accumulated chunk by chunk.
+
+    Shared by the fused head Functions: each recomputes a chunk's logits with :meth:`logits`,
+    turns them in place into d loss / d logits, and hands them to :meth:`add`, which chains
+    through the transform and the matmul. A constant transform factor is left to the caller
+    (``constant_factor``: folding it into a per-row scale saves a pass over the chunk).
+    """
+
+    def __init__(self, hidden_ND, weight_VD, bias_V, needs_grad, transform: LogitTransform):
+        need_hidden, need_weight, need_bias = needs_grad
+        self.hidden_ND, self.weight_VD, self.bias_V, self.transform = hidden_ND, weight_VD, bias_V, transform
+        self.grad_hidden = torch.zeros_like(hidden_ND) if need_hidden else None
+        self.grad_weight = torch.zeros_like(weight_VD, dtype=torch.float32) if need_weight else None
+        self.grad_bias = torch.zeros_like(bias_V, dtype=torch.float32) if need_bias else None
+        self.constant_factor = transform.scale / transform.temperature if transform.softcap is None else 1.0
+
+    def logits(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's float32 logits (a fresh buffer to overwrite) and, with a softcap, dz/draw."""
+        hidden_chunk = self.hidden_ND[start:end]
+        if self.transform.softcap is None:
+            return chunk_logits_inplace(hidden_chunk, self.weight_VD, self.bias_V, self.transform), None
+        return chunk_logits(hidden_chunk, self.weight_VD, self.bias_V, self.transform)
+
+    def add(self, start: int, end: int, grad_logits: torch.Tensor, derivative: torch.Tensor | None) -> None:
+        """Chain d loss / d logits of rows ``start:end`` into the hidden, weight and bias grads."""
+        if derivative is not None:
+            grad_logits *= derivative
+        hidden_chunk = self.hidden_ND[start:end]
+        if self.grad_hidden is not None:
+            weight = self.weight_VD
+            self.grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden_chunk.dtype)
+        if self.grad_weight is not None:
+            self.grad_weight.addmm_(grad_logits.T, hidden_chunk.float())
+        if self.grad_bias is not None:
+            self.grad_bias += grad_logits.sum(0)
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(grad_hidden, grad_weight, grad_bias)`` in their parameters' dtypes."""
+        grad_weight = None if self.grad_weight is None else self.grad_weight.to(self.weight_VD.dtype)
+        grad_bias = None if self.grad_bias is None else self.grad_bias.to(self.bias_V.dtype)
+        return self.grad_hidden, grad_weight, grad_bias
 
 
 def selected_token_logprobs(

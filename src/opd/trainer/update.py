@@ -15,9 +15,7 @@ from opd.config import TrainingConfig
 from opd.logprobs import (
     LogitTransform,
     backbone_and_head,
-    chunk_logits,
     chunked_head_objective,
-    head_weights,
     logit_transform_for,
     scatter_rows,
     scored_hidden_states,
@@ -25,7 +23,8 @@ from opd.logprobs import (
 )
 from opd.losses import k3_kl_token_estimate
 from opd.models import DTYPES
-from opd.objectives.distribution import generalized_jsd, topk_forward_kl
+from opd.objectives.distribution import topk_forward_kl
+from opd.objectives.jsd_head import chunked_jsd
 from opd.objectives.policy_losses import POLICY_LOSSES, aggregate
 from opd.trainer.rollouts import RolloutBatch
 
@@ -78,14 +77,6 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
-def _jsd_rows(student_log_cV, rows, *, teacher_hidden_ND, teacher, vocab_size, beta):
-    with torch.no_grad():
-        weight, bias = head_weights(teacher.head, vocab_size)
-        logits, _ = chunk_logits(teacher_hidden_ND[rows], weight, bias, teacher.transform)
-        teacher_log = torch.log_softmax(logits, dim=-1)
-    return generalized_jsd(student_log_cV, teacher_log, beta)
-
-
 def _topk_rows(student_log_cV, rows, *, ids_NK, logprobs_NK):
     return topk_forward_kl(student_log_cV, ids_NK[rows], logprobs_NK[rows])
 
@@ -110,13 +101,20 @@ def objective_per_token(
             model, ids, attention, mask, autocast_dtype=autocast_dtype
         )
         scored = mask.bool()
+        head = backbone_and_head(model)[1]
+        transform = logit_transform_for(model, training.temperature)
         if objective == "jsd":
-            row_loss = partial(
-                _jsd_rows,
-                teacher_hidden_ND=teacher.hidden_BTD.to(device)[scored],
-                teacher=teacher,
+            loss_N, logprobs_N, entropy_N = chunked_jsd(
+                hidden_ND,
+                head,
+                token_ids_N,
+                teacher.hidden_BTD.to(device)[scored],
+                teacher.head,
+                training.beta,
+                chunk_size=training.logprob_chunk_size,
+                transform=transform,
+                teacher_transform=teacher.transform,
                 vocab_size=vocab_size,
-                beta=training.beta,
             )
         else:
             row_loss = partial(
@@ -124,15 +122,15 @@ def objective_per_token(
                 ids_NK=teacher.topk_ids_BTK.to(device)[scored],
                 logprobs_NK=teacher.topk_logprobs_BTK.to(device)[scored],
             )
-        loss_N, logprobs_N, entropy_N = chunked_head_objective(
-            hidden_ND,
-            backbone_and_head(model)[1],
-            token_ids_N,
-            row_loss,
-            chunk_size=training.logprob_chunk_size,
-            transform=logit_transform_for(model, training.temperature),
-            vocab_size=vocab_size,
-        )
+            loss_N, logprobs_N, entropy_N = chunked_head_objective(
+                hidden_ND,
+                head,
+                token_ids_N,
+                row_loss,
+                chunk_size=training.logprob_chunk_size,
+                transform=transform,
+                vocab_size=vocab_size,
+            )
         return (
             scatter_rows(loss_N, selected_BT),
             scatter_rows(logprobs_N, selected_BT),

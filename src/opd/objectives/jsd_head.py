@@ -1,0 +1,214 @@
+"""The generalized JSD between student and teacher heads, fused and chunked, with an analytic gradient.
+
+For student logits ``z`` with ``S = softmax(z)``, teacher ``T`` and ``M = (1 - beta) S + beta T``
+(see :func:`opd.objectives.distribution.generalized_jsd`), the gradient with respect to ``z`` is
+
+- ``beta = 0``, ``KL(T || S)``: ``S - T``;
+- ``beta = 1``, ``KL(S || T)``: ``S * (log S - log T - KL(S || T))``;
+- otherwise: ``(1 - beta) S * (log S - log M - KL(S || M))`` (``d JSD / d S = (1 - beta) log(S / M)``,
+  then through the softmax).
+
+Autograd through the same computation keeps about ten ``chunk x V`` tensors per chunk and
+checkpointing recomputes them all before differentiating; here a chunk needs three float32
+``chunk x V`` buffers at most for beta 0 or 1 (six for an interior beta), worked in place,
+and backward recomputes both heads' logits instead of keeping them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from opd.logprobs import HeadGradients, LogitTransform, chunk_logits_inplace, head_weights
+
+PLAIN_LOGITS = LogitTransform()
+"""No scaling, no softcap, temperature 1."""
+
+
+def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Turn a chunk of logits into log-probs in place; return each row's logsumexp."""
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    logits -= logsumexp[:, None]
+    return logsumexp
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` without the product's ``chunk x V`` buffer."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).view(-1)
+
+
+def _mixture_log_(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: float) -> torch.Tensor:
+    """log M = logaddexp(log S + log(1 - beta), log T + log beta), overwriting ``teacher_log``."""
+    teacher_log += math.log(beta)
+    return torch.logaddexp(student_log + math.log(1.0 - beta), teacher_log, out=teacher_log)
+
+
+class _ChunkedJSD(torch.autograd.Function):
+    """Per-row generalized JSD, the student's log-prob of each token and its entropy, chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden_ND,
+        weight_VD,
+        bias_V,
+        teacher_hidden_ND,
+        teacher_weight_VD,
+        teacher_bias_V,
+        token_ids_N,
+        beta,
+        chunk_size,
+        transform,
+        teacher_transform,
+    ):
+        rows = hidden_ND.shape[0]
+        loss_N = hidden_ND.new_empty(rows, dtype=torch.float32)
+        selected_N, entropy_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
+        student_lse_N, teacher_lse_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
+        student_mixture_kl_N = torch.empty_like(loss_N)
+        for start in range(0, rows, chunk_size):
+            end = start + chunk_size
+            student_log = chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
+            student_lse_N[start:end] = _log_softmax_(student_log)
+            selected_N[start:end] = student_log.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
+            student_prob = student_log.exp()
+            entropy_N[start:end] = -_row_dot(student_prob, student_log)
+            teacher_log = chunk_logits_inplace(
+                teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, teacher_transform
+            )
+            teacher_lse_N[start:end] = _log_softmax_(teacher_log)
+            if beta == 0.0:
+                teacher_prob = torch.exp(teacher_log, out=student_prob)
+                teacher_log -= student_log
+                loss_N[start:end] = _row_dot(teacher_prob, teacher_log)
+            elif beta == 1.0:
+                torch.sub(student_log, teacher_log, out=teacher_log)
+                loss_N[start:end] = _row_dot(student_prob, teacher_log)
+            else:
+                teacher_prob = teacher_log.exp()
+                mixture_log = _mixture_log_(student_log, teacher_log.clone(), beta)
+                teacher_log -= mixture_log
+                student_log -= mixture_log
+                student_mixture_kl = _row_dot(student_prob, student_log)
+                student_mixture_kl_N[start:end] = student_mixture_kl
+                loss_N[start:end] = (
+                    beta * _row_dot(teacher_prob, teacher_log) + (1.0 - beta) * student_mixture_kl
+                )
+            del student_log, student_prob, teacher_log
+        divergence_N = student_mixture_kl_N if 0.0 < beta < 1.0 else loss_N
+        ctx.save_for_backward(
+            hidden_ND,
+            weight_VD,
+            bias_V,
+            teacher_hidden_ND,
+            teacher_weight_VD,
+            teacher_bias_V,
+            student_lse_N,
+            teacher_lse_N,
+            divergence_N,
+        )
+        ctx.beta, ctx.chunk_size = beta, chunk_size
+        ctx.transform, ctx.teacher_transform = transform, teacher_transform
+        ctx.mark_non_differentiable(selected_N, entropy_N)
+        return loss_N, selected_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_loss_N, _grad_selected_N, _grad_entropy_N):
+        (
+            hidden_ND,
+            weight_VD,
+            bias_V,
+            teacher_hidden_ND,
+            teacher_weight_VD,
+            teacher_bias_V,
+            student_lse_N,
+            teacher_lse_N,
+            divergence_N,
+        ) = ctx.saved_tensors
+        beta = ctx.beta
+        grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
+        for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            student_log, derivative = grads.logits(start, end)
+            student_log -= student_lse_N[start:end, None]
+            teacher_log = chunk_logits_inplace(
+                teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, ctx.teacher_transform
+            )
+            teacher_log -= teacher_lse_N[start:end, None]
+            row_scale = grad_loss_N[start:end] * grads.constant_factor
+            if beta == 0.0:
+                grad_logits = student_log.exp_()
+                grad_logits -= teacher_log.exp_()
+            else:
+                reference_log = teacher_log if beta == 1.0 else _mixture_log_(student_log, teacher_log, beta)
+                reference_log -= student_log
+                reference_log += divergence_N[start:end, None]
+                grad_logits = student_log.exp_()
+                grad_logits *= reference_log
+                row_scale = row_scale * -(1.0 if beta == 1.0 else 1.0 - beta)
+            grad_logits *= row_scale[:, None]
+            grads.add(start, end, grad_logits, derivative)
+            del student_log, teacher_log, grad_logits
+        return (*grads.result(), None, None, None, None, None, None, None, None)
+
+
+def chunked_jsd(
+    hidden_ND: torch.Tensor,
+    lm_head: nn.Linear,
+    token_ids_N: torch.Tensor,
+    teacher_hidden_ND: torch.Tensor,
+    teacher_head: nn.Linear,
+    beta: float,
+    *,
+    chunk_size: int = 1024,
+    transform: LogitTransform = PLAIN_LOGITS,
+    teacher_transform: LogitTransform = PLAIN_LOGITS,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Generalized JSD(beta) per row between ``lm_head(hidden_ND)`` and ``teacher_head(teacher_hidden_ND)``.
+
+    Args:
+        hidden_ND: the student's final hidden states, one row per scored position.
+        lm_head: the student's output projection; gradients reach it and ``hidden_ND``.
+        token_ids_N: the token each row predicts (for the returned log-probs).
+        teacher_hidden_ND: the teacher's hidden states for the same rows (any dtype; no gradient).
+        teacher_head: the teacher's output projection.
+        beta: 0 is forward ``KL(T || S)``, 1 reverse ``KL(S || T)``, in between GKD's mixture JSD.
+        chunk_size: rows whose logits exist at once (two or three ``chunk_size x V`` float32 buffers).
+        transform / teacher_transform: each model's logit scaling and temperature.
+        vocab_size: compare the first ``vocab_size`` logits only (embeddings padded beyond the tokenizer).
+
+    Returns:
+        ``(loss_N, logprobs_N, entropy_N)`` in float32; gradients flow into ``loss_N`` only.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if teacher_hidden_ND.shape[0] != hidden_ND.shape[0]:
+        raise ValueError(
+            "student and teacher must score the same rows; "
+            f"got {hidden_ND.shape[0]} and {teacher_hidden_ND.shape[0]}"
+        )
+    weight, bias = head_weights(lm_head, vocab_size)
+    teacher_weight, teacher_bias = head_weights(teacher_head, vocab_size)
+    if teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"student and teacher heads must cover the same vocabulary; got {weight.shape[0]} and "
+            f"{teacher_weight.shape[0]} rows (set vocab_size to the tokenizer's)"
+        )
+    return _ChunkedJSD.apply(
+        hidden_ND,
+        weight,
+        bias,
+        teacher_hidden_ND.detach(),
+        teacher_weight.detach(),
+        None if teacher_bias is None else teacher_bias.detach(),
+        token_ids_N,
+        float(beta),
+        chunk_size,
+        transform,
+        teacher_transform,
+    )

@@ -1,0 +1,125 @@
+"""The fused chunked JSD against autograd through the naive full-logits formula."""
+
+import pytest
+import torch
+
+from opd.logprobs import LogitTransform
+from opd.objectives.distribution import generalized_jsd
+from opd.objectives.jsd_head import chunked_jsd
+
+N, D, TEACHER_D, V, PADDED_V = 11, 6, 8, 19, 23
+
+
+def _naive(hidden, head, teacher_hidden, teacher_head, beta, transform, teacher_transform):
+    """Full (N, V) logits, the transforms written out by hand, and generalized_jsd."""
+
+    def logits(h, linear, t):
+        raw = (h.float() @ linear.weight[:V].float().T) + (
+            0 if linear.bias is None else linear.bias[:V].float()
+        )
+        z = raw * t.scale
+        if t.softcap is not None:
+            z = t.softcap * torch.tanh(z / t.softcap)
+        return z / t.temperature
+
+    student_log = torch.log_softmax(logits(hidden, head, transform), -1)
+    with torch.no_grad():
+        teacher_log = torch.log_softmax(logits(teacher_hidden, teacher_head, teacher_transform), -1)
+    return generalized_jsd(student_log, teacher_log, beta), student_log
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("chunk_size", [1, 4, 100])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_values_and_gradients_match_autograd_through_the_naive_formula(beta, chunk_size, softcap):
+    torch.manual_seed(2)
+    transform = LogitTransform(scale=0.7, softcap=softcap, temperature=0.9)
+    teacher_transform = LogitTransform(temperature=0.9)
+    hidden = torch.randn(N, D, requires_grad=True)
+    head = torch.nn.Linear(D, PADDED_V, bias=True)
+    teacher_hidden = torch.randn(N, TEACHER_D) * 2
+    teacher_head = torch.nn.Linear(TEACHER_D, PADDED_V, bias=False)
+    ids = torch.randint(0, V, (N,))
+    upstream = torch.randn(N)
+
+    loss, selected, entropy = chunked_jsd(
+        hidden,
+        head,
+        ids,
+        teacher_hidden,
+        teacher_head,
+        beta,
+        chunk_size=chunk_size,
+        transform=transform,
+        teacher_transform=teacher_transform,
+        vocab_size=V,
+    )
+    (loss * upstream).sum().backward()
+    fused_grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = None
+    head.zero_grad()
+
+    reference, student_log = _naive(
+        hidden, head, teacher_hidden, teacher_head, beta, transform, teacher_transform
+    )
+    (reference * upstream).sum().backward()
+    torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(selected, student_log.gather(-1, ids[:, None]).squeeze(-1).detach())
+    torch.testing.assert_close(entropy, -(student_log.exp() * student_log).sum(-1).detach())
+    for fused, expected in zip(fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True):
+        torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+    assert head.weight.grad[V:].abs().max() == 0  # the padded rows take no gradient
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_frozen_head_and_bfloat16_teacher(beta):
+    """A LoRA student's frozen head gets no gradient; a bfloat16 teacher is scored in its own dtype."""
+    torch.manual_seed(3)
+    hidden = torch.randn(N, D, requires_grad=True)
+    head = torch.nn.Linear(D, V, bias=False).requires_grad_(False)
+    teacher_hidden = torch.randn(N, TEACHER_D, dtype=torch.bfloat16)
+    teacher_head = torch.nn.Linear(TEACHER_D, V, bias=False).to(torch.bfloat16)
+    ids = torch.randint(0, V, (N,))
+    loss, _, _ = chunked_jsd(hidden, head, ids, teacher_hidden, teacher_head, beta, chunk_size=4)
+    loss.sum().backward()
+    fused_grad = hidden.grad.clone()
+    hidden.grad = None
+
+    teacher_log = torch.log_softmax((teacher_hidden @ teacher_head.weight.T).float(), -1)
+    reference = generalized_jsd(torch.log_softmax(hidden @ head.weight.T, -1), teacher_log, beta)
+    reference.sum().backward()
+    assert head.weight.grad is None
+    torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_grad, hidden.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_kl_gradient_by_hand():
+    """One row, identity head: d KL(T || S) / d z = S - T, with S = softmax(z)."""
+    z = torch.tensor([[0.0, 1.0, 2.0]], requires_grad=True)
+    teacher = torch.tensor([[0.2, 0.3, 0.5]])
+    eye = torch.nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        eye.weight.copy_(torch.eye(3))
+    loss, _, _ = chunked_jsd(z, eye, torch.tensor([0]), teacher.log(), eye, 0.0)
+    loss.backward()
+    s = torch.exp(torch.tensor([0.0, 1.0, 2.0])) / torch.exp(torch.tensor([0.0, 1.0, 2.0])).sum()
+    expected = (teacher * (teacher.log() - s.log())).sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(z.grad, (s - teacher), atol=1e-6, rtol=0)
+
+
+def test_mismatched_rows_and_vocabularies_are_refused():
+    head, teacher_head = torch.nn.Linear(D, V), torch.nn.Linear(TEACHER_D, V + 2)
+    with pytest.raises(ValueError, match="same rows"):
+        chunked_jsd(
+            torch.randn(3, D), head, torch.zeros(3, dtype=torch.long), torch.randn(2, TEACHER_D), head, 0.0
+        )
+    with pytest.raises(ValueError, match="same vocabulary"):
+        chunked_jsd(
+            torch.randn(3, D),
+            head,
+            torch.zeros(3, dtype=torch.long),
+            torch.randn(3, TEACHER_D),
+            teacher_head,
+            0.0,
+        )
