@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opd.logprobs import LogitTransform
+from opd.logprobs import HeadGradients, LogitTransform
 from opd.objectives.distribution import generalized_jsd
 from opd.objectives.jsd_head import chunked_jsd
 
@@ -91,6 +91,53 @@ def test_frozen_head_and_bfloat16_teacher(beta):
     assert head.weight.grad is None
     torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused_grad, hidden.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize(("chunk_size", "recomputed"), [(100, 0), (4, 2)])
+def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all(
+    monkeypatch, beta, chunk_size, recomputed
+):
+    torch.manual_seed(5)
+    hidden = torch.randn(N, D, requires_grad=True)
+    head = torch.nn.Linear(D, V, bias=False)
+    teacher_hidden = torch.randn(N, TEACHER_D)
+    teacher_head = torch.nn.Linear(TEACHER_D, V, bias=False)
+    calls = []
+    original = HeadGradients.logits
+    monkeypatch.setattr(HeadGradients, "logits", lambda self, *a: calls.append(a) or original(self, *a))
+    loss, _, _ = chunked_jsd(
+        hidden,
+        head,
+        torch.zeros(N, dtype=torch.long),
+        teacher_hidden,
+        teacher_head,
+        beta,
+        chunk_size=chunk_size,
+    )
+    loss.sum().backward(retain_graph=True)
+    assert len(calls) == recomputed
+    loss.sum().backward()
+    assert len(calls) == recomputed + -(-N // chunk_size)
+    hidden_grad_twice = hidden.grad.clone()
+    hidden.grad = None
+    reference, _ = _naive(
+        hidden, head, teacher_hidden, teacher_head, beta, LogitTransform(), LogitTransform()
+    )
+    reference.sum().backward()
+    torch.testing.assert_close(hidden_grad_twice, 2 * hidden.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_no_gradient_mode_gives_the_same_values():
+    torch.manual_seed(6)
+    hidden, teacher_hidden = torch.randn(N, D), torch.randn(N, TEACHER_D)
+    head, teacher_head = torch.nn.Linear(D, V), torch.nn.Linear(TEACHER_D, V)
+    ids = torch.randint(0, V, (N,))
+    with_grad = chunked_jsd(hidden, head, ids, teacher_hidden, teacher_head, 0.0, chunk_size=4)
+    with torch.no_grad():
+        without = chunked_jsd(hidden, head, ids, teacher_hidden, teacher_head, 0.0, chunk_size=4)
+    for a, b in zip(with_grad, without, strict=True):
+        torch.testing.assert_close(a.detach(), b)
 
 
 def test_forward_kl_gradient_by_hand():

@@ -10,8 +10,9 @@ For student logits ``z`` with ``S = softmax(z)``, teacher ``T`` and ``M = (1 - b
 
 Autograd through the same computation keeps about ten ``chunk x V`` tensors per chunk and
 checkpointing recomputes them all before differentiating; here a chunk needs three float32
-``chunk x V`` buffers at most for beta 0 or 1 (six for an interior beta), worked in place,
-and backward recomputes both heads' logits instead of keeping them.
+``chunk x V`` buffers at most for beta 0 or 1 (six for an interior beta), worked in place.
+Backward recomputes both heads' logits instead of keeping them, except for the last chunk,
+whose gradient forward leaves in one of its buffers (with a single chunk, nothing is redone).
 """
 
 from __future__ import annotations
@@ -21,10 +22,22 @@ import math
 import torch
 from torch import nn
 
-from opd.logprobs import HeadGradients, LogitTransform, chunk_logits_inplace, head_weights
+from opd.logprobs import (
+    HeadGradients,
+    LogitTransform,
+    chunk_logits_inplace,
+    head_weights,
+)
 
 PLAIN_LOGITS = LogitTransform()
 """No scaling, no softcap, temperature 1."""
+
+
+def _gradient_expected(hidden_ND: torch.Tensor, head: nn.Module) -> bool:
+    """Whether autograd will differentiate through the head now (forward then keeps a gradient)."""
+    if not torch.is_grad_enabled():
+        return False
+    return hidden_ND.requires_grad or any(p.requires_grad for p in head.parameters())
 
 
 def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
@@ -46,7 +59,11 @@ def _mixture_log_(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: fl
 
 
 class _ChunkedJSD(torch.autograd.Function):
-    """Per-row generalized JSD, the student's log-prob of each token and its entropy, chunk by chunk."""
+    """Per-row generalized JSD, the student's log-prob of each token and its entropy, chunk by chunk.
+
+    When a gradient will be asked for, forward keeps the last chunk's gradient (its buffers
+    exist anyway), so backward recomputes the other chunks only.
+    """
 
     @staticmethod
     def forward(
@@ -62,12 +79,14 @@ class _ChunkedJSD(torch.autograd.Function):
         chunk_size,
         transform,
         teacher_transform,
+        keep_last,
     ):
         rows = hidden_ND.shape[0]
         loss_N = hidden_ND.new_empty(rows, dtype=torch.float32)
         selected_N, entropy_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
         student_lse_N, teacher_lse_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
         student_mixture_kl_N = torch.empty_like(loss_N)
+        ctx.kept = None
         for start in range(0, rows, chunk_size):
             end = start + chunk_size
             student_log = chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
@@ -79,13 +98,19 @@ class _ChunkedJSD(torch.autograd.Function):
                 teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, teacher_transform
             )
             teacher_lse_N[start:end] = _log_softmax_(teacher_log)
+            keep = keep_last and end >= rows and transform.softcap is None
             if beta == 0.0:
                 teacher_prob = torch.exp(teacher_log, out=student_prob)
                 teacher_log -= student_log
                 loss_N[start:end] = _row_dot(teacher_prob, teacher_log)
+                if keep:  # S - T
+                    ctx.kept = (student_log.exp_().sub_(teacher_prob), 1.0)
             elif beta == 1.0:
                 torch.sub(student_log, teacher_log, out=teacher_log)
                 loss_N[start:end] = _row_dot(student_prob, teacher_log)
+                if keep:  # S (log S - log T - KL(S || T))
+                    teacher_log -= loss_N[start:end, None]
+                    ctx.kept = (teacher_log.mul_(student_prob), 1.0)
             else:
                 teacher_prob = teacher_log.exp()
                 mixture_log = _mixture_log_(student_log, teacher_log.clone(), beta)
@@ -96,6 +121,9 @@ class _ChunkedJSD(torch.autograd.Function):
                 loss_N[start:end] = (
                     beta * _row_dot(teacher_prob, teacher_log) + (1.0 - beta) * student_mixture_kl
                 )
+                if keep:  # (1 - beta) S (log S - log M - KL(S || M))
+                    student_log -= student_mixture_kl[:, None]
+                    ctx.kept = (student_log.mul_(student_prob), 1.0 - beta)
             del student_log, student_prob, teacher_log
         divergence_N = student_mixture_kl_N if 0.0 < beta < 1.0 else loss_N
         ctx.save_for_backward(
@@ -116,42 +144,45 @@ class _ChunkedJSD(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss_N, _grad_selected_N, _grad_entropy_N):
-        (
-            hidden_ND,
-            weight_VD,
-            bias_V,
-            teacher_hidden_ND,
-            teacher_weight_VD,
-            teacher_bias_V,
-            student_lse_N,
-            teacher_lse_N,
-            divergence_N,
-        ) = ctx.saved_tensors
-        beta = ctx.beta
+        hidden_ND, weight_VD, bias_V, *teacher_side = ctx.saved_tensors
         grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
+        kept, ctx.kept = ctx.kept, None  # used once: a second backward recomputes
         for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
-            student_log, derivative = grads.logits(start, end)
-            student_log -= student_lse_N[start:end, None]
-            teacher_log = chunk_logits_inplace(
-                teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, ctx.teacher_transform
-            )
-            teacher_log -= teacher_lse_N[start:end, None]
-            row_scale = grad_loss_N[start:end] * grads.constant_factor
-            if beta == 0.0:
-                grad_logits = student_log.exp_()
-                grad_logits -= teacher_log.exp_()
+            if kept is not None and end >= hidden_ND.shape[0]:
+                (grad_logits, factor), derivative = kept, None
             else:
-                reference_log = teacher_log if beta == 1.0 else _mixture_log_(student_log, teacher_log, beta)
-                reference_log -= student_log
-                reference_log += divergence_N[start:end, None]
-                grad_logits = student_log.exp_()
-                grad_logits *= reference_log
-                row_scale = row_scale * -(1.0 if beta == 1.0 else 1.0 - beta)
-            grad_logits *= row_scale[:, None]
+                grad_logits, factor, derivative = _recomputed_gradient(ctx, grads, start, end, teacher_side)
+            grad_logits *= (grad_loss_N[start:end] * (grads.constant_factor * factor))[:, None]
             grads.add(start, end, grad_logits, derivative)
-            del student_log, teacher_log, grad_logits
-        return (*grads.result(), None, None, None, None, None, None, None, None)
+            del grad_logits
+        return (*grads.result(), *[None] * 9)
+
+
+def _recomputed_gradient(ctx, grads: HeadGradients, start: int, end: int, teacher_side: list):
+    """d JSD / d z of rows ``start:end`` from both heads' logits again: ``(buffer, factor, dz/draw)``.
+
+    The gradient is ``buffer * factor``: the sign and ``1 - beta`` go into the row scale.
+    """
+    teacher_hidden_ND, teacher_weight_VD, teacher_bias_V, student_lse_N, teacher_lse_N, divergence_N = (
+        teacher_side
+    )
+    student_log, derivative = grads.logits(start, end)
+    student_log -= student_lse_N[start:end, None]
+    teacher_log = chunk_logits_inplace(
+        teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, ctx.teacher_transform
+    )
+    teacher_log -= teacher_lse_N[start:end, None]
+    if ctx.beta == 0.0:
+        student_log.exp_()
+        student_log -= teacher_log.exp_()
+        return student_log, 1.0, derivative
+    reference_log = teacher_log if ctx.beta == 1.0 else _mixture_log_(student_log, teacher_log, ctx.beta)
+    reference_log -= student_log
+    reference_log += divergence_N[start:end, None]
+    student_log.exp_()
+    student_log *= reference_log
+    return student_log, -(1.0 if ctx.beta == 1.0 else 1.0 - ctx.beta), derivative
 
 
 def chunked_jsd(
@@ -211,4 +242,5 @@ def chunked_jsd(
         chunk_size,
         transform,
         teacher_transform,
+        _gradient_expected(hidden_ND, lm_head),
     )
