@@ -219,7 +219,9 @@ def main() -> None:
     parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        cache = Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "demo-v1"
+        from opd.demo.run import cache_dir
+
+        cache = cache_dir()
         args.student, args.teacher = str(cache / "student"), str(cache / "teacher")
         args.max_tokens = min(args.max_tokens, 10)
     if args.child:

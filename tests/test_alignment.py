@@ -117,6 +117,7 @@ def test_teacher_template_lowers_the_kl_of_a_teacher_that_knows_only_its_format(
 def test_training_a_bpe_student_from_a_char_level_teacher_lowers_the_kl(demo_models, bpe_model, tmp_path):
     """The issue's example: a character-level teacher (the demo's) and a BPE student."""
     config = demo_config(str(tmp_path / "run"), str(bpe_model), demo_models["teacher"], 60, 0)
+    config["training"]["learning_rate"] = 3e-4  # the setting docs/teachers.md reports, not the demo's
     with pytest.raises(Exception, match="cross_tokenizer: true"):
         Trainer(config_from_dict(config), progress=False)
     config["teacher"]["cross_tokenizer"] = True

@@ -31,14 +31,14 @@ def fixed_batch_divergence(trainer: Trainer, **objective) -> float:
     return total / tokens
 
 
-EXACT_REVERSE_KL = {"objective": "jsd", "beta": 1.0}
 EXACT_FORWARD_KL = {"objective": "jsd", "beta": 0.0}
 
 
 @pytest.mark.parametrize(
     ("objective", "data_source", "extra", "measured"),
     [
-        ("k3", "student", {"kl_direction": "reverse"}, EXACT_REVERSE_KL),
+        # k3 backpropagated on student samples follows the forward-KL gradient (opd.losses)
+        ("k3", "student", {"kl_direction": "reverse"}, EXACT_FORWARD_KL),
         ("jsd", "student", {"beta": 0.5}, {"objective": "jsd", "beta": 0.5}),
         ("jsd", "mixed", {"beta": 0.0, "lmbda": 0.5}, EXACT_FORWARD_KL),
         ("topk_forward_kl", "student", {"topk": 8}, {"objective": "topk_forward_kl", "topk": 8}),
@@ -49,7 +49,8 @@ def test_objective_lowers_the_divergence_it_targets(
     demo_models, tmp_path, objective, data_source, extra, measured
 ):
     config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], STEPS, 0)
-    config["training"].update(objective=objective, data_source=data_source, **extra)
+    # the setting docs/objectives.md reports, not the demo's
+    config["training"].update(learning_rate=3e-4, objective=objective, data_source=data_source, **extra)
     trainer = Trainer(config_from_dict(config), progress=False)
     before = fixed_batch_divergence(trainer, **measured)
     for step in range(STEPS):

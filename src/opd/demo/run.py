@@ -1,10 +1,11 @@
 """``opd demo``: distil a tiny teacher into a smaller student on a built-in task, on a CPU.
 
 The teacher (2 layers, width 128) is trained on the task until it is nearly perfect; the
-student (2 layers, width 64) is given a short supervised warm-up so it knows the answer
+student (2 layers, width 96) is given a short supervised warm-up so it knows the answer
 format but gets most answers wrong. Both are cached (``$OPD_CACHE`` or ``~/.cache/opd``).
 Then on-policy distillation runs with the regular trainer, and the student's held-out
-accuracy and teacher KL are printed before and after.
+accuracy and teacher KL are printed before and after. docs/demo.md: why the models are
+built this way, and how much the result depends on the student.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from opd.teachers.local import LocalTeacher
 from opd.trainer.loop import train
 from opd.trainer.sft import supervised_finetune
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"
 TASK = "reverse"
 MAX_TOKENS = 10
 NUM_EVAL_PROMPTS = 200
@@ -40,8 +41,11 @@ NUM_EVAL_PROMPTS = 200
 class DemoModelSpec:
     """How a demo model is built: its size and its supervised training.
 
-    Small-model SFT jumps from near 0 to near 100% at a seed-dependent step, so the student
-    stops as soon as its accuracy on a dev split reaches ``target_accuracy``.
+    Small-model SFT sits near 0% for a few hundred steps, then climbs to 100% within about a
+    hundred, at a step that moves with the seed and with rounding. So the student trains at a
+    nearly constant learning rate (``sft_steps`` is only a cap, the decay spans it) and stops at
+    the first check where its accuracy on a large dev split reaches ``target_accuracy``: it lands
+    near that accuracy whatever step the climb starts at.
     """
 
     hidden_size: int
@@ -53,9 +57,10 @@ class DemoModelSpec:
 
 TEACHER_SPEC = DemoModelSpec(hidden_size=128, num_layers=2, sft_steps=300, sft_learning_rate=1e-3)
 STUDENT_SPEC = DemoModelSpec(
-    hidden_size=64, num_layers=2, sft_steps=300, sft_learning_rate=3e-3, target_accuracy=0.5
+    hidden_size=96, num_layers=2, sft_steps=1500, sft_learning_rate=3e-3, target_accuracy=0.5
 )
-CHECK_EVERY = 10
+CHECK_EVERY = 2
+NUM_DEV_PROMPTS = 400
 DEFAULT_STEPS = 400
 
 
@@ -96,17 +101,18 @@ def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print) -> Path:
     started = time.perf_counter()
     log(f"building the demo {name} ({spec.num_layers} layers, width {spec.hidden_size}) ...")
     should_stop = None
+    dev_accuracies: list[float] = []
     if spec.target_accuracy is not None:
-        dev_prompts = generate_task_prompts(TASK, seed=seed + 2000, count=100)
+        dev_prompts = generate_task_prompts(TASK, seed=seed + 2000, count=NUM_DEV_PROMPTS)
         sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
 
         def should_stop(steps_done: int) -> bool:
             if steps_done % CHECK_EVERY:
                 return False
-            return (
+            dev_accuracies.append(
                 accuracy(sampler, renderer, dev_prompts, exact_match, max_tokens=MAX_TOKENS)
-                >= spec.target_accuracy
             )
+            return dev_accuracies[-1] >= spec.target_accuracy
 
     losses = supervised_finetune(
         model,
@@ -119,6 +125,11 @@ def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print) -> Path:
         should_stop=should_stop,
     )
     log(f"  {len(losses)} supervised steps in {time.perf_counter() - started:.0f}s")
+    if dev_accuracies and dev_accuracies[-1] < spec.target_accuracy:
+        log(
+            f"  warning: the {name} reached {dev_accuracies[-1]:.0%} dev accuracy, short of the "
+            f"{spec.target_accuracy:.0%} it should start from; the demo will show less"
+        )
     staging = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
@@ -152,7 +163,7 @@ def demo_config(log_path: str, student_dir: Path, teacher_dir: Path, steps: int,
         "teacher": {"model": str(teacher_dir), "dtype": "float32", "device": "cpu"},
         "datasets": [{"name": TASK, "source": f"demo:{TASK}", "groups_per_batch": 16, "group_size": 4}],
         "training": {
-            "learning_rate": 3e-4,
+            "learning_rate": 1e-3,
             "max_tokens": MAX_TOKENS,
             "temperature": 1.0,
             "kl_penalty_coef": 1.0,
