@@ -1,6 +1,6 @@
 """The demo pipeline from scratch: real models trained on the built-in task, then distilled."""
 
-from opd.demo.run import run_demo
+from opd.demo.run import DemoModelSpec, ensure_model, run_demo
 
 
 def test_distillation_lowers_teacher_kl_and_raises_accuracy(demo_models, tmp_path, monkeypatch):
@@ -14,3 +14,15 @@ def test_distillation_lowers_teacher_kl_and_raises_accuracy(demo_models, tmp_pat
     assert after["accuracy"] >= before["accuracy"] + 0.15
     assert any("closed" in line for line in lines)
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_student_short_of_its_target_is_saved_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPD_CACHE", str(tmp_path))
+    unreachable = DemoModelSpec(
+        hidden_size=16, num_layers=1, sft_steps=4, sft_learning_rate=1e-3, target_accuracy=1.0
+    )
+    lines: list[str] = []
+    directory = ensure_model("student", unreachable, seed=0, log=lines.append)
+    assert (directory / "model.safetensors").exists()
+    assert "4 supervised steps" in lines[1]
+    assert lines[2].startswith("  warning: the student reached") and "short of the 100%" in lines[2]
