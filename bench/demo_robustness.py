@@ -58,7 +58,9 @@ def main() -> None:
             shutil.copytree(teacher, demo.cache_dir() / "teacher")
         silent = {"log": lambda *_: None}
         demo.ensure_model("student", demo.STUDENT_SPEC, seed=seed, **silent)
-        results = demo.run_demo(log_path=str(work / f"run-seed{seed}"), steps=args.steps, seed=0, **silent)
+        run_dir = work / f"run-seed{seed}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of an earlier one
+        results = demo.run_demo(log_path=str(run_dir), steps=args.steps, seed=0, progress=False, **silent)
         before, after = results["student before"], results["student after"]
         print(
             f"{seed:>4} {before['accuracy']:>10.1%} {after['accuracy']:>9.1%} {before['teacher_kl']:>9.3f} "

@@ -174,7 +174,7 @@ def demo_config(log_path: str, student_dir: Path, teacher_dir: Path, steps: int,
 
 
 def run_demo(
-    log_path: str = "runs/demo", steps: int = DEFAULT_STEPS, seed: int = 0, log=print
+    log_path: str = "runs/demo", steps: int = DEFAULT_STEPS, seed: int = 0, log=print, progress: bool = True
 ) -> dict[str, dict[str, float]]:
     """Build (or reuse) the models, distil, and report accuracy and teacher KL before and after."""
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -199,7 +199,7 @@ def run_demo(
     }
     log(f"distilling for {steps} steps (task '{TASK}', {NUM_EVAL_PROMPTS} held-out prompts) ...")
     config = config_from_dict(demo_config(log_path, student_dir, teacher_dir, steps, seed))
-    trained = train(config)
+    trained = train(config, progress=progress)
     results["student after"] = measure(trained.student, teacher, eval_prompts, seed)
     log("")
     log(f"{'':16}{'accuracy':>10}{'teacher KL':>12}")
