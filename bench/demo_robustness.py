@@ -18,22 +18,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import yaml
-
+from opd.config import apply_overrides
 from opd.demo import run as demo
 
 
 def with_overrides(overrides: list[str]):
-    """``demo.demo_config`` with ``section.key=value`` pairs applied (values read as YAML)."""
+    """``demo.demo_config`` with the run's ``dotted.key=value`` overrides applied, as ``opd train`` does."""
     original = demo.demo_config
 
     def config(*args, **kwargs) -> dict:
-        built = original(*args, **kwargs)
-        for override in overrides:
-            dotted, _, value = override.partition("=")
-            section, key = dotted.split(".", 1)
-            built[section][key] = yaml.safe_load(value)
-        return built
+        return apply_overrides(original(*args, **kwargs), overrides)
 
     return config
 
@@ -42,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 9)))
     parser.add_argument("--steps", type=int, default=200, help="the end-to-end test's 200 by default")
-    parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--set", nargs="*", default=[], metavar="DOTTED.KEY=VALUE")
     parser.add_argument("--work-dir", default=None, help="models and runs (default: a new temp dir)")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="opd-demo-robustness-"))
