@@ -1,6 +1,6 @@
 """The demo pipeline from scratch: real models trained on the built-in task, then distilled."""
 
-from opd.demo.run import DemoModelSpec, ensure_model, run_demo
+from opd.demo.run import DemoModelSpec, ensure_model, gap_summary, run_demo
 
 
 def test_distillation_lowers_teacher_kl_and_raises_accuracy(demo_models, tmp_path, monkeypatch):
@@ -26,3 +26,9 @@ def test_a_student_short_of_its_target_is_saved_with_a_warning(tmp_path, monkeyp
     assert (directory / "model.safetensors").exists()
     assert "4 supervised steps" in lines[1]
     assert lines[2].startswith("  warning: the student reached") and "short of the 100%" in lines[2]
+
+
+def test_the_gap_summary_by_hand():
+    assert gap_summary(1.0, 0.6, 0.9) == "the student closed 75% of its accuracy gap to the teacher"
+    assert gap_summary(1.0, 0.6, 0.5).startswith("the student fell 10.0 points further behind the teacher")
+    assert gap_summary(0.5, 0.6, 0.9) == ""

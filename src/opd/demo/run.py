@@ -173,6 +173,19 @@ def demo_config(log_path: str, student_dir: Path, teacher_dir: Path, steps: int,
     }
 
 
+def gap_summary(teacher: float, before: float, after: float) -> str:
+    """How much of the student's accuracy gap to the teacher the run closed ("" without a gap)."""
+    gap_before, gap_after = teacher - before, teacher - after
+    if gap_before <= 0:
+        return ""
+    if gap_after > gap_before:
+        return (
+            f"the student fell {100 * (gap_after - gap_before):.1f} points further behind the teacher: "
+            "a short run can end in the dip of its first steps (docs/demo.md); try more --steps"
+        )
+    return f"the student closed {1 - gap_after / gap_before:.0%} of its accuracy gap to the teacher"
+
+
 def run_demo(
     log_path: str = "runs/demo", steps: int = DEFAULT_STEPS, seed: int = 0, log=print, progress: bool = True
 ) -> dict[str, dict[str, float]]:
@@ -205,10 +218,10 @@ def run_demo(
     log(f"{'':16}{'accuracy':>10}{'teacher KL':>12}")
     for name, row in results.items():
         log(f"{name:16}{row['accuracy']:>10.1%}{row['teacher_kl']:>12.3f}")
-    gap_before = results["teacher"]["accuracy"] - results["student before"]["accuracy"]
-    gap_after = results["teacher"]["accuracy"] - results["student after"]["accuracy"]
-    if gap_before > 0:
-        log(f"\nthe student closed {1 - gap_after / gap_before:.0%} of its accuracy gap to the teacher")
+    accuracies = (results[name]["accuracy"] for name in ("teacher", "student before", "student after"))
+    summary = gap_summary(*accuracies)
+    if summary:
+        log(f"\n{summary}")
     log(f"metrics: {Path(log_path) / 'metrics.jsonl'}   student: {latest_model_dir(Path(log_path))}")
     log(f"total time {time.perf_counter() - started:.0f}s")
     return results
