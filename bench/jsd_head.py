@@ -16,14 +16,14 @@ head is trained (full fine-tuning), the teacher's is frozen. Ratios are against 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from isolated_runs import alternating_medians, run_child
 
 VARIANTS = ("naive", "checkpointed", "fused")
 
@@ -80,11 +80,8 @@ def run_one(args) -> dict:
 
 
 def measure(variant: str, beta: float, args) -> dict:
-    command = [sys.executable, __file__, "--child", variant, "--beta", str(beta)]
-    for flag in ("rows", "dim", "vocab", "chunk_size", "calls"):
-        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+    flags = {flag: getattr(args, flag) for flag in ("rows", "dim", "vocab", "chunk_size", "calls")}
+    return run_child(__file__, variant, {"beta": beta, **flags})
 
 
 def main() -> None:
@@ -110,12 +107,11 @@ def main() -> None:
     header = ("beta", "variant", "seconds", "time x", "peak MiB", "mem %", "loss")
     print(" ".join(f"{name:>{width}}" for name, width in zip(header, (5, 13, 8, 7, 9, 6, 12), strict=True)))
     for beta in args.beta:
-        runs = {variant: [] for variant in VARIANTS}
-        for _ in range(args.repeats):
-            for variant in VARIANTS:
-                runs[variant].append(measure(variant, beta, args))
-        seconds = {v: statistics.median(r["seconds"] for r in runs[v]) for v in VARIANTS}
-        memory = {v: statistics.median(r["peak_mib"] for r in runs[v]) for v in VARIANTS}
+        runs, seconds, memory = alternating_medians(
+            VARIANTS,
+            args.repeats,
+            functools.partial(measure, beta=beta, args=args),
+        )
         for variant in VARIANTS:
             time_ratio = seconds[variant] / seconds["naive"]
             print(

@@ -11,14 +11,13 @@ Ratios compare runs made in this invocation, on this machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
-import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from isolated_runs import alternating_medians, run_child
 
 
 def naive(hidden, weight, ids):
@@ -65,26 +64,8 @@ def run_one(variant: str, rows: int, dim: int, vocab: int, chunk_size: int, devi
 
 
 def measure(variant: str, args, vocab: int) -> dict:
-    command = [
-        sys.executable,
-        __file__,
-        "--child",
-        variant,
-        "--vocab",
-        str(vocab),
-        "--batch",
-        str(args.batch),
-        "--seq",
-        str(args.seq),
-        "--dim",
-        str(args.dim),
-        "--chunk-size",
-        str(args.chunk_size),
-        "--device",
-        args.device,
-    ]
-    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+    flags = {flag: getattr(args, flag) for flag in ("batch", "seq", "dim", "chunk_size", "device")}
+    return run_child(__file__, variant, {"vocab": vocab, **flags})
 
 
 def main() -> None:
@@ -113,12 +94,11 @@ def main() -> None:
     print("forward + backward of selected-token log-probs; medians; ratios against naive in this run")
     print(f"{'vocab':>8} {'variant':>16} {'seconds':>8} {'time x':>7} {'peak MiB':>9} {'mem %':>6}")
     for vocab in args.vocab:
-        runs = {variant: [] for variant in VARIANTS}
-        for _ in range(args.repeats):
-            for variant in VARIANTS:
-                runs[variant].append(measure(variant, args, vocab))
-        seconds = {v: statistics.median(r["seconds"] for r in runs[v]) for v in runs}
-        memory = {v: statistics.median(r["peak_mib"] for r in runs[v]) for v in runs}
+        _, seconds, memory = alternating_medians(
+            VARIANTS,
+            args.repeats,
+            functools.partial(measure, args=args, vocab=vocab),
+        )
         for variant in VARIANTS:
             time_ratio = seconds[variant] / seconds["naive"]
             memory_share = 100 * memory[variant] / memory["naive"]
