@@ -19,6 +19,8 @@ import time
 import torch
 from isolated_runs import alternating_medians, run_child
 
+from opd.logprobs import selected_token_logprobs  # imported here, not inside the timed call
+
 
 def naive(hidden, weight, ids):
     logits = (hidden @ weight.T).float()
@@ -26,8 +28,6 @@ def naive(hidden, weight, ids):
 
 
 def chunked(hidden, weight, ids, chunk_size, with_entropy):
-    from opd.logprobs import selected_token_logprobs
-
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = weight
     return selected_token_logprobs(hidden, head, ids, chunk_size=chunk_size, with_entropy=with_entropy)[0]
