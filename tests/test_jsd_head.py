@@ -103,9 +103,10 @@ def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all
     head = torch.nn.Linear(D, V, bias=False)
     teacher_hidden = torch.randn(N, TEACHER_D)
     teacher_head = torch.nn.Linear(TEACHER_D, V, bias=False)
-    calls = []
-    original = HeadGradients.logits
-    monkeypatch.setattr(HeadGradients, "logits", lambda self, *a: calls.append(a) or original(self, *a))
+    calls, added = [], []
+    rebuild, add = HeadGradients.logits, HeadGradients.add
+    monkeypatch.setattr(HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a))
+    monkeypatch.setattr(HeadGradients, "add", lambda self, *a: added.append(a[0]) or add(self, *a))
     loss, _, _ = chunked_jsd(
         hidden,
         head,
@@ -117,6 +118,8 @@ def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all
     )
     loss.sum().backward(retain_graph=True)
     assert len(calls) == recomputed
+    starts = list(range(0, N, chunk_size))
+    assert added == starts[-1:] + starts[:-1]  # the kept chunk first: its buffer is freed before any rebuild
     loss.sum().backward()
     assert len(calls) == recomputed + -(-N // chunk_size)
     hidden_grad_twice = hidden.grad.clone()

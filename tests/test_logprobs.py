@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from opd.logprobs import LogitTransform, logit_transform_for, selected_token_logprobs, sequence_logprobs
+from opd.logprobs import (
+    HeadGradients,
+    LogitTransform,
+    logit_transform_for,
+    selected_token_logprobs,
+    sequence_logprobs,
+)
 from tests.conftest import tiny_llama
 
 
@@ -69,6 +75,46 @@ def test_without_entropy_gives_the_same_logprobs_and_gradients():
     (grad_chunked,) = torch.autograd.grad(without.sum(), hidden)
     (grad_naive,) = torch.autograd.grad(ref.sum(), hidden)
     torch.testing.assert_close(grad_chunked, grad_naive, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize(
+    ("chunk_size", "transform", "recomputed"),
+    [
+        (50, LogitTransform(temperature=0.7), 0),
+        (4, LogitTransform(), 3),
+        (4, LogitTransform(softcap=3.0), 4),
+    ],
+)
+def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all(
+    monkeypatch, with_entropy, chunk_size, transform, recomputed
+):
+    torch.manual_seed(4)
+    n = 13
+    hidden = torch.randn(n, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 23)
+    ids = torch.randint(0, 23, (n,))
+    calls, added = [], []
+    rebuild, add = HeadGradients.logits, HeadGradients.add
+    monkeypatch.setattr(HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a))
+    monkeypatch.setattr(HeadGradients, "add", lambda self, *a: added.append(a[0]) or add(self, *a))
+    logp, _ = selected_token_logprobs(
+        hidden, head, ids, chunk_size=chunk_size, transform=transform, with_entropy=with_entropy
+    )
+    logp.sum().backward(retain_graph=True)
+    assert len(calls) == recomputed
+    starts = list(range(0, n, chunk_size))
+    kept_first = recomputed < len(starts)  # the kept chunk's buffer is freed before any rebuild
+    assert added == (starts[-1:] + starts[:-1] if kept_first else starts)
+    logp.sum().backward()
+    assert len(calls) == recomputed + -(-n // chunk_size)
+    twice = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    hidden.grad = None
+    head.zero_grad()
+    ref, _ = naive(hidden, head.weight, head.bias, ids, transform)
+    ref.sum().backward()
+    for got, once in zip(twice, (hidden.grad, head.weight.grad, head.bias.grad), strict=True):
+        torch.testing.assert_close(got, 2 * once, atol=1e-5, rtol=1e-5)
 
 
 def test_vocab_slice_normalises_over_tokenizer_rows_only():

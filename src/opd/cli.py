@@ -22,9 +22,14 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from opd.demo.run import DEFAULT_STEPS, run_demo
+    from opd.demo.run import DEFAULT_LEARNING_RATE, DEFAULT_STEPS, run_demo
 
-    run_demo(log_path=args.log_path, steps=args.steps or DEFAULT_STEPS, seed=args.seed)
+    run_demo(
+        log_path=args.log_path,
+        steps=args.steps or DEFAULT_STEPS,
+        seed=args.seed,
+        learning_rate=args.lr or DEFAULT_LEARNING_RATE,
+    )
 
 
 def _eval(args: argparse.Namespace) -> None:
@@ -124,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
     demo.add_argument("--steps", type=int, default=None, help="distillation steps (default 400)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="distillation learning rate (default 1e-3; 5e-4 if a student will not learn)",
+    )
     demo.set_defaults(handler=_demo)
     return parser
 

@@ -88,20 +88,36 @@ def chunk_logits_inplace(
     return logits
 
 
+def backward_chunk_starts(rows: int, chunk_size: int, last_kept: bool) -> list[int]:
+    """The chunks' first rows in the order backward visits them.
+
+    A chunk whose gradient forward kept goes first, so its buffer is freed before any other
+    chunk's logits are rebuilt (one ``chunk x V`` buffer alive at a time, as without it).
+    """
+    starts = list(range(0, rows, chunk_size))
+    return starts[-1:] + starts[:-1] if last_kept else starts
+
+
 class _SelectedTokenLogProbs(torch.autograd.Function):
     """log softmax(z)[token] and the entropy of softmax(z), chunk by chunk, recomputed in backward.
 
     Every V-wide step works in place, so a chunk needs one float32 ``chunk x V`` buffer (two
     when the entropy is asked for), and backward redoes one matmul per chunk instead of
-    keeping the logits.
+    keeping the logits, except for the last chunk: when a gradient will be asked for, forward
+    keeps that chunk's probabilities (already in one of its buffers), so with a single chunk
+    backward recomputes nothing.
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, bias_V, token_ids_N, chunk_size, transform, with_entropy):
-        logprobs_N = hidden_ND.new_empty(hidden_ND.shape[0], dtype=torch.float32)
+    def forward(
+        ctx, hidden_ND, weight_VD, bias_V, token_ids_N, chunk_size, transform, with_entropy, keep_last
+    ):
+        rows = hidden_ND.shape[0]
+        logprobs_N = hidden_ND.new_empty(rows, dtype=torch.float32)
         entropy_N = torch.zeros_like(logprobs_N)
         logsumexp_N = torch.empty_like(logprobs_N)
-        for start in range(0, hidden_ND.shape[0], chunk_size):
+        ctx.kept_probs = None
+        for start in range(0, rows, chunk_size):
             end = start + chunk_size
             shifted = chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
             row_max = shifted.amax(dim=-1)
@@ -112,13 +128,15 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
                 total = exps.sum(-1)
                 weighted = (exps.unsqueeze(-2) @ shifted.unsqueeze(-1)).view(-1)
                 entropy_N[start:end] = torch.log(total) - weighted / total
-                del exps
             else:
-                total = shifted.exp_().sum(-1)
+                exps = shifted.exp_()
+                total = exps.sum(-1)
+            if keep_last and end >= rows and transform.softcap is None:
+                ctx.kept_probs = exps.div_(total[:, None])
             lse = row_max + torch.log(total)
             logprobs_N[start:end] = selected - lse
             logsumexp_N[start:end] = lse
-            del shifted
+            del shifted, exps
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N)
         ctx.chunk_size = chunk_size
         ctx.transform = transform
@@ -129,18 +147,23 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs_N, _grad_entropy_N):
         hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N = ctx.saved_tensors
         grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
-        for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
+        kept_probs, ctx.kept_probs = ctx.kept_probs, None  # used once: a second backward recomputes
+        rows = hidden_ND.shape[0]
+        for start in backward_chunk_starts(rows, ctx.chunk_size, kept_probs is not None):
             end = start + ctx.chunk_size
-            grad_raw, derivative = grads.logits(start, end)
             grad_out = grad_logprobs_N[start:end] * grads.constant_factor
-            grad_raw -= logsumexp_N[start:end, None]
-            grad_raw.exp_()
+            if kept_probs is not None and end >= rows:
+                grad_raw, derivative, kept_probs = kept_probs, None, None
+            else:
+                grad_raw, derivative = grads.logits(start, end)
+                grad_raw -= logsumexp_N[start:end, None]
+                grad_raw.exp_()
             grad_raw *= -grad_out[:, None]
-            rows = torch.arange(grad_raw.shape[0], device=grad_raw.device)
-            grad_raw[rows, token_ids_N[start:end]] += grad_out
+            chunk_rows = torch.arange(grad_raw.shape[0], device=grad_raw.device)
+            grad_raw[chunk_rows, token_ids_N[start:end]] += grad_out
             grads.add(start, end, grad_raw, derivative)
             del grad_raw
-        return (*grads.result(), None, None, None, None)
+        return (*grads.result(), None, None, None, None, None)
 
 
 class HeadGradients:
@@ -226,8 +249,11 @@ def selected_token_logprobs(
         raise ValueError(
             f"token id {int(token_ids_N.max())} is outside the model's vocabulary of {weight.shape[0]}"
         )
+    keep_last = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_ND, weight, bias)
+    )
     return _SelectedTokenLogProbs.apply(
-        hidden_ND, weight, bias, token_ids_N, chunk_size, transform, with_entropy
+        hidden_ND, weight, bias, token_ids_N, chunk_size, transform, with_entropy, keep_last
     )
 
 

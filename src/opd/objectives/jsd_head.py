@@ -25,6 +25,7 @@ from torch import nn
 from opd.logprobs import (
     HeadGradients,
     LogitTransform,
+    backward_chunk_starts,
     chunk_logits_inplace,
     head_weights,
 )
@@ -147,10 +148,11 @@ class _ChunkedJSD(torch.autograd.Function):
         hidden_ND, weight_VD, bias_V, *teacher_side = ctx.saved_tensors
         grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
         kept, ctx.kept = ctx.kept, None  # used once: a second backward recomputes
-        for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
+        rows = hidden_ND.shape[0]
+        for start in backward_chunk_starts(rows, ctx.chunk_size, kept is not None):
             end = start + ctx.chunk_size
-            if kept is not None and end >= hidden_ND.shape[0]:
-                (grad_logits, factor), derivative = kept, None
+            if kept is not None and end >= rows:
+                (grad_logits, factor), derivative, kept = kept, None, None
             else:
                 grad_logits, factor, derivative = _recomputed_gradient(ctx, grads, start, end, teacher_side)
             grad_logits *= (grad_loss_N[start:end] * (grads.constant_factor * factor))[:, None]
