@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=float,
         default=None,
-        help="distillation learning rate (default 1e-3; 5e-4 if a student will not learn)",
+        help="distillation learning rate (default 5e-4; lower it if the student will not learn)",
     )
     demo.set_defaults(handler=_demo)
     return parser

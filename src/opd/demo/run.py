@@ -62,7 +62,7 @@ STUDENT_SPEC = DemoModelSpec(
 CHECK_EVERY = 2
 NUM_DEV_PROMPTS = 400
 DEFAULT_STEPS = 400
-DEFAULT_LEARNING_RATE = 1e-3
+DEFAULT_LEARNING_RATE = 5e-4
 
 
 def cache_dir() -> Path:
@@ -189,8 +189,8 @@ def gap_summary(teacher: float, before: float, after: float) -> str:
     if gap_after > gap_before:
         return (
             f"the student fell {100 * (gap_after - gap_before):.1f} points further behind the teacher: "
-            "a short run can end in the dip of its first steps (try more --steps), and about one "
-            "student in eight does not learn at the demo's rate (try --lr 5e-4; docs/demo.md)"
+            "a short run can end in the dip of its first steps (try more --steps), and a student that "
+            "does not learn at this rate may at a lower one (try a lower --lr; docs/demo.md)"
         )
     return f"the student closed {1 - gap_after / gap_before:.0%} of its accuracy gap to the teacher"
 
