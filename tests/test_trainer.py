@@ -244,17 +244,29 @@ def test_show_examples_prints_colored_tokens(base_config, capsys):
     assert "--- rev" in out and "\033[2m<|im_start|>" in out and "[KL>=1]" in out
 
 
-def test_cli_train_with_overrides(base_config, tmp_path):
+@pytest.mark.parametrize("flag_first", [False, True])
+def test_cli_train_with_overrides(base_config, tmp_path, flag_first):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(base_config))
-    assert (
-        main(
-            ["train", str(path), "training.max_steps=1", f"log_path={tmp_path / 'cli-run'}", "--no-progress"]
-        )
-        == 0
-    )
+    overrides = ["training.max_steps=1", f"log_path={tmp_path / 'cli-run'}"]
+    argv = ["--no-progress", *overrides] if flag_first else [*overrides, "--no-progress"]
+    assert main(["train", str(path), *argv]) == 0
     rows = [json.loads(line) for line in (tmp_path / "cli-run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["train", "c.yaml", "--no-progress", "a.b=1", "--nope"], "--nope"),
+        (["report", "runs/x", "a.b=1"], "a.b=1"),
+    ],
+)
+def test_cli_refuses_what_it_does_not_know(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"error: unrecognized arguments: {named}")
 
 
 def test_cli_reports_config_errors_without_writing(base_config, tmp_path, capsys):

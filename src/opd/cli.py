@@ -141,7 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; user errors print one clear line and exit 2."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unparsed = parser.parse_known_args(argv)
+    unknown = [arg for arg in unparsed if arg.startswith("-") or args.command != "train"]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unparsed:
+        args.overrides += unparsed  # overrides after a flag: `opd train c.yaml --no-progress a.b=1`
     try:
         args.handler(args)
     except USER_ERRORS as error:
