@@ -47,3 +47,16 @@ def test_demo_lr_flag_reaches_the_run_config(monkeypatch):
     assert [(c["learning_rate"], c["steps"]) for c in calls] == [(2.5e-4, 7), (5e-4, 400)]
     config = demo.demo_config("runs/x", "student", "teacher", steps=7, seed=0, learning_rate=2.5e-4)
     assert config["training"]["learning_rate"] == 2.5e-4
+
+
+def test_demo_refuses_a_zero_or_negative_step_count_or_rate(capsys):
+    import pytest
+
+    from opd.cli import main
+
+    for argv in (["demo", "--steps", "0"], ["demo", "--lr", "-0.001"], ["demo", "--steps", "x"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    errors = capsys.readouterr().err
+    assert "--steps: must be > 0, got 0" in errors and "--lr: must be > 0, got -0.001" in errors
+    assert "--steps: invalid int value: 'x'" in errors

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from opd.config import ConfigError, load_config
 from opd.data.prompts import DataError
@@ -78,6 +79,19 @@ def _export(args: argparse.Namespace) -> None:
     print(f"exported the student of {args.run_dir} to {out}")
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type that refuses zero and negatives (the demo would build its models first)."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="opd", description="On-policy distillation of language models.")
@@ -127,11 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
-    demo.add_argument("--steps", type=int, default=None, help="distillation steps (default 400)")
+    demo.add_argument("--steps", type=_positive(int), default=None, help="distillation steps (default 400)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--lr",
-        type=float,
+        type=_positive(float),
         default=None,
         help="distillation learning rate (default 5e-4; lower it if the student will not learn)",
     )
