@@ -88,6 +88,13 @@ def chunk_logits_inplace(
     return logits
 
 
+def head_gradient_expected(hidden_ND: torch.Tensor, lm_head: nn.Module) -> bool:
+    """Whether autograd will differentiate through the head now (forward then keeps a gradient)."""
+    if not torch.is_grad_enabled():
+        return False
+    return hidden_ND.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+
+
 def backward_chunk_starts(rows: int, chunk_size: int, last_kept: bool) -> list[int]:
     """The chunks' first rows in the order backward visits them.
 
@@ -249,9 +256,7 @@ def selected_token_logprobs(
         raise ValueError(
             f"token id {int(token_ids_N.max())} is outside the model's vocabulary of {weight.shape[0]}"
         )
-    keep_last = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden_ND, weight, bias)
-    )
+    keep_last = head_gradient_expected(hidden_ND, lm_head)
     return _SelectedTokenLogProbs.apply(
         hidden_ND, weight, bias, token_ids_N, chunk_size, transform, with_entropy, keep_last
     )

@@ -27,18 +27,12 @@ from opd.logprobs import (
     LogitTransform,
     backward_chunk_starts,
     chunk_logits_inplace,
+    head_gradient_expected,
     head_weights,
 )
 
 PLAIN_LOGITS = LogitTransform()
 """No scaling, no softcap, temperature 1."""
-
-
-def _gradient_expected(hidden_ND: torch.Tensor, head: nn.Module) -> bool:
-    """Whether autograd will differentiate through the head now (forward then keeps a gradient)."""
-    if not torch.is_grad_enabled():
-        return False
-    return hidden_ND.requires_grad or any(p.requires_grad for p in head.parameters())
 
 
 def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
@@ -244,5 +238,5 @@ def chunked_jsd(
         chunk_size,
         transform,
         teacher_transform,
-        _gradient_expected(hidden_ND, lm_head),
+        head_gradient_expected(hidden_ND, lm_head),
     )
