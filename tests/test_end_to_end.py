@@ -1,5 +1,9 @@
 """The demo pipeline from scratch: real models trained on the built-in task, then distilled."""
 
+import pytest
+
+import opd.demo.run as demo
+from opd.cli import main
 from opd.demo.run import DemoModelSpec, ensure_model, gap_summary, run_demo
 
 
@@ -37,9 +41,6 @@ def test_the_gap_summary_by_hand():
 
 
 def test_demo_lr_flag_reaches_the_run_config(monkeypatch):
-    import opd.demo.run as demo
-    from opd.cli import main
-
     calls = []
     monkeypatch.setattr(demo, "run_demo", lambda **kwargs: calls.append(kwargs))
     assert main(["demo", "--lr", "2.5e-4", "--steps", "7"]) == 0
@@ -50,10 +51,6 @@ def test_demo_lr_flag_reaches_the_run_config(monkeypatch):
 
 
 def test_demo_refuses_a_zero_or_negative_step_count_or_rate(capsys):
-    import pytest
-
-    from opd.cli import main
-
     for argv in (["demo", "--steps", "0"], ["demo", "--lr", "-0.001"], ["demo", "--steps", "x"]):
         with pytest.raises(SystemExit):
             main(argv)
