@@ -10,6 +10,8 @@ completion each) and is evaluated every `--eval-every` steps on the same held-ou
     opd-rkl       opd, objective sampled_reverse_kl (on-policy, per-token reverse KL advantage)
     opd-k3        opd, objective k3 (on-policy; a disliked token's gradient is bounded by 1)
     opd-jsd       opd, objective jsd (generalized JSD, beta 0.5 or --jsd-beta, full distribution, on-policy)
+    opd-topk      opd, objective topk_forward_kl (forward KL over the teacher's --topk tokens and a tail
+                  bucket, on-policy: what a vLLM or SGLang teacher can serve)
     trl           TRL's DistillationTrainer (on-policy, generalized JSD with its default beta 1)
     sft           opd, objective nll on fresh teacher samples (data_source teacher)
     sft-fixed     opd, objective nll on a fixed dataset: teacher samples on --sft-prompts prompts,
@@ -46,7 +48,7 @@ from smollm2 import converted_dir
 
 from opd.config import TrainingConfig
 
-METHODS = ("opd-rkl", "opd-k3", "opd-jsd", "trl", "sft", "sft-fixed", "sft-then-opd")
+METHODS = ("opd-rkl", "opd-k3", "opd-jsd", "opd-topk", "trl", "sft", "sft-fixed", "sft-then-opd")
 TASKS = {
     "short": {
         "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
@@ -275,6 +277,7 @@ def run_method(method: str, task: str, student: Path, teacher: Path, args, direc
         "opd-rkl": {"objective": "sampled_reverse_kl"},
         "opd-k3": {"objective": "k3"},
         "opd-jsd": {"objective": "jsd", "beta": args.jsd_beta},
+        "opd-topk": {"objective": "topk_forward_kl", "topk": args.topk},
         "sft": {"objective": "nll", "data_source": "teacher"},
     }
     if method in objectives:
@@ -619,6 +622,12 @@ def main() -> None:
         "--jsd-beta", type=float, default=0.5, help="opd-jsd's beta (1: full-vocabulary reverse KL, as TRL)"
     )
     parser.add_argument(
+        "--topk",
+        type=int,
+        default=TrainingConfig.topk,
+        help="opd-topk's teacher tokens kept per position (the rest is one bucket)",
+    )
+    parser.add_argument(
         "--loss-aggregation",
         default="token_mean",
         choices=LOSS_AGGREGATIONS,
@@ -627,7 +636,7 @@ def main() -> None:
     parser.add_argument(
         "--then",
         default="opd-rkl",
-        choices=("opd-rkl", "opd-k3", "opd-jsd"),
+        choices=("opd-rkl", "opd-k3", "opd-jsd", "opd-topk"),
         help="sft-then-opd's on-policy method after the SFT quarter",
     )
     parser.add_argument(
@@ -721,6 +730,8 @@ def main() -> None:
                     result["then_warmup_steps"] = args.then_warmup_steps
                 if "opd-jsd" in (method, result.get("then")):
                     result["jsd_beta"] = args.jsd_beta
+                if "opd-topk" in (method, result.get("then")):
+                    result["topk"] = args.topk
                 result_file.write_text(json.dumps(result, indent=1))
                 print(
                     json.dumps({k: v for k, v in result.items() if k != "curve"} | {"last": curve[-1]}),
