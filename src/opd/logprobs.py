@@ -44,6 +44,10 @@ class LogitTransform:
         return squashed * (self.softcap / self.temperature), derivative
 
 
+PLAIN_LOGITS = LogitTransform()
+"""No scaling, no softcap, temperature 1."""
+
+
 def logit_transform_for(model: nn.Module, temperature: float = 1.0) -> LogitTransform:
     """Read the logit scaling a Hugging Face model applies in its own forward."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -86,6 +90,12 @@ def chunk_logits_inplace(
     if factor != 1.0:
         logits *= factor
     return logits
+
+
+def refuse_ids_outside(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    """A clear error for an id past the head's rows, instead of an index error inside a gather."""
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise ValueError(f"{what} {int(ids.max())} is outside the model's vocabulary of {vocab_size}")
 
 
 def head_gradient_expected(hidden_ND: torch.Tensor, lm_head: nn.Module) -> bool:
@@ -252,10 +262,7 @@ def selected_token_logprobs(
             f"and {tuple(token_ids_N.shape)}"
         )
     weight, bias = head_weights(lm_head, vocab_size)
-    if token_ids_N.numel() and int(token_ids_N.max()) >= weight.shape[0]:
-        raise ValueError(
-            f"token id {int(token_ids_N.max())} is outside the model's vocabulary of {weight.shape[0]}"
-        )
+    refuse_ids_outside(token_ids_N, weight.shape[0], "token id")
     keep_last = head_gradient_expected(hidden_ND, lm_head)
     return _SelectedTokenLogProbs.apply(
         hidden_ND, weight, bias, token_ids_N, chunk_size, transform, with_entropy, keep_last

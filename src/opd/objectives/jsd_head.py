@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from opd.logprobs import (
+    PLAIN_LOGITS,
     HeadGradients,
     LogitTransform,
     backward_chunk_starts,
@@ -30,9 +31,6 @@ from opd.logprobs import (
     head_gradient_expected,
     head_weights,
 )
-
-PLAIN_LOGITS = LogitTransform()
-"""No scaling, no softcap, temperature 1."""
 
 
 def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
-from functools import partial
 from itertools import pairwise
 
 import torch
@@ -15,7 +14,6 @@ from opd.config import TrainingConfig
 from opd.logprobs import (
     LogitTransform,
     backbone_and_head,
-    chunked_head_objective,
     logit_transform_for,
     scatter_rows,
     scored_hidden_states,
@@ -23,9 +21,9 @@ from opd.logprobs import (
 )
 from opd.losses import k3_kl_token_estimate
 from opd.models import DTYPES
-from opd.objectives.distribution import topk_forward_kl
 from opd.objectives.jsd_head import chunked_jsd
 from opd.objectives.policy_losses import POLICY_LOSSES, aggregate
+from opd.objectives.topk_head import chunked_topk_forward_kl
 from opd.trainer.rollouts import RolloutBatch
 
 
@@ -77,10 +75,6 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
-def _topk_rows(student_log_cV, rows, *, ids_NK, logprobs_NK):
-    return topk_forward_kl(student_log_cV, ids_NK[rows], logprobs_NK[rows])
-
-
 def objective_per_token(
     model,
     piece: RolloutBatch,
@@ -117,16 +111,12 @@ def objective_per_token(
                 vocab_size=vocab_size,
             )
         else:
-            row_loss = partial(
-                _topk_rows,
-                ids_NK=teacher.topk_ids_BTK.to(device)[scored],
-                logprobs_NK=teacher.topk_logprobs_BTK.to(device)[scored],
-            )
-            loss_N, logprobs_N, entropy_N = chunked_head_objective(
+            loss_N, logprobs_N, entropy_N = chunked_topk_forward_kl(
                 hidden_ND,
                 head,
                 token_ids_N,
-                row_loss,
+                teacher.topk_ids_BTK.to(device)[scored],
+                teacher.topk_logprobs_BTK.to(device)[scored],
                 chunk_size=training.logprob_chunk_size,
                 transform=transform,
                 vocab_size=vocab_size,
