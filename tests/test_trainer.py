@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -177,6 +178,23 @@ def test_topk_larger_than_the_vocabulary_is_refused(base_config):
         ConfigError, match=r"training\.topk: 500 is larger than the vocabulary \(103 tokens\)"
     ):
         Trainer(config_from_dict(base_config), progress=False)
+
+
+@pytest.mark.parametrize("supported", [False, True])
+def test_half_precision_without_cpu_support_is_warned_about_by_field(base_config, monkeypatch, supported):
+    """Without oneDNN's bfloat16 / float16 instructions each half-precision setting is named."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: supported)
+    base_config["student"].update(device="cpu", sampling_dtype="bfloat16")
+    base_config["teacher"].update(device="cpu", dtype="float16")
+    base_config["training"]["autocast"] = "bfloat16"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(config_from_dict(base_config), progress=False)
+    slow = sorted(str(w.message).split(":")[0] for w in caught if "slower than float32" in str(w.message))
+    assert slow == ([] if supported else ["student.sampling_dtype", "teacher.dtype", "training.autocast"])
+    if not supported:
+        assert any("no float16 matmul instructions" in str(w.message) for w in caught)
 
 
 def test_missing_model_path_is_named(base_config, tmp_path):

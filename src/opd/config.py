@@ -54,7 +54,8 @@ class StudentConfig:
     sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
     The copy's weights are cast in before every rollout and freed after it; ``bfloat16``
-    under a float32 student halves the bytes each decode step reads (1.5-1.9x faster on a CPU).
+    under a float32 student halves the bytes each decode step reads (1.5-1.9x faster on a CPU
+    with AVX-512; without it bfloat16 matmuls take a fallback ~100x slower, and opd warns).
     A LoRA student's adapters are merged into the copy (one matmul per layer instead of
     three), so with LoRA a copy in the student's own dtype is made too and samples faster.
     Its log-probs are the copy's, so the policy loss's importance ratio covers the gap, as it
@@ -194,8 +195,9 @@ class TrainingConfig:
     under ``torch.autocast`` in this dtype, while weights, gradients, optimizer state, the lm
     head and the log-probs stay in the weights' dtype (float32 on a CPU). About a third off the
     update where bfloat16 matmuls are fast (GPUs; CPUs with avx512_bf16 or AMX), slower on
-    CPUs without them. Rollouts, teacher and evaluation are untouched (see
-    ``student.sampling_dtype``, ``teacher.dtype``). float16 is not offered: it needs loss scaling."""
+    CPUs without them, and ~100x slower on a CPU without AVX-512 (opd warns). Rollouts, teacher
+    and evaluation are untouched (see ``student.sampling_dtype``, ``teacher.dtype``). float16
+    is not offered: it needs loss scaling."""
     logprob_chunk_size: int = 1024
     """Positions whose logits exist at once when computing log-probs (memory vs speed)."""
     teacher_batch_size: int = 32

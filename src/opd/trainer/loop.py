@@ -24,7 +24,7 @@ from opd.data.batching import CompositeBatches
 from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
 from opd.logprobs import sequence_logprobs
-from opd.models import DTYPES, load_causal_lm, load_tokenizer
+from opd.models import DTYPES, load_causal_lm, load_tokenizer, warn_if_slow_on_this_cpu
 from opd.objectives.advantages import kl_advantages, reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import colorize_example
@@ -130,6 +130,9 @@ class Trainer:
         self.sampling_copy: SamplingCopy | None = None
         self.rollout_sampler = self.sampler
         sampling_dtype = DTYPES.get(student_cfg.sampling_dtype)
+        student_device = next(base.parameters()).device
+        warn_if_slow_on_this_cpu(sampling_dtype, student_device, "student.sampling_dtype")
+        warn_if_slow_on_this_cpu(DTYPES.get(config.training.autocast), student_device, "training.autocast")
         if sampling_dtype is not None and (sampling_dtype != base.dtype or student_cfg.lora_rank > 0):
             self.sampling_copy = SamplingCopy(self.student, sampling_dtype)
             self.rollout_sampler = self._sampler_for(self.sampling_copy.model)
