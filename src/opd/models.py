@@ -50,7 +50,7 @@ def warn_if_slow_on_this_cpu(dtype: torch.dtype | None, device: torch.device, fi
         warnings.warn(
             f"{field}: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no {name} matmul "
             f"instructions, so {name} matmuls run about 100x slower than float32 here; use float32 "
-            "(or leave the field unset) on this machine",
+            "on this machine",
             stacklevel=3,
         )
 
