@@ -92,6 +92,11 @@ def chunk_logits_inplace(
     return logits
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` without the product's ``chunk x V`` buffer."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).view(-1)
+
+
 def refuse_ids_outside(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     """A clear error for an id past the head's rows, instead of an index error inside a gather."""
     if ids.numel() and int(ids.max()) >= vocab_size:
@@ -143,7 +148,7 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
             if with_entropy:
                 exps = torch.exp(shifted)
                 total = exps.sum(-1)
-                weighted = (exps.unsqueeze(-2) @ shifted.unsqueeze(-1)).view(-1)
+                weighted = row_dot(exps, shifted)
                 entropy_N[start:end] = torch.log(total) - weighted / total
             else:
                 exps = shifted.exp_()

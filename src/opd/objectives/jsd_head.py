@@ -30,6 +30,7 @@ from opd.logprobs import (
     chunk_logits_inplace,
     head_gradient_expected,
     head_weights,
+    row_dot,
 )
 
 
@@ -38,11 +39,6 @@ def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
     logsumexp = torch.logsumexp(logits, dim=-1)
     logits -= logsumexp[:, None]
     return logsumexp
-
-
-def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(-1)`` without the product's ``chunk x V`` buffer."""
-    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).view(-1)
 
 
 def _mixture_log_(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: float) -> torch.Tensor:
@@ -86,7 +82,7 @@ class _ChunkedJSD(torch.autograd.Function):
             student_lse_N[start:end] = _log_softmax_(student_log)
             selected_N[start:end] = student_log.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             student_prob = student_log.exp()
-            entropy_N[start:end] = -_row_dot(student_prob, student_log)
+            entropy_N[start:end] = -row_dot(student_prob, student_log)
             teacher_log = chunk_logits_inplace(
                 teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, teacher_transform
             )
@@ -95,12 +91,12 @@ class _ChunkedJSD(torch.autograd.Function):
             if beta == 0.0:
                 teacher_prob = torch.exp(teacher_log, out=student_prob)
                 teacher_log -= student_log
-                loss_N[start:end] = _row_dot(teacher_prob, teacher_log)
+                loss_N[start:end] = row_dot(teacher_prob, teacher_log)
                 if keep:  # S - T
                     ctx.kept = (student_log.exp_().sub_(teacher_prob), 1.0)
             elif beta == 1.0:
                 torch.sub(student_log, teacher_log, out=teacher_log)
-                loss_N[start:end] = _row_dot(student_prob, teacher_log)
+                loss_N[start:end] = row_dot(student_prob, teacher_log)
                 if keep:  # S (log S - log T - KL(S || T))
                     teacher_log -= loss_N[start:end, None]
                     ctx.kept = (teacher_log.mul_(student_prob), 1.0)
@@ -109,10 +105,10 @@ class _ChunkedJSD(torch.autograd.Function):
                 mixture_log = _mixture_log_(student_log, teacher_log.clone(), beta)
                 teacher_log -= mixture_log
                 student_log -= mixture_log
-                student_mixture_kl = _row_dot(student_prob, student_log)
+                student_mixture_kl = row_dot(student_prob, student_log)
                 student_mixture_kl_N[start:end] = student_mixture_kl
                 loss_N[start:end] = (
-                    beta * _row_dot(teacher_prob, teacher_log) + (1.0 - beta) * student_mixture_kl
+                    beta * row_dot(teacher_prob, teacher_log) + (1.0 - beta) * student_mixture_kl
                 )
                 if keep:  # (1 - beta) S (log S - log M - KL(S || M))
                     student_log -= student_mixture_kl[:, None]

@@ -35,6 +35,7 @@ from opd.logprobs import (
     head_gradient_expected,
     head_weights,
     refuse_ids_outside,
+    row_dot,
 )
 from opd.objectives.distribution import TAIL_FLOOR, tail_logprob
 
@@ -89,7 +90,7 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
             shifted -= row_max[:, None]
             topk_shifted = shifted.gather(-1, ids)
             exps = torch.exp(shifted)
-            weighted = (exps.unsqueeze(-2) @ shifted.unsqueeze(-1)).view(-1)
+            weighted = row_dot(exps, shifted)
             del shifted
             topk_exps = exps.gather(-1, ids)
             tail_sum = exps.scatter_(-1, ids, 0.0).sum(-1)  # exact, where 1 - sum(top-k) would cancel
