@@ -1,5 +1,8 @@
 """Config loading: every mistake names its field."""
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
@@ -142,3 +145,14 @@ def test_load_config_names_the_file(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_start_up_leaves_the_trainer_unimported():
+    """`opd --help` and config errors need no trainer: peft and the loop load on first use of opd.train."""
+    code = (
+        "import sys, opd.cli, opd; "
+        "print('peft' in sys.modules, 'opd.trainer.loop' in sys.modules); "
+        "from opd.trainer.loop import train; print(opd.train is train)"
+    )
+    output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert output.stdout.split() == ["False", "False", "True"]
