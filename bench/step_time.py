@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ TOOLS = {
     "trl-bf16": "TRL with bf16=True (its default: bfloat16 autocast for generation and training)",
     "opd-jsd": "opd jsd beta 1 (TRL's objective), float32",
     "opd-sampled": "opd sampled_reverse_kl, float32",
+    "opd-topk": "opd topk_forward_kl (k 32: what a vLLM / SGLang teacher can serve), float32",
     "opd-jsd-bf16s": "opd jsd, rollouts from a bfloat16 copy (student.sampling_dtype)",
     "opd-sampled-bf16s": "opd sampled_reverse_kl, rollouts from a bfloat16 copy",
     "opd-jsd-f32s": "opd jsd, rollouts from a float32 copy (LoRA merged into it: identical float32 work)",
@@ -41,6 +41,7 @@ TOOLS = {
     "opd-jsd-mixed": "opd jsd at trl-bf16's precision: bfloat16 sampling copy, teacher and autocast update",
     "opd-sampled-mixed": "opd sampled_reverse_kl at trl-bf16's precision (as opd-jsd-mixed)",
 }
+OBJECTIVES = {"jsd": "jsd", "sampled": "sampled_reverse_kl", "topk": "topk_forward_kl"}
 SAMPLING_DTYPES = {"-bf16s": "bfloat16", "-f32s": "float32", "-mixed": "bfloat16"}
 MIXED = "-mixed"  # also runs the update under bfloat16 autocast and the teacher in bfloat16
 PHASES = ("sample", "teacher", "train")  # opd's own time/* metrics, printed beside the totals
@@ -151,48 +152,48 @@ def run_opd(args, steps: int, objective: str, sampling_dtype: str | None, mixed:
     }
 
 
-def child(args) -> None:
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def child(args, tool: str, mode: str, directory: str) -> None:
+    """One (tool, mode) run in its own process: its output to `log`, its result as JSON to `result.json`."""
+    with open(Path(directory) / "log", "w") as log:  # fds 1 and 2 stay open on it after the with
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    args.mode = mode
     steps = args.steps + 1
-    if args.child.startswith("trl"):
-        result = run_trl(args, steps, bf16=args.child == "trl-bf16")
+    if tool.startswith("trl"):
+        result = run_trl(args, steps, bf16=tool == "trl-bf16")
     else:
-        objective = "jsd" if args.child.startswith("opd-jsd") else "sampled_reverse_kl"
-        suffix = "-" + args.child.rpartition("-")[2]
+        objective = OBJECTIVES[tool.split("-")[1]]
+        suffix = "-" + tool.rpartition("-")[2]
         result = run_opd(args, steps, objective, SAMPLING_DTYPES.get(suffix), mixed=suffix == MIXED)
     result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["baseline_mib"] = baseline / 1024
-    print("RESULT " + json.dumps(result))
+    (Path(directory) / "result.json").write_text(json.dumps(result))
 
 
-def measure(args, tool: str, mode: str) -> dict:
-    command = [
-        sys.executable,
-        __file__,
-        "--child",
-        tool,
-        "--mode",
-        mode,
-        "--student",
-        args.student,
-        "--teacher",
-        args.teacher,
-        "--prompts",
-        str(args.prompts),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--steps",
-        str(args.steps),
-        "--device",
-        args.device,
-    ]
-    completed = subprocess.run(
-        command, capture_output=True, text=True, env=os.environ | {"TQDM_DISABLE": "1"}
-    )
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    if completed.returncode or not lines:
-        raise RuntimeError(f"{tool} {mode} failed:\n{completed.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+def measure(context: multiprocessing.context.BaseContext, args, tool: str, mode: str) -> dict:
+    """Run `child` in a process of `context` and read back what it wrote."""
+    with tempfile.TemporaryDirectory() as directory:
+        process = context.Process(target=child, args=(args, tool, mode, directory))
+        process.start()
+        process.join()
+        result_path = Path(directory) / "result.json"
+        if process.exitcode or not result_path.exists():
+            log = (Path(directory) / "log").read_text()
+            raise RuntimeError(f"{tool} {mode} failed (exit code {process.exitcode}):\n{log[-3000:]}")
+        return json.loads(result_path.read_text())
+
+
+def process_context(quick: bool) -> multiprocessing.context.BaseContext:
+    """A fresh interpreter per run (spawn), so each peak is the run's own, libraries included.
+
+    `--quick` forks each run from a server that has imported torch and transformers once: the
+    imports (about 5 s a run on a 2-core CPU) would otherwise take most of its minute. Pages of
+    those libraries then count towards a run's peak only once it touches them, alike for both tools.
+    """
+    if not quick:
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers"])
+    return context
 
 
 def main() -> None:
@@ -204,8 +205,10 @@ def main() -> None:
     parser.add_argument("--teacher")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after one warm-up step)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, help="timed steps per run, after one warm-up step (default 4; 2 with --quick)"
+    )
+    parser.add_argument("--repeats", type=int, help="runs per (tool, mode) (default 3; 1 with --quick)")
     parser.add_argument("--modes", nargs="*", default=["full", "lora"], choices=["full", "lora"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
@@ -215,18 +218,15 @@ def main() -> None:
         choices=list(TOOLS),
         help="; ".join(f"{tool}: {what}" for tool, what in TOOLS.items()) + " (trl is always run)",
     )
-    parser.add_argument("--child", choices=list(TOOLS), help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.steps = args.steps or (2 if args.quick else 4)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     if args.quick:
         from opd.demo.run import cache_dir
 
         cache = cache_dir()
         args.student, args.teacher = str(cache / "student"), str(cache / "teacher")
         args.max_tokens = min(args.max_tokens, 10)
-    if args.child:
-        child(args)
-        return
     if not (args.student and args.teacher):
         parser.error("give --student and --teacher, or --quick")
     print(
@@ -234,6 +234,8 @@ def main() -> None:
         f"<= {args.max_tokens} tokens, {args.steps} timed steps x {args.repeats} repeats, {args.device}"
     )
     tools = ["trl"] + [tool for tool in args.tools if tool != "trl"]
+    os.environ["TQDM_DISABLE"] = "1"  # inherited by the runs: no progress bars in the table
+    context = process_context(args.quick)
     versus_bf16 = "trl-bf16" in tools  # the mixed-precision rows' own baseline, as a second ratio
     print(
         f"{'mode':>5} {'tool':>17} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} {'vs TRL':>7}"
@@ -244,7 +246,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {tool: [] for tool in tools}
         for _ in range(args.repeats):
             for tool in tools:
-                runs[tool].append(measure(args, tool, mode))
+                runs[tool].append(measure(context, args, tool, mode))
         summary = {}
         for tool, results in runs.items():
             seconds = statistics.median(s for r in results for s in r["step_seconds"])
