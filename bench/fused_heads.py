@@ -5,9 +5,9 @@ against a teacher's ``--topk`` ids and log-probs, drawn once from a random teach
 timed: in training they come from the teacher panel or a server).
 
 - ``naive``: the student's full (N, V) logits, the divergence (``generalized_jsd`` or
-  ``topk_forward_kl``), autograd.
-- ``checkpointed``: ``chunked_head_objective`` with the same divergence per chunk (autograd
-  inside activation checkpointing; what opd ran before the fused heads).
+  ``topk_forward_kl`` of ``tests/reference.py``), autograd.
+- ``checkpointed``: ``chunked_head_objective`` (``tests/reference.py``) with the same divergence
+  per chunk (autograd inside activation checkpointing; what opd ran before the fused heads).
 - ``fused``: ``opd.objectives.jsd_head.chunked_jsd`` or ``opd.objectives.topk_head.chunked_topk_forward_kl``
   (in place, analytic gradient).
 
@@ -27,21 +27,23 @@ import functools
 import json
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from isolated_runs import alternating_medians, run_child
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the references live in tests/
 VARIANTS = ("naive", "checkpointed", "fused")
 OBJECTIVES = ("jsd", "topk")
 
 
 def loss_function(variant: str, objective: str, setting: float):
     """``(hidden, head, ids, teacher, chunk_size) -> loss_N``; ``teacher`` is what the objective reads."""
-    from opd.logprobs import chunked_head_objective
-    from opd.objectives.distribution import generalized_jsd, topk_forward_kl
     from opd.objectives.jsd_head import chunked_jsd
     from opd.objectives.topk_head import chunked_topk_forward_kl
+    from tests.reference import chunked_head_objective, generalized_jsd, topk_forward_kl
 
     def divergence(student_log, rows, teacher):
         if objective == "topk":

@@ -133,8 +133,7 @@ def run_opd(args, steps: int, objective: str, sampling_dtype: str | None, mixed:
                     }
                 ],
                 "training": {
-                    "objective": objective,
-                    "beta": 1.0,
+                    "objective": {"name": objective, **({"beta": 1.0} if objective == "jsd" else {})},
                     "learning_rate": 1e-5,
                     "max_tokens": args.max_tokens,
                     "temperature": 1.0,

@@ -79,10 +79,16 @@ def test_unknown_nested_dataset_key():
         ("training.max_steps=2.5", r"training\.max_steps: .*integer"),
         ("student.lora_rank=-4", r"student\.lora_rank: must be >= 0"),
         ("training.objective=jsdd", r"training\.objective: 'jsdd' is not one of .* \(did you mean 'jsd'\?\)"),
-        ("training.kl_direction=up", r"training\.kl_direction: 'up' is not one of \['reverse', 'forward'\]"),
-        ("training.beta=1.5", r"training\.beta: must be in \[0, 1\], got 1\.5"),
+        (
+            "training.objective={name: k3, kl_direction: up}",
+            r"training\.objective\.kl_direction: 'up' is not one of \['reverse', 'forward'\]",
+        ),
+        (
+            "training.objective={name: jsd, beta: 1.5}",
+            r"training\.objective\.beta: must be in \[0, 1\], got 1\.5",
+        ),
         ("training.lmbda=-0.1", r"training\.lmbda: must be in \[0, 1\]"),
-        ("training.topk=0", r"training\.topk: must be > 0"),
+        ("training.objective={name: topk_forward_kl, topk: 0}", r"training\.objective\.topk: must be > 0"),
         (
             "training.data_source=teacher",
             r"training\.data_source: 'teacher' .* objective 'sampled_reverse_kl'",

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from opd.logprobs import HeadGradients, LogitTransform
-from opd.objectives.distribution import generalized_jsd
 from opd.objectives.jsd_head import chunked_jsd
+from tests.reference import generalized_jsd
 
 N, D, TEACHER_D, V, PADDED_V = 11, 6, 8, 19, 23
 

@@ -8,40 +8,42 @@ import torch
 
 from opd.config import config_from_dict
 from opd.demo.run import demo_config
+from opd.objectives.registry import objectives
 from opd.trainer.loop import Trainer
-from opd.trainer.update import objective_per_token
+from opd.trainer.update import token_losses
 
 STEPS = 60
 EVAL_STEPS = (10_000, 10_001, 10_002, 10_003)
 
 
-def fixed_batch_divergence(trainer: Trainer, **objective) -> float:
+def fixed_batch_divergence(trainer: Trainer, name: str, **options) -> float:
     """A divergence per token, computed exactly, on fixed seeded batches (teacher samples repeat exactly)."""
-    training = dataclasses.replace(trainer.config.training, **objective)
+    objective = objectives()[name](**options)
+    training = trainer.config.training
     total = tokens = 0.0
     for step in EVAL_STEPS:
         batch, _ = trainer.sample_batch(step)
-        teacher = trainer.teachers.score(batch, training)
+        teacher = trainer.teachers.score(batch, objective.teacher_request(training.temperature))
         with torch.no_grad():
-            per_token, _, _ = objective_per_token(
-                trainer.student, batch, teacher, torch.zeros_like(batch.mask_BT), training, trainer.vocab_size
+            per_token, _, _ = token_losses(
+                trainer.policy, objective, batch, teacher, torch.zeros_like(batch.mask_BT), training
             )
         total += float((per_token * batch.mask_BT).sum())
         tokens += float(batch.mask_BT.sum())
     return total / tokens
 
 
-EXACT_FORWARD_KL = {"objective": "jsd", "beta": 0.0}
+EXACT_FORWARD_KL = {"name": "jsd", "beta": 0.0}
 
 
 @pytest.mark.parametrize(
     ("objective", "data_source", "extra", "measured"),
     [
         # k3 backpropagated on student samples follows the forward-KL gradient (opd.losses)
-        ("k3", "student", {"kl_direction": "reverse"}, EXACT_FORWARD_KL),
-        ("jsd", "student", {"beta": 0.5}, {"objective": "jsd", "beta": 0.5}),
-        ("jsd", "mixed", {"beta": 0.0, "lmbda": 0.5}, EXACT_FORWARD_KL),
-        ("topk_forward_kl", "student", {"topk": 8}, {"objective": "topk_forward_kl", "topk": 8}),
+        ({"name": "k3", "kl_direction": "reverse"}, "student", {}, EXACT_FORWARD_KL),
+        ({"name": "jsd", "beta": 0.5}, "student", {}, {"name": "jsd", "beta": 0.5}),
+        ({"name": "jsd", "beta": 0.0}, "mixed", {"lmbda": 0.5}, EXACT_FORWARD_KL),
+        ({"name": "topk_forward_kl", "topk": 8}, "student", {}, {"name": "topk_forward_kl", "topk": 8}),
         ("nll", "teacher", {}, EXACT_FORWARD_KL),
     ],
 )
@@ -107,15 +109,20 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
     logits at the position that predicts it: the teacher's hidden states line up with the student's,
     in the teacher's own dtype too."""
     config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
-    config["training"].update(objective="jsd", beta=beta)
+    config["training"].update(objective={"name": "jsd", "beta": beta})
     config["teacher"]["dtype"] = teacher_dtype
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.sample_batch(0)
     teacher = trainer.teachers.score(batch)
     vocab = trainer.vocab_size
     with torch.no_grad():
-        per_token, _, _ = objective_per_token(
-            trainer.student, batch, teacher, torch.zeros_like(batch.mask_BT), trainer.config.training, vocab
+        per_token, _, _ = token_losses(
+            trainer.policy,
+            trainer.objective,
+            batch,
+            teacher,
+            torch.zeros_like(batch.mask_BT),
+            trainer.config.training,
         )
         full = []
         for model in (trainer.student, trainer.teachers.per_dataset[0].model):
@@ -151,8 +158,8 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
     gradients = {}
     for autocast in (None, "bfloat16"):
         training = dataclasses.replace(trainer.config.training, autocast=autocast)
-        per_token, _, _ = objective_per_token(
-            trainer.student, batch, teacher, torch.zeros_like(batch.mask_BT), training, trainer.vocab_size
+        per_token, _, _ = token_losses(
+            trainer.policy, trainer.objective, batch, teacher, torch.zeros_like(batch.mask_BT), training
         )
         (per_token * batch.mask_BT).sum().backward()
         gradients[autocast] = torch.cat([p.grad.flatten() for p in parameters])

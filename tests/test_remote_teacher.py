@@ -15,6 +15,7 @@ import torch
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import list_checkpoints
 from opd.runs.metrics import read_jsonl
+from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher, RemoteTeacherError
 from opd.trainer.loop import Trainer, train
@@ -84,6 +85,11 @@ SEQUENCES = [[1, 5, 6, 7, 8, 2], [1, 9, 10], [1, 11, 12, 13, 14, 15, 16]]
 MASKS = [[0, 0, 1, 1, 1, 1], [0, 1, 1], [0, 0, 0, 1, 1, 1, 1]]
 
 
+def padded(count: int = len(SEQUENCES)) -> TeacherInput:
+    """The first ``count`` sequences and masks as one padded batch."""
+    return TeacherInput.from_sequences(SEQUENCES[:count], MASKS[:count], pad_id=0)
+
+
 def local_teacher(model_dirs):
     from transformers import AutoModelForCausalLM
 
@@ -96,13 +102,15 @@ def test_remote_scores_equal_local(served_teacher, model_dirs, backend):
     port, _ = served_teacher
     base_url = f"http://127.0.0.1:{port}" + ("/v1" if backend == "openai" else "")
     remote = RemoteTeacher(backend=backend, base_url=base_url, model="teacher", request_batch_size=2)
-    got = remote.score(SEQUENCES, MASKS, topk=3)
-    expected = local_teacher(model_dirs).score(SEQUENCES, MASKS, topk=3)
-    for a, b in zip(got.logprobs, expected.logprobs, strict=True):
+    got = remote.score(padded(), TeacherRequest(topk=3))
+    expected = local_teacher(model_dirs).score(padded(), TeacherRequest(topk=3))
+    scored = padded().score_mask_BT
+    scored[:, 0] = False
+    for a, b in zip(got.logprobs_BT, expected.logprobs_BT, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    for a, b in zip(got.topk_ids, expected.topk_ids, strict=True):
+    for a, b in zip(got.topk_ids_BTK[scored], expected.topk_ids_BTK[scored], strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(got.topk_logprobs, expected.topk_logprobs, strict=True):
+    for a, b in zip(got.topk_logprobs_BTK[scored], expected.topk_logprobs_BTK[scored], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
@@ -169,7 +177,7 @@ def test_server_rejects_malformed_requests_and_keeps_serving(served_teacher):
 def test_wrong_model_name_and_capped_logprobs_are_clear_errors(served_teacher, make_teacher, message):
     port, _ = served_teacher
     with pytest.raises(RemoteTeacherError, match=message):
-        make_teacher(port).score(SEQUENCES, MASKS, topk=8 if "max allowed" in message else 0)
+        make_teacher(port).score(padded(), TeacherRequest(topk=8 if "max allowed" in message else 0))
 
 
 def test_unreachable_server_fails_after_retries():
@@ -181,7 +189,7 @@ def test_unreachable_server_fails_after_retries():
     with pytest.raises(
         RemoteTeacherError, match=rf"127\.0\.0\.1:{port}/v1/completions failed after 3 attempts: .*refused"
     ):
-        teacher.score(SEQUENCES, MASKS)
+        teacher.score(padded(), TeacherRequest())
     assert time.monotonic() - started < 10
 
 
@@ -208,7 +216,7 @@ def test_faulty_servers_give_clear_errors(mode, message):
             backoff_s=0.01,
         )
         with pytest.raises(RemoteTeacherError, match=message):
-            teacher.score(SEQUENCES[:1], MASKS[:1])
+            teacher.score(padded(1), TeacherRequest())
     finally:
         process.kill()
         process.wait()
@@ -258,15 +266,15 @@ def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(base_conf
     path.write_text(yaml.safe_dump(config))
     server = start_opd_serve(model_dirs["teacher"], port)
     trainer = Trainer(config_from_dict(config), progress=False)
-    original_step = trainer.train_step
+    original_collect = trainer.collect
 
     def kill_after_two(step):
         if step == 2:
             server.kill()
             server.wait()
-        return original_step(step)
+        return original_collect(step)
 
-    trainer.train_step = kill_after_two
+    trainer.collect = kill_after_two
     with pytest.raises(RemoteTeacherError, match="failed after 2 attempts"):
         trainer.run()
     assert [r.step for r in list_checkpoints(tmp_path / "run")] == [1, 2]

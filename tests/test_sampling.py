@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from opd.data.render import ChatRenderer
+from opd.data.sequences import build_rollout_batch
 from opd.logprobs import sequence_logprobs
 from opd.sampling.base import Completion
 from opd.sampling.hf_generate import HFGenerateSampler, inverse_cdf_sample
-from opd.trainer.rollouts import build_rollout_batch
 from tests.conftest import tiny_llama
 
 

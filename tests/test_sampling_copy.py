@@ -52,7 +52,7 @@ def test_frozen_and_trainable_weights_are_cast_at_each_rollout(char_tokenizer):
 
 
 def copy_and_student_logprobs(trainer, batch):
-    with torch.no_grad(), trainer.sampling_copy.rollout() as copied:
+    with torch.no_grad(), trainer.engine.copy.rollout() as copied:
         from_copy, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
         from_student, _ = sequence_logprobs(
             trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
@@ -64,13 +64,13 @@ def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config
     base_config["student"]["sampling_dtype"] = "bfloat16"
     trainer = Trainer(config_from_dict(base_config), progress=False)
     assert trainer.sampler.model is trainer.student
-    assert trainer.rollout_sampler.model is trainer.sampling_copy.model
+    assert trainer.engine.model is trainer.engine.copy.model
     trainer.train_step(0)
     batch, _ = trainer.sample_batch(1)
-    assert released(trainer.sampling_copy.model)
+    assert released(trainer.engine.copy.model)
     mask = batch.mask_BT.bool()
     # the weights it sampled with: the student has not moved since
-    with trainer.sampling_copy.rollout() as copied:
+    with trainer.engine.copy.rollout() as copied:
         assert_copy_holds(trainer.student, copied)
     from_copy, from_student = copy_and_student_logprobs(trainer, batch)
     torch.testing.assert_close(from_copy[mask], batch.sampled_logprobs_BT[mask], atol=2e-2, rtol=0)
@@ -92,13 +92,13 @@ def lora_trained_a_step(base_config, **student):
 def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_between_rollouts(base_config):
     trainer = lora_trained_a_step(base_config, sampling_dtype="bfloat16")
     batch, _ = trainer.sample_batch(1)
-    assert released(trainer.sampling_copy.model)
+    assert released(trainer.engine.copy.model)
     student = trainer.student.get_base_model()
     q_proj = student.model.layers[0].self_attn.q_proj
     # W + (alpha / r) * B @ A, written out from the adapter's own matrices
     delta = (q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight) * (8 / 4)
     assert delta.abs().max() > 1e-3  # the step moved the adapter off its zero start
-    with trainer.sampling_copy.rollout() as copied:
+    with trainer.engine.copy.rollout() as copied:
         assert not any("lora_" in name for name, _ in copied.named_parameters())
         assert type(copied.model.layers[0].self_attn.q_proj) is torch.nn.Linear
         expected = (q_proj.base_layer.weight + delta).to(torch.bfloat16)
@@ -114,10 +114,10 @@ def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_betwee
 
 def test_a_lora_student_gets_a_merged_copy_in_its_own_dtype_that_scores_as_it_does(base_config):
     trainer = lora_trained_a_step(base_config, dtype="float32", sampling_dtype="float32")
-    assert trainer.sampling_copy is not None and trainer.rollout_sampler.model is trainer.sampling_copy.model
+    assert trainer.engine.copy is not None and trainer.engine.model is trainer.engine.copy.model
     batch, _ = trainer.sample_batch(1)
     embedding = trainer.student.get_base_model().model.embed_tokens.weight
-    with trainer.sampling_copy.rollout() as copied:  # what needs no merge or cast is shared, not copied
+    with trainer.engine.copy.rollout() as copied:  # what needs no merge or cast is shared, not copied
         assert copied.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()
     assert embedding.numel() > 0
     from_copy, from_student = copy_and_student_logprobs(trainer, batch)
@@ -132,7 +132,7 @@ def test_a_lora_embedding_tied_to_the_head_stays_unmerged_in_the_copy(base_confi
         base_config, dtype="float32", sampling_dtype="float32", lora_target_modules=["embed_tokens", "q_proj"]
     )
     batch, _ = trainer.sample_batch(1)
-    with trainer.sampling_copy.rollout() as copied:
+    with trainer.engine.copy.rollout() as copied:
         lora_names = [name for name, _ in copied.named_parameters() if "lora_" in name]
         assert lora_names and all(name.startswith("model.embed_tokens.") for name in lora_names)
         assert type(copied.model.layers[0].self_attn.q_proj) is torch.nn.Linear
@@ -148,7 +148,7 @@ def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
     trainer = Trainer(config_from_dict(second), progress=False)
     trainer.config.training.max_steps = trainer.num_steps = 0
     trainer.run()
-    with trainer.sampling_copy.rollout() as copied:
+    with trainer.engine.copy.rollout() as copied:
         assert_copy_holds(first.student, copied)
 
 
@@ -162,7 +162,7 @@ def test_an_adapter_loaded_at_start_is_merged_into_the_copy(base_config, tmp_pat
     trained = first.student.get_base_model().model.layers[1].mlp.down_proj
     delta = (trained.lora_B["default"].weight @ trained.lora_A["default"].weight) * (8 / 4)
     assert delta.abs().max() > 0
-    with trainer.sampling_copy.rollout() as copied:
+    with trainer.engine.copy.rollout() as copied:
         merged = copied.model.layers[1].mlp.down_proj.weight
         torch.testing.assert_close(merged, trained.base_layer.weight + delta, atol=1e-6, rtol=0)
 
@@ -170,7 +170,7 @@ def test_an_adapter_loaded_at_start_is_merged_into_the_copy(base_config, tmp_pat
 def test_sampling_dtype_equal_to_a_full_fine_tuned_students_makes_no_copy(base_config):
     base_config["student"] |= {"dtype": "float32", "sampling_dtype": "float32"}
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.sampling_copy is None and trainer.rollout_sampler is trainer.sampler
+    assert trainer.engine.copy is None and trainer.engine.model is trainer.sampler.model
 
 
 def test_adamw_is_fused_on_cpu_and_takes_a_decoupled_decay_step():

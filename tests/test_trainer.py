@@ -15,9 +15,9 @@ from opd.config import ConfigError, config_from_dict
 from opd.models import ModelLoadError
 from opd.runs.checkpoints import latest_model_dir
 from opd.runs.metrics import read_jsonl
+from opd.teachers.base import TeacherScores
 from opd.trainer.loop import Trainer, train
 from opd.trainer.optimizer import lr_factor
-from opd.trainer.update import TeacherTargets
 from tests.conftest import tiny_llama
 
 REQUIRED_METRICS = {
@@ -134,7 +134,7 @@ def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     monkeypatch.setattr(
         trainer.teachers,
         "score",
-        lambda batch: TeacherTargets(torch.full_like(batch.sampled_logprobs_BT, float("nan"))),
+        lambda batch: TeacherScores(torch.full_like(batch.sampled_logprobs_BT, float("nan"))),
     )
     with pytest.warns(UserWarning, match="non-finite log-probs"):
         metrics = trainer.train_step(0)
@@ -173,9 +173,9 @@ def test_lora_trains_only_adapters_and_saves_a_peft_adapter(base_config, model_d
 
 
 def test_topk_larger_than_the_vocabulary_is_refused(base_config):
-    base_config["training"].update(objective="topk_forward_kl", topk=500)
+    base_config["training"].update(objective={"name": "topk_forward_kl", "topk": 500})
     with pytest.raises(
-        ConfigError, match=r"training\.topk: 500 is larger than the vocabulary \(103 tokens\)"
+        ConfigError, match=r"training\.objective\.topk: 500 is larger than the vocabulary \(103 tokens\)"
     ):
         Trainer(config_from_dict(base_config), progress=False)
 
@@ -238,7 +238,7 @@ def test_per_dataset_teachers_and_metrics(base_config, model_dirs, prompts_file)
 def test_datasets_sharing_a_teacher_share_its_loaded_tokenizer_and_format(
     base_config, prompts_file, monkeypatch
 ):
-    from opd.trainer import teacher_panel
+    from opd.teachers import panel as teacher_panel
 
     loads = []
     original = teacher_panel.load_tokenizer

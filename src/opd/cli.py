@@ -6,13 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from opd.config import ConfigError, load_config
-from opd.data.prompts import DataError
-from opd.models import ModelLoadError
-from opd.runs.checkpoints import CheckpointError
-from opd.teachers.remote import RemoteTeacherError
-
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, FileNotFoundError, RemoteTeacherError)
+from opd.config import load_config
+from opd.errors import USER_ERRORS
 
 
 def _train(args: argparse.Namespace) -> None:

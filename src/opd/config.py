@@ -2,7 +2,10 @@
 
 A YAML file maps onto :class:`Config`; ``dotted.key=value`` overrides from the command line
 are applied before validation. Unknown keys, wrong types and out-of-range values raise
-:class:`ConfigError` naming the field (and a close spelling when there is one).
+:class:`ConfigError` naming the field (and a close spelling when there is one). Each part is
+declared beside the component it configures: :class:`opd.policy.StudentConfig`,
+:class:`opd.teachers.TeacherConfig`, and every objective's options in its own module
+(``training.objective: {name: jsd, beta: 0.5}``, or the bare name for the defaults).
 """
 
 from __future__ import annotations
@@ -18,86 +21,24 @@ from typing import Any, Literal
 
 import yaml
 
+from opd.errors import ConfigError
+from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
+from opd.objectives.registry import default_objective, objective_names, objectives
+from opd.policy.config import StudentConfig
+from opd.teachers.config import TeacherConfig
 
-
-class ConfigError(ValueError):
-    """A configuration problem, with the dotted path of the offending field in the message."""
-
-
-@dataclass
-class StudentConfig:
-    """The model being trained."""
-
-    model: str
-    """Hugging Face model id or local directory."""
-    lora_rank: int = 32
-    """LoRA rank; 0 trains every weight (full fine-tuning)."""
-    lora_alpha: float | None = None
-    """LoRA scaling numerator; defaults to ``lora_rank`` (scale 1)."""
-    lora_dropout: float = 0.0
-    """Dropout on the LoRA branch."""
-    lora_target_modules: list[str] | str = "all-linear"
-    """Modules that get adapters: PEFT's ``all-linear`` (every linear layer but the lm head) or names."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype; ``auto`` is bfloat16 on a GPU that supports it, float32 otherwise."""
-    device: str = "auto"
-    """``auto`` (CUDA if available, else CPU), or a torch device string such as ``cuda:1``."""
-    chat_template: str | None = None
-    """A Jinja chat template replacing the tokenizer's own (required for base models without one)."""
-    tokenizer: str | None = None
-    """Tokenizer id or path when it is not stored with the model."""
-    trust_remote_code: bool = False
-    """Run model code shipped in the checkpoint; off unless you trust its source."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward: less memory, about a third more compute."""
-    sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
-    The copy's weights are cast in before every rollout and freed after it; ``bfloat16``
-    under a float32 student halves the bytes each decode step reads (1.5-1.9x faster on a CPU
-    with AVX-512; without it bfloat16 matmuls take a fallback ~100x slower, and opd warns).
-    A LoRA student's adapters are merged into the copy (one matmul per layer instead of
-    three), so with LoRA a copy in the student's own dtype is made too and samples faster.
-    Its log-probs are the copy's, so the policy loss's importance ratio covers the gap, as it
-    does for a vLLM sampler. Evaluation always decodes with the student itself."""
-
-
-@dataclass
-class TeacherConfig:
-    """The model whose per-token judgement trains the student. Scored in one no-grad forward."""
-
-    model: str
-    """Hugging Face model id or local directory (``local``), or the served model name (remote)."""
-    backend: Literal["local", "openai", "sglang"] = "local"
-    """``local``: in the trainer's process; ``openai``: a vLLM (OpenAI-compatible) server;
-    ``sglang``: an SGLang server. Remote teachers must share the student's token ids."""
-    base_url: str | None = None
-    """Remote server, as OpenAI clients take it: ``http://127.0.0.1:8000/v1`` (vLLM),
-    ``http://127.0.0.1:30000`` (SGLang)."""
-    api_key_env: str | None = None
-    """Name of the environment variable holding the server's API key (the key is never logged or saved)."""
-    tokenizer: str | None = None
-    """The teacher's tokenizer (id or path), checked against the student's; default: ``model`` when local."""
-    chat_template: str | None = None
-    """Render prompts for the teacher in its own format: a Jinja template, or ``tokenizer`` for
-    the teacher tokenizer's template. Unset: the teacher sees the student's rendering."""
-    cross_tokenizer: bool = False
-    """The teacher's tokenizer differs from the student's: completions are re-tokenized for it
-    and aligned on character offsets (``sampled_reverse_kl`` and ``k3`` on student samples only)."""
-    timeout_s: float = 60.0
-    """Remote: seconds to wait for one answer before retrying."""
-    max_retries: int = 4
-    """Remote: retries after a connection error, timeout or 5xx (exponential backoff with jitter)."""
-    max_concurrency: int = 4
-    """Remote: requests in flight at once."""
-    request_batch_size: int = 8
-    """Remote (openai): sequences per request."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Local: weights dtype, as for the student."""
-    device: str = "auto"
-    """Local: device, as for the student."""
-    trust_remote_code: bool = False
-    """Local: run model code shipped in the checkpoint."""
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DatasetConfig",
+    "StudentConfig",
+    "TeacherConfig",
+    "TrainingConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+]
 
 
 @dataclass
@@ -131,20 +72,14 @@ class DatasetConfig:
 class TrainingConfig:
     """The optimisation loop."""
 
-    objective: Literal["sampled_reverse_kl", "k3", "jsd", "topk_forward_kl", "nll"] = "sampled_reverse_kl"
-    """What the student minimises on each batch:
-    ``sampled_reverse_kl``: negative per-token reverse KL as the advantage of a policy-gradient ``loss_fn``;
-    ``k3``: the differentiable k3 estimate on the sampled tokens (``kl_direction``);
-    ``jsd``: full-distribution generalized JSD (``beta``), teacher in process only;
-    ``topk_forward_kl``: forward KL over the teacher's ``topk`` tokens plus a tail bucket;
+    objective: Objective = field(default_factory=default_objective)
+    """What the student minimises on each batch: a registered objective's name, or ``{name: ...,
+    option: value}`` with that objective's options (each module of ``opd.objectives`` documents
+    its own). ``sampled_reverse_kl``: negative per-token reverse KL as the advantage of a
+    policy-gradient ``loss_fn``; ``k3``: the differentiable k3 estimate on the sampled tokens
+    (``kl_direction``); ``jsd``: full-distribution generalized JSD (``beta``), teacher in process
+    only; ``topk_forward_kl``: forward KL over the teacher's ``topk`` tokens plus a tail bucket;
     ``nll``: negative log-likelihood of the tokens (SFT on teacher or dataset completions)."""
-    kl_direction: Literal["reverse", "forward"] = "reverse"
-    """``k3`` only: ``reverse`` is k3(teacher, student), an estimate of KL(student || teacher) on
-    student samples; ``forward`` is k3(student, teacher), KL(teacher || student) on teacher samples."""
-    beta: float = 0.5
-    """``jsd`` only: 0 is forward KL(teacher || student), 1 is reverse KL(student || teacher)."""
-    topk: int = 32
-    """``topk_forward_kl`` only: teacher tokens kept per position (the rest is one bucket)."""
     data_source: Literal["student", "teacher", "mixed", "dataset"] = "student"
     """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
     (sequence-level KD), ``mixed`` (on-policy with probability ``lmbda`` per step, else
@@ -164,11 +99,13 @@ class TrainingConfig:
     temperature: float = 1.0
     """Sampling temperature; the student's log-probs in the loss use the same temperature."""
     kl_penalty_coef: float = 1.0
-    """Weight of the negative reverse KL in the per-token advantage."""
+    """Objectives with advantages: weight of the negative reverse KL in the per-token advantage."""
     kl_discount_factor: float = 0.0
-    """When > 0, each token's advantage becomes the discounted sum of the advantages after it."""
+    """Objectives with advantages: when > 0, each token's advantage becomes the discounted sum of
+    the advantages after it."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
-    """Policy loss on the sampled tokens (formulas in ``opd.objectives.policy_losses``)."""
+    """Objectives with advantages: the policy loss on the sampled tokens (formulas in
+    ``opd.objectives.policy_losses``)."""
     loss_fn_config: dict[str, float] = field(default_factory=dict)
     """Knobs of ``loss_fn``: ``clip_low_threshold`` / ``clip_high_threshold`` (ppo, cispo), ``beta`` (dro)."""
     loss_aggregation: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
@@ -193,9 +130,9 @@ class TrainingConfig:
     autocast: Literal["bfloat16"] | None = None
     """Mixed precision for the update: the student's transformer body runs forward and backward
     under ``torch.autocast`` in this dtype, while weights, gradients, optimizer state, the lm
-    head and the log-probs stay in the weights' dtype (float32 on a CPU). About a third off the
-    update where bfloat16 matmuls are fast (GPUs; CPUs with avx512_bf16 or AMX), slower on
-    CPUs without them, and ~100x slower on a CPU without AVX-512 (opd warns). Rollouts, teacher
+    head and the log-probs stay in the weights' dtype (float32 on a CPU). Faster where bfloat16
+    matmuls are (GPUs; CPUs with avx512_bf16 or AMX), slower on CPUs without them, and far
+    slower on a CPU without AVX-512 (opd warns). Rollouts, teacher
     and evaluation are untouched (see ``student.sampling_dtype``, ``teacher.dtype``). float16
     is not offered: it needs loss scaling."""
     logprob_chunk_size: int = 1024
@@ -283,6 +220,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
         _, value_type = typing.get_args(tp)
         return {str(k): _coerce(v, value_type, f"{path}.{k}") for k, v in value.items()}
+    if tp is Objective:
+        return _build_objective(value, path)
     if dataclasses.is_dataclass(tp):
         return _build_dataclass(tp, value, path)
     if tp is Any:
@@ -303,6 +242,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+def _option_owners(key: str) -> list[str]:
+    """The registered objectives that have an option called ``key``."""
+    return [name for name, cls in objectives().items() if key in {f.name for f in dataclasses.fields(cls)}]
+
+
 def _build_dataclass(cls: type, data: Any, path: str) -> Any:
     prefix = f"{path}." if path else ""
     if not isinstance(data, dict):
@@ -312,6 +256,13 @@ def _build_dataclass(cls: type, data: Any, path: str) -> Any:
     unknown = [key for key in data if key not in known]
     if unknown:
         key = unknown[0]
+        section = next((name for name in known if hints[name] is Objective), None)
+        owners = _option_owners(str(key)) if section else []
+        if owners:
+            raise ConfigError(
+                f"{prefix}{key}: an option of objective {' or '.join(map(repr, owners))}, set under "
+                f"{prefix}{section}: e.g. {section}: {{name: {owners[0]}, {key}: {data[key]!r}}}"
+            )
         hint = difflib.get_close_matches(str(key), known, n=1)
         suggestion = f"; did you mean '{prefix}{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
         raise ConfigError(f"{prefix}{key}: unknown key{suggestion}")
@@ -322,6 +273,38 @@ def _build_dataclass(cls: type, data: Any, path: str) -> Any:
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{prefix}{f.name}: required key is missing")
     return cls(**kwargs)
+
+
+def _build_objective(value: Any, path: str) -> Objective:
+    """An objective from its name, or from ``{name: ..., option: value, ...}``."""
+    if isinstance(value, str):
+        name, options = value, {}
+    elif isinstance(value, dict):
+        if "name" not in value:
+            raise ConfigError(f"{path}.name: required key is missing (one of {objective_names()})")
+        name, options = value["name"], {k: v for k, v in value.items() if k != "name"}
+    else:
+        raise ConfigError(
+            f"{path}: expected an objective's name or a mapping {{name: ..., options}}, got {value!r}"
+        )
+    registered = objectives()
+    if name not in registered:
+        hint = difflib.get_close_matches(str(name), list(registered), n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(f"{path}: {name!r} is not one of {list(registered)}{suggestion}")
+    cls = registered[name]
+    own = [f.name for f in dataclasses.fields(cls)]
+    for key in options:
+        owners = _option_owners(str(key))
+        if key not in own and owners:
+            raise ConfigError(
+                f"{path}.{key}: an option of objective {' or '.join(map(repr, owners))}, not of {name!r}"
+                f" (its options: {', '.join(own) or 'none'})"
+            )
+    objective = _build_dataclass(cls, options, path)
+    for option, problem in objective.option_problems():
+        raise ConfigError(f"{path}.{option}: {problem}")
+    return objective
 
 
 def _positive(value: float | int | None, path: str, *, allow_zero: bool = False) -> None:
@@ -365,33 +348,21 @@ def validate(config: Config) -> Config:
         raise ConfigError(
             f"training.kl_discount_factor: must be in [0, 1), got {training.kl_discount_factor}"
         )
-    for key in ("beta", "lmbda"):
-        value = getattr(training, key)
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"training.{key}: must be in [0, 1], got {value}")
-    _positive(training.topk, "training.topk")
-    if training.objective == "sampled_reverse_kl" and training.data_source != "student":
-        raise ConfigError(
-            f"training.data_source: '{training.data_source}' gives batches the student did not sample, but "
-            "objective 'sampled_reverse_kl' is a policy gradient on the student's own samples; use "
-            "data_source: student, or an objective that works off-policy (k3, jsd, topk_forward_kl, nll)"
-        )
-    if training.objective == "nll" and training.data_source in ("student", "mixed"):
-        raise ConfigError(
-            f"training.data_source: '{training.data_source}' includes student samples, and objective "
-            "'nll' on them would fit the student to itself without the teacher; use data_source: teacher "
-            "or dataset"
-        )
+    if not 0.0 <= training.lmbda <= 1.0:
+        raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")
+    _check_objective(training)
     teachers = [("teacher", config.teacher)] + [
         (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
     ]
+    objective = training.objective
     for where, teacher in teachers:
         if teacher.cross_tokenizer:
-            if training.objective not in ("sampled_reverse_kl", "k3") or training.data_source != "student":
+            if objective.teacher_signal != "logprobs" or training.data_source != "student":
                 raise ConfigError(
-                    f"{where}.cross_tokenizer: supported with objective sampled_reverse_kl or k3 on student "
-                    f"samples; '{training.objective}' on '{training.data_source}' data needs the student's "
-                    "token ids (full distributions and top-k are over the student's vocabulary)"
+                    f"{where}.cross_tokenizer: supported with objective "
+                    f"{' or '.join(objective_names(teacher_signal='logprobs'))} on student samples; "
+                    f"'{objective.name}' on '{training.data_source}' data needs the student's token ids "
+                    "(full distributions and top-k are over the student's vocabulary)"
                 )
             if teacher.backend != "local" and not teacher.tokenizer:
                 raise ConfigError(f"{where}.tokenizer: required for cross_tokenizer with a remote teacher")
@@ -403,20 +374,21 @@ def validate(config: Config) -> Config:
             continue
         if not teacher.base_url:
             raise ConfigError(f"{where}.base_url: required for backend '{teacher.backend}'")
-        if training.objective == "jsd":
+        if objective.teacher_signal == "distribution":
             raise ConfigError(
-                f"training.objective: 'jsd' needs the teacher's full distribution, which {where} "
-                f"(backend '{teacher.backend}') does not send; use topk_forward_kl, or a local teacher"
+                f"training.objective: '{objective.name}' needs the teacher's full distribution, which "
+                f"{where} (backend '{teacher.backend}') does not send; use "
+                f"{' or '.join(objective_names(teacher_signal='topk'))}, or a local teacher"
             )
         if training.data_source in ("teacher", "mixed"):
             raise ConfigError(
                 f"training.data_source: '{training.data_source}' samples from the teacher model in process; "
                 f"{where} is remote (backend '{teacher.backend}')"
             )
-        if training.objective == "topk_forward_kl" and training.temperature != 1.0:
+        if objective.teacher_signal == "topk" and training.temperature != 1.0:
             raise ConfigError(
                 "training.temperature: remote servers send top-k log-probs at temperature 1; "
-                "topk_forward_kl with a remote teacher needs temperature: 1.0"
+                f"{objective.name} with a remote teacher needs temperature: 1.0"
             )
         for key in ("timeout_s", "max_retries", "max_concurrency", "request_batch_size"):
             _positive(getattr(teacher, key), f"{where}.{key}", allow_zero=key == "max_retries")
@@ -428,6 +400,36 @@ def validate(config: Config) -> Config:
                 f" (it takes: {sorted(allowed) or 'none'})"
             )
     return config
+
+
+POLICY_GRADIENT_KEYS = ("kl_penalty_coef", "kl_discount_factor", "loss_fn", "loss_fn_config")
+"""Training settings read only by objectives that learn from advantages."""
+
+
+def _check_objective(training: TrainingConfig) -> None:
+    """The objective can learn from ``data_source``'s completions, and no setting it ignores is set."""
+    objective, source = training.objective, training.data_source
+    if objective.samples == "student" and source != "student":
+        off_policy = objective_names(samples="any") + objective_names(samples="reference")
+        raise ConfigError(
+            f"training.data_source: '{source}' gives batches the student did not sample, but objective "
+            f"'{objective.name}' {objective.samples_reason}; use data_source: student, or an objective "
+            f"that works off-policy ({', '.join(off_policy)})"
+        )
+    if objective.samples == "reference" and source in ("student", "mixed"):
+        raise ConfigError(
+            f"training.data_source: '{source}' includes student samples, and objective '{objective.name}' "
+            f"on them {objective.samples_reason}; use data_source: teacher or dataset"
+        )
+    if not objective.uses_advantages:
+        defaults = TrainingConfig()
+        for key in POLICY_GRADIENT_KEYS:
+            if getattr(training, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"training.{key}: shapes the advantages of a policy-gradient objective "
+                    f"({', '.join(objective_names(uses_advantages=True))}); objective '{objective.name}' "
+                    "has none, so it would be ignored: remove it"
+                )
 
 
 def parse_override(override: str) -> tuple[list[str], Any]:
@@ -473,8 +475,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
     """Validate a plain mapping (as read from YAML) into a :class:`Config`."""
-    data = apply_overrides(copy.deepcopy(data), overrides or [])
-    return validate(_build_dataclass(Config, data, ""))
+    data = copy.deepcopy(data)
+    training = data.get("training")
+    if isinstance(training, dict) and isinstance(training.get("objective"), str):
+        training["objective"] = {"name": training["objective"]}  # so training.objective.beta=... applies
+    return validate(_build_dataclass(Config, apply_overrides(data, overrides or []), ""))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -496,4 +501,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 def config_to_dict(config: Config) -> dict:
     """A plain mapping that :func:`config_from_dict` turns back into an equal config."""
-    return dataclasses.asdict(config)
+    data = dataclasses.asdict(config)
+    objective = config.training.objective
+    data["training"]["objective"] = {"name": objective.name, **dataclasses.asdict(objective)}
+    return data

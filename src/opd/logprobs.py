@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -274,60 +273,6 @@ def selected_token_logprobs(
     )
 
 
-RowLoss = Callable[[torch.Tensor, slice], torch.Tensor]
-"""``(student_log_probs_cV, rows) -> loss_c``: a divergence for rows ``rows`` of the batch."""
-
-
-def _head_chunk(hidden_chunk, weight, bias, token_ids_chunk, rows, row_loss, transform):
-    logits, _ = chunk_logits(hidden_chunk, weight, bias, transform)
-    log_probs = torch.log_softmax(logits, dim=-1)
-    with torch.no_grad():
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    selected = log_probs.gather(-1, token_ids_chunk[:, None]).squeeze(-1)
-    return row_loss(log_probs, rows), selected.detach(), entropy
-
-
-def chunked_head_objective(
-    hidden_ND: torch.Tensor,
-    lm_head: nn.Linear,
-    token_ids_N: torch.Tensor,
-    row_loss: RowLoss,
-    *,
-    chunk_size: int = 1024,
-    transform: LogitTransform = LogitTransform(),
-    vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A full-distribution loss per row, computed ``chunk_size`` rows at a time.
-
-    Each chunk runs under activation checkpointing: its logits are rebuilt in backward
-    instead of stored, so memory stays at one ``chunk_size x V`` block. ``row_loss`` gets
-    the student's log-softmax rows and the slice of rows they are (to find the matching
-    teacher rows). Returns ``(loss_N, selected_logprobs_N, entropy_N)``, the last two detached.
-    """
-    weight, bias = head_weights(lm_head, vocab_size)
-    losses, selected, entropies = [], [], []
-    for start in range(0, hidden_ND.shape[0], chunk_size):
-        rows = slice(start, min(start + chunk_size, hidden_ND.shape[0]))
-        outputs = checkpoint(
-            _head_chunk,
-            hidden_ND[rows],
-            weight,
-            bias,
-            token_ids_N[rows],
-            rows,
-            row_loss,
-            transform,
-            use_reentrant=False,
-        )
-        losses.append(outputs[0])
-        selected.append(outputs[1])
-        entropies.append(outputs[2])
-    if not losses:
-        empty = hidden_ND.new_zeros(0, dtype=torch.float32)
-        return empty, empty, empty
-    return torch.cat(losses), torch.cat(selected), torch.cat(entropies)
-
-
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a PEFT wrapper (adapter layers included), or ``model`` itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -372,6 +317,47 @@ def scatter_rows(values_N: torch.Tensor, selected_BT: torch.Tensor) -> torch.Ten
     """Put per-row values back at their (B, T) positions (zeros elsewhere, column 0 unscored)."""
     out = values_N.new_zeros(selected_BT.shape).masked_scatter(selected_BT, values_N)
     return torch.cat([out.new_zeros(out.shape[0], 1), out], dim=1)
+
+
+def flat_rows(values_BT: torch.Tensor, score_mask_BT: torch.Tensor) -> torch.Tensor:
+    """The values at the scored positions t >= 1, row-major: the rows :func:`scored_hidden_states`
+    yields, so a (B, T, ...) tensor about token t lines up with the hidden state that predicts it.
+    The inverse of :func:`scatter_rows`."""
+    return values_BT[:, 1:][score_mask_BT[:, 1:].bool().to(values_BT.device)]
+
+
+RowsFunction = Callable[[torch.Tensor, torch.Tensor, nn.Module], object]
+"""``(hidden_ND, token_ids_N, lm_head) -> anything``: what is computed on a model's scored rows."""
+
+
+class ScoredRows(nn.Module):
+    """A causal LM's forward as one module call: its body over the batch, then ``rows_function`` on
+    the hidden states of the scored positions, with the lm head it should apply.
+
+    Wrapping a model in this module, and calling it, is what makes the lm head's use (fused heads
+    multiply its weight themselves) part of the forward that DDP's and FSDP's hooks wrap.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        score_mask_BT: torch.Tensor,
+        rows_function: RowsFunction,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> tuple[object, torch.Tensor]:
+        """``(rows_function(hidden_ND, token_ids_N, lm_head), selected_BT)``.
+
+        See :func:`scored_hidden_states` for the rows and ``selected_BT``.
+        """
+        hidden_ND, token_ids_N, selected_BT = scored_hidden_states(
+            self.model, input_ids_BT, attention_mask_BT, score_mask_BT, autocast_dtype=autocast_dtype
+        )
+        return rows_function(hidden_ND, token_ids_N, backbone_and_head(self.model)[1]), selected_BT
 
 
 def sequence_logprobs(

@@ -22,27 +22,23 @@ from typing import Literal
 import torch
 from torch import nn
 
+from opd.data.sequences import pad_right
 from opd.logprobs import sequence_logprobs
-from opd.teachers.local import pad_right
+from opd.models import module_device
+from opd.objectives.k3 import k3_kl_token_estimate
+
+__all__ = [
+    "ChatDistillationLoss",
+    "DistillationOutput",
+    "distillation_loss",
+    "k3_kl_token_estimate",
+    "teacher_chat_logprobs",
+    "tokenize_chats",
+]
 
 KLDirection = Literal["reverse", "forward"]
 Reduction = Literal["mean", "sum", "none"]
 ZERO_FILL_FRACTION = 0.9
-
-
-def k3_kl_token_estimate(target_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate ``exp(d) - 1 - d``, ``d = target_log_prob - log_prob``.
-
-    Estimates KL(sampling || target) when the tokens were sampled from the distribution
-    behind ``log_prob``; nonnegative everywhere.
-    """
-    if target_log_prob.shape != log_prob.shape:
-        raise ValueError(
-            f"target_log_prob and log_prob must have the same shape, got {tuple(target_log_prob.shape)} "
-            f"and {tuple(log_prob.shape)}"
-        )
-    difference = target_log_prob - log_prob
-    return difference.expm1() - difference
 
 
 @dataclass
@@ -192,7 +188,7 @@ def _score(
     model: nn.Module, ids: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int
 ) -> list[torch.Tensor]:
     """Log-probs of each chat's tokens where ``masks`` is set (position 0 is never scored)."""
-    device = next(model.parameters()).device
+    device = module_device(model)
     padded_ids, attention = pad_right([row.tolist() for row in ids], pad_id)
     padded_masks, _ = pad_right([row.int().tolist() for row in masks], 0)
     logprobs, _ = sequence_logprobs(

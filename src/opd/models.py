@@ -8,11 +8,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from opd.errors import ModelLoadError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message names the config field."""
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a module's weights live (its first parameter's device; CPU for a module without any)."""
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -7,11 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opd.errors import DataError
+
 VALID_ROLES = ("system", "user", "assistant", "tool")
-
-
-class DataError(ValueError):
-    """A problem in a prompt source, naming the file and line."""
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,1 @@
-"""Advantages and losses: pure tensor functions, no I/O, no models."""
+"""Objectives as components (one module each, registered by name) and the tensor math they use."""

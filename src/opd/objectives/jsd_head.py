@@ -1,7 +1,7 @@
 """The generalized JSD between student and teacher heads, fused and chunked, with an analytic gradient.
 
 For student logits ``z`` with ``S = softmax(z)``, teacher ``T`` and ``M = (1 - beta) S + beta T``
-(see :func:`opd.objectives.distribution.generalized_jsd`), the gradient with respect to ``z`` is
+(GKD's generalized JSD, ``beta KL(T || M) + (1 - beta) KL(S || M)``), the gradient with respect to ``z`` is
 
 - ``beta = 0``, ``KL(T || S)``: ``S - T``;
 - ``beta = 1``, ``KL(S || T)``: ``S * (log S - log T - KL(S || T))``;

@@ -7,6 +7,7 @@ ratio ``exp(logp_theta - logp_sampler)``, equal to 1 on the first substep of on-
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +52,22 @@ LOSS_FN_CONFIG_KEYS = {
     "cispo": {"clip_low_threshold", "clip_high_threshold"},
     "dro": {"beta"},
 }
+
+
+@dataclass(frozen=True)
+class PolicyGradient:
+    """How per-token advantages are shaped and turned into a loss: the reference recipe's settings
+    (``training.loss_fn``, ``training.loss_fn_config``, ``training.kl_penalty_coef``,
+    ``training.kl_discount_factor``), for objectives that learn from advantages."""
+
+    loss_fn: str = "importance_sampling"
+    loss_fn_config: Mapping[str, float] = field(default_factory=dict)
+    kl_penalty_coef: float = 1.0
+    kl_discount_factor: float = 0.0
+
+    def loss(self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """The per-token policy loss of ``loss_fn`` (any shape; elementwise)."""
+        return POLICY_LOSSES[self.loss_fn](logp, sampler_logp, advantages, self.loss_fn_config)
 
 
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, how: str, num_tokens: int, num_sequences: int):

@@ -1,7 +1,7 @@
 """The top-k forward KL on the student's head, fused and chunked, with an analytic gradient.
 
-:func:`opd.objectives.distribution.topk_forward_kl` collapses both distributions to the
-teacher's k tokens ``K`` plus one bucket for the rest. With student logits ``z``,
+The top-k forward KL collapses both distributions to the teacher's k tokens ``K`` plus one
+bucket for the rest. With student logits ``z``,
 ``S = softmax(z)``, the student's tail ``S_out = sum_{j not in K} S_j`` and the teacher's
 top-k probabilities ``T_i`` and tail ``T_out`` (constants), the loss is
 ``sum_K T_i (log T_i - log S_i) + T_out (log T_out - log S_out)`` and its gradient is
@@ -13,7 +13,7 @@ with ``W = sum_K T_i + T_out`` (1 up to rounding). Where the student's tail is f
 (``K`` covers every token, or nearly all of the mass), the tail term is a constant and drops
 out of the gradient: ``W = sum_K T_i`` and no ``T_out / S_out``.
 
-Autograd through the same computation (:func:`opd.logprobs.chunked_head_objective`) keeps a
+Autograd through the same computation (checkpointed chunk by chunk) keeps a
 log-softmax, its exp, a mask and a masked copy per chunk and rebuilds them all in backward;
 here a chunk needs two float32 ``chunk x V`` buffers, worked in place, and backward rebuilds
 the logits of every chunk but the last, whose gradient forward leaves in one of its buffers.
@@ -37,9 +37,16 @@ from opd.logprobs import (
     refuse_ids_outside,
     row_dot,
 )
-from opd.objectives.distribution import TAIL_FLOOR, tail_logprob
 
+TAIL_FLOOR = 1e-12
+"""The smallest tail mass either side is given (k = V leaves none)."""
 LOG_TAIL_FLOOR = math.log(TAIL_FLOOR)
+
+
+def tail_logprob(topk_log_NK: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum exp(topk)): the mass outside the top-k, floored at a tiny value."""
+    mass = topk_log_NK.exp().sum(-1).clamp(max=1.0)
+    return torch.log((1.0 - mass).clamp(min=TAIL_FLOOR))
 
 
 def _gradient_from_probs_(

@@ -20,19 +20,18 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from opd.errors import CheckpointError
+
 INDEX_NAME = "checkpoints.jsonl"
 STATE_NAME = "trainer_state.pt"
 MARKER_NAME = "checkpoint.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,13 @@ def restore_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def save_checkpoint(log_path: Path, step: int, model, tokenizer, trainer_state: dict) -> CheckpointRecord:
-    """Write checkpoint ``step_<step>`` atomically and append it to the index."""
+def save_checkpoint(
+    log_path: Path, step: int, save_model: Callable[[Path], None], tokenizer, trainer_state: dict
+) -> CheckpointRecord:
+    """Write checkpoint ``step_<step>`` atomically and append it to the index.
+
+    ``save_model(directory)`` writes the student's weights (:meth:`opd.policy.Policy.save`).
+    """
     root = log_path / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
@@ -90,7 +94,7 @@ def save_checkpoint(log_path: Path, step: int, model, tokenizer, trainer_state: 
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir()
-    model.save_pretrained(staging / "model", safe_serialization=True)
+    save_model(staging / "model")
     tokenizer.save_pretrained(staging / "model")
     torch.save({**trainer_state, "step": step, "rng": rng_states()}, staging / STATE_NAME)
     (staging / MARKER_NAME).write_text(json.dumps({"name": name, "step": step}))

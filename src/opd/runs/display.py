@@ -1,8 +1,11 @@
-"""A coloured view of one sample: what was prompt, what was trained on, where the teacher disagreed."""
+"""A coloured view of one sample: what was prompt, what was trained on, where the teacher disagreed;
+and the per-step sample records a run keeps."""
 
 from __future__ import annotations
 
 import torch
+
+from opd.data.sequences import RolloutBatch
 
 RESET = "\033[0m"
 DIM = "\033[2m"
@@ -34,3 +37,51 @@ def colorize_example(
         f"{COLOURS[2]}[KL>=1]{RESET}"
     )
     return "".join(pieces) + "\n" + legend
+
+
+def first_row_per_dataset(dataset_index_B: torch.Tensor) -> dict[int, int]:
+    """The first row of each dataset in a batch: the one shown and recorded per step."""
+    rows: dict[int, int] = {}
+    for row, dataset_index in enumerate(dataset_index_B.tolist()):
+        rows.setdefault(dataset_index, row)
+    return rows
+
+
+def sample_records(
+    tokenizer, dataset_names: list[str], step: int, batch: RolloutBatch, reverse_kl_BT: torch.Tensor | None
+) -> list[dict]:
+    """One sample per dataset for ``samples.jsonl``: prompt, completion tokens, their KL (None in SFT)."""
+    records = []
+    for dataset_index, row in first_row_per_dataset(batch.dataset_index_B).items():
+        length = int(batch.attention_mask_BT[row].sum())
+        start = batch.prompt_lengths[row]
+        ids = batch.input_ids_BT[row, :length].tolist()
+        records.append(
+            {
+                "step": step,
+                "dataset": dataset_names[dataset_index],
+                "prompt": tokenizer.decode(ids[:start]),
+                "tokens": [tokenizer.decode([t]) for t in ids[start:]],
+                "token_kl": None
+                if reverse_kl_BT is None
+                else [round(float(v), 4) for v in reverse_kl_BT[row, start:length]],
+            }
+        )
+    return records
+
+
+def examples(
+    tokenizer, dataset_names: list[str], batch: RolloutBatch, reverse_kl_BT: torch.Tensor | None
+) -> str:
+    """One coloured sample per dataset (``training.show_examples``)."""
+    shown = []
+    for dataset_index, row in first_row_per_dataset(batch.dataset_index_B).items():
+        length = int(batch.attention_mask_BT[row].sum())
+        text = colorize_example(
+            tokenizer,
+            batch.input_ids_BT[row, :length].tolist(),
+            batch.mask_BT[row, :length].tolist(),
+            None if reverse_kl_BT is None else reverse_kl_BT[row],
+        )
+        shown.append(f"--- {dataset_names[dataset_index]}\n{text}")
+    return "\n".join(shown)

@@ -1,16 +1,22 @@
-"""``opd eval``: evaluate a run's student on its datasets' held-out prompts."""
+"""``opd eval``: evaluate a run's student on its datasets' held-out prompts.
+
+Only what evaluation needs is built: the student (with the checkpoint's weights), a sampler of
+it, and the teachers that score its samples; no optimizer, training data or rollout engine.
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import yaml
 
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import latest_model_dir
-from opd.runs.resume import CONFIG_NAME, load_student_weights
-from opd.trainer.loop import Trainer
+from opd.runs.evaluation import default_eval_source, evaluate, load_eval_sets
+from opd.runs.resume import CONFIG_NAME
+from opd.runs.setup import load_student, load_teachers
 
 RESULTS_NAME = "eval.jsonl"
 
@@ -25,17 +31,29 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | Path | None = None, b
     if not config_file.exists():
         raise ConfigError(f"{run_dir}: no {CONFIG_NAME}; is this a run directory (a log_path)?")
     config = config_from_dict(yaml.safe_load(config_file.read_text()))
-    trainer = Trainer(config, progress=False)
-    if not trainer.eval_sets:
+    if not any(d.eval_source or default_eval_source(d.source) for d in config.datasets):
         raise ConfigError(
             "datasets: no held-out prompts; set datasets[i].eval_source "
             "(generated sources have a @test split)"
         )
     model_dir = None if base else Path(checkpoint) if checkpoint else latest_model_dir(run_dir)
+    student = load_student(config)
     if model_dir is not None:
-        load_student_weights(trainer.student, model_dir)
-    metrics = trainer.evaluate()
-    record = {"model": str(model_dir) if model_dir else config.student.model} | metrics
+        student.policy.load_weights(model_dir)
+    sampler = student.sampler_for(student.policy.model)
+    teachers = load_teachers(config, student, sampler.pad_id, None)
+    started = time.perf_counter()
+    metrics = evaluate(
+        sampler,
+        student.renderer,
+        load_eval_sets(config, teachers.logprobs),
+        temperature=config.training.temperature,
+        max_tokens=config.training.max_tokens,
+        seed=config.seed,
+        pad_id=sampler.pad_id,
+    )
+    record = {"model": str(model_dir) if model_dir else config.student.model}
+    record |= metrics | {"time/eval": time.perf_counter() - started}
     with (run_dir / RESULTS_NAME).open("a", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
     return record

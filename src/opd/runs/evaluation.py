@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.data.prompts import Prompt
+from opd.config import Config
+from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
+from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.objectives.advantages import reverse_kl_per_token
-from opd.runs.graders import Grader
-from opd.sampling.base import Completion, Sampler
-from opd.teachers.base import Teacher
-from opd.trainer.rollouts import RolloutBatch, build_rollout_batch
+from opd.runs.graders import Grader, grader_for
+from opd.sampling.base import Sampler
+from opd.teachers.base import Teacher, TeacherInput, TeacherRequest
 
 TeacherScorer = Callable[[RolloutBatch], torch.Tensor]
 """Teacher log-probs (B, T) of a batch's completion tokens, laid out like the batch."""
@@ -34,13 +35,38 @@ def direct_scorer(teacher: Teacher) -> TeacherScorer:
     """A scorer for a teacher that reads the student's token ids as they are."""
 
     def score(batch: RolloutBatch) -> torch.Tensor:
-        masks = [row.bool().tolist() for row in batch.mask_BT]
-        teacher_logprobs = torch.zeros_like(batch.sampled_logprobs_BT)
-        for row, values in enumerate(teacher.score(batch.sequences, masks).logprobs):
-            teacher_logprobs[row, : values.shape[0]] = values
-        return teacher_logprobs
+        inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT.bool())
+        return teacher.score(inputs, TeacherRequest()).logprobs_BT
 
     return score
+
+
+def default_eval_source(source: str) -> str | None:
+    """Generated sources have a held-out ``@test`` split; files need an explicit ``eval_source``."""
+    if source.startswith(("demo:", "reasoning_gym:")) and "@" not in source:
+        return f"{source}@test"
+    return None
+
+
+def load_eval_sets(config: Config, score: TeacherScorer | None) -> list[EvalSet]:
+    """Every dataset's held-out prompts (where it has any), graded when answers exist."""
+    eval_sets = []
+    for index, dataset in enumerate(config.datasets):
+        source = dataset.eval_source or default_eval_source(dataset.source)
+        if source is None:
+            continue
+        prompts = load_prompts(
+            source, seed=config.seed, count=dataset.eval_num_prompts, task_config=dataset.task_config
+        )[: dataset.eval_num_prompts]
+        grader = grader_for(dataset.grader, source)
+        if (
+            grader is not None
+            and any(p.answer is None for p in prompts)
+            and dataset.grader != "reasoning_gym"
+        ):
+            grader = None
+        eval_sets.append(EvalSet(dataset.name, index, prompts, grader, score))
+    return eval_sets
 
 
 def graded(
@@ -95,8 +121,7 @@ def evaluate(
             metrics[f"{prefix}/accuracy"] = accuracy(
                 sampler, renderer, eval_set.prompts, eval_set.grader, max_tokens=max_tokens, rendered=rendered
             )
-        torch.manual_seed(seed)
-        sampled = sampler.sample(rendered, temperature=temperature, max_tokens=max_tokens)
+        sampled = sampler.sample(rendered, temperature=temperature, max_tokens=max_tokens, seed=seed)
         if eval_set.grader is not None:
             metrics[f"{prefix}/pass@1"] = graded(renderer, sampled, eval_set.prompts, eval_set.grader)
         if eval_set.score is not None:

@@ -257,11 +257,15 @@ def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
 
     config_path = run_dir / CONFIG_NAME
     config = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
+    training = config.get("training") or {}
+    objective = training.get("objective", "?")
+    if isinstance(objective, dict):  # {name: ..., option: value}
+        options = ", ".join(f"{k} {v}" for k, v in objective.items() if k != "name")
+        objective = f"{objective.get('name', '?')} ({options})" if options else objective.get("name", "?")
     facts = {
         "student": (config.get("student") or {}).get("model", "?"),
         "teacher": (config.get("teacher") or {}).get("model", "?"),
-        "objective / data": f"{(config.get('training') or {}).get('objective', '?')} / "
-        f"{(config.get('training') or {}).get('data_source', '?')}",
+        "objective / data": f"{objective} / {training.get('data_source', '?')}",
         "steps trained": str(len(train_rows)),
     }
     for key in ("teacher_kl",):

@@ -9,19 +9,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
-from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
 
 from opd.config import Config, ConfigError, config_to_dict
-from opd.runs.checkpoints import (
-    INDEX_NAME,
-    CheckpointError,
-    corrupt_checkpoint_error,
-    list_checkpoints,
-    load_trainer_state,
-)
+from opd.runs.checkpoints import INDEX_NAME, list_checkpoints, load_trainer_state
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
@@ -128,43 +119,3 @@ def keep_metrics_before(path: Path, step: int) -> None:
     staging = path.with_suffix(".tmp")
     staging.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     staging.replace(path)
-
-
-def load_student_weights(model, model_dir: Path, older=None) -> None:
-    """Load a saved adapter or full model's weights into the (possibly PEFT-wrapped) student."""
-    model_dir = Path(model_dir)
-    if (model_dir / "model").is_dir():
-        model_dir = model_dir / "model"
-    adapter = model_dir / "adapter_model.safetensors"
-    if not adapter.exists() and hasattr(model, "peft_config"):
-        raise CheckpointError(
-            f"{model_dir} holds a full model but the student is a LoRA model (lora_rank > 0)"
-        )
-    try:
-        if adapter.exists():
-            if not hasattr(model, "peft_config"):
-                raise CheckpointError(f"{model_dir} holds a LoRA adapter but the student is not a LoRA model")
-            set_peft_model_state_dict(model, load_file(adapter))
-            return
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{model_dir}: no safetensors weights found")
-        state = {}
-        for file in files:
-            state.update(load_file(file))
-    except CheckpointError:
-        raise
-    except Exception as error:
-        raise corrupt_checkpoint_error(
-            adapter if adapter.exists() else model_dir, error, older or []
-        ) from error
-    target = model
-    missing, unexpected = target.load_state_dict(state, strict=False)
-    tied = {name for name in missing if "lm_head" in name} if target.config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise CheckpointError(
-            f"{model_dir}: weights do not match the student (missing {sorted(set(missing) - tied)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]})"
-        )
-    with torch.no_grad():
-        target.tie_weights()

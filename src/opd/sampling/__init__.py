@@ -1,5 +1,5 @@
-"""Student rollouts behind a small interface: HF generate today, a faster engine later."""
+"""Rollout engines behind one contract (:mod:`opd.sampling.base`): Hugging Face ``generate`` today."""
 
-from opd.sampling.base import Completion, Sampler
+from opd.sampling.base import Completion, RolloutEngine, Sampler, SamplingParams
 
-__all__ = ["Completion", "Sampler"]
+__all__ = ["Completion", "RolloutEngine", "Sampler", "SamplingParams"]

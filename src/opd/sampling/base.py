@@ -1,30 +1,66 @@
-"""What any sampler returns, and the interface a faster engine (vLLM, ...) implements."""
+"""The rollout-engine contract: what the trainer asks of whatever samples the student.
+
+An engine is synced to the policy before a rollout (in process it reads the live weights; a
+server engine would receive them), samples each prompt once at the given settings with an
+explicit seed (so a resumed run samples the same, and no global random state is touched), and
+returns each completion with the behaviour log-prob of every sampled token and the policy
+version whose weights sampled it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from opd.data.sequences import Completion
+
+if TYPE_CHECKING:
+    from opd.policy.policy import Policy
+
+__all__ = ["Completion", "RolloutEngine", "Sampler", "SamplingParams"]
 
 
 @dataclass(frozen=True)
-class Completion:
-    """One sampled continuation of a prompt.
+class SamplingParams:
+    """How every prompt of a rollout is sampled."""
 
-    ``logprobs[i]`` is the sampler's log-probability of ``token_ids[i]`` under the
-    distribution it actually sampled from (temperature applied). ``finished`` is False
-    when ``max_tokens`` cut the completion before a stop token or string.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finished: bool
+    temperature: float = 1.0
+    """Sample from ``softmax(logits / temperature)``; the recorded log-probs are of that distribution."""
+    max_tokens: int = 64
+    """Most tokens per completion; a completion cut here is marked unfinished."""
+    greedy: bool = False
+    """Take the most likely token instead (the temperature is then ignored)."""
 
 
 class Sampler(Protocol):
-    """Samples completions for token-id prompts; must record the log-prob of every sampled token."""
+    """Samples completions of token-id prompts from one fixed model (a teacher, or a model evaluated)."""
+
+    pad_id: int
 
     def sample(
-        self, prompts: list[list[int]], *, temperature: float, max_tokens: int, greedy: bool = False
+        self,
+        prompts: list[list[int]],
+        *,
+        temperature: float,
+        max_tokens: int,
+        greedy: bool = False,
+        seed: int | None = None,
     ) -> list[Completion]:
-        """One completion per prompt (repeat a prompt to get a group). ``greedy`` ignores temperature."""
+        """One completion per prompt (repeat a prompt to get a group); ``seed`` None draws from torch's
+        global generator."""
+        ...
+
+
+class RolloutEngine(Protocol):
+    """Samples the student's rollouts: :meth:`sync` to the policy, then :meth:`rollout`."""
+
+    pad_id: int
+    """The id that pads the prompts and completions it returns."""
+
+    def sync(self, policy: Policy) -> None:
+        """Bring the engine's weights to the policy's current ones (and remember its version)."""
+        ...
+
+    def rollout(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
+        """One completion per prompt, each with its behaviour log-probs and policy version."""
         ...

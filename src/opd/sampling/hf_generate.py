@@ -1,14 +1,23 @@
-"""Sampling with Hugging Face ``generate`` (KV cache), recording sampled-token log-probs."""
+"""Sampling with Hugging Face ``generate`` (KV cache), recording sampled-token log-probs.
+
+:class:`HFGenerateSampler` samples from one model; :class:`HFEngine` is the student's rollout
+engine built on it, sampling from the student itself or from a :class:`SamplingCopy` of it.
+"""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import dataclasses
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from opd.data.sequences import Completion
 from opd.logprobs import unwrap_peft
-from opd.sampling.base import Completion
+from opd.models import module_device
+from opd.policy.policy import Policy
+from opd.sampling.base import SamplingParams
+from opd.sampling.precision import SamplingCopy
 
 
 def inverse_cdf_sample(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
@@ -59,10 +68,13 @@ class _SampledLogprobRecorder(LogitsProcessor):
     ``generate``'s greedy argmax takes it.
     """
 
-    def __init__(self, temperature: float, vocab_size: int | None, *, draw: bool):
+    def __init__(
+        self, temperature: float, vocab_size: int | None, *, draw: bool, generator: torch.Generator | None
+    ):
         self.temperature = temperature
         self.vocab_size = vocab_size
         self.draw = draw
+        self.generator = generator
         self.previous_logprobs: torch.Tensor | None = None
         self.recorded: list[torch.Tensor] = []
 
@@ -78,7 +90,7 @@ class _SampledLogprobRecorder(LogitsProcessor):
         self.previous_logprobs = torch.log_softmax(scores, dim=-1)
         if not self.draw:
             return scores
-        uniform_B = torch.rand(scores.shape[0], device=scores.device)
+        uniform_B = torch.rand(scores.shape[0], device=scores.device, generator=self.generator)
         tokens_B = inverse_cdf_sample(self.previous_logprobs.exp(), uniform_B)
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens_B[:, None], 0.0)
 
@@ -112,15 +124,26 @@ class HFGenerateSampler:
         self.stop_strings = stop_strings or []
         self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
+        self.device = module_device(model)
 
     @torch.no_grad()
     def sample(
-        self, prompts: list[list[int]], *, temperature: float, max_tokens: int, greedy: bool = False
+        self,
+        prompts: list[list[int]],
+        *,
+        temperature: float,
+        max_tokens: int,
+        greedy: bool = False,
+        seed: int | None = None,
     ) -> list[Completion]:
+        """One completion per prompt; with ``seed``, the draws come from a generator of their own."""
+        generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         size = self.batch_size or len(prompts)
         completions: list[Completion] = []
         for start in range(0, len(prompts), size):
-            completions += self._sample_batch(prompts[start : start + size], temperature, max_tokens, greedy)
+            completions += self._sample_batch(
+                prompts[start : start + size], temperature, max_tokens, greedy, generator
+            )
         return completions
 
     def generation_config(self, max_tokens: int) -> GenerationConfig:
@@ -133,8 +156,8 @@ class HFGenerateSampler:
             stop_strings=self.stop_strings or None,
         )
 
-    def _sample_batch(self, prompts, temperature, max_tokens, greedy) -> list[Completion]:
-        device = next(self.model.parameters()).device
+    def _sample_batch(self, prompts, temperature, max_tokens, greedy, generator) -> list[Completion]:
+        device = self.device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -142,7 +165,7 @@ class HFGenerateSampler:
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
         recorder = _SampledLogprobRecorder(
-            1.0 if greedy else temperature, len(self.tokenizer), draw=not greedy
+            1.0 if greedy else temperature, len(self.tokenizer), draw=not greedy, generator=generator
         )
         generation_config = self.generation_config(max_tokens)
         # generate() fills every unset field from the model's own generation_config
@@ -178,3 +201,50 @@ class HFGenerateSampler:
     def _ends_stop_string(self, token_ids: list[int]) -> bool:
         text = self.tokenizer.decode(token_ids)
         return any(stop in text for stop in self.stop_strings)
+
+
+class HFEngine:
+    """The student's rollout engine on Hugging Face ``generate``, in the trainer's process.
+
+    It samples from the policy's own model, or, with ``sampling_dtype`` set (and a cast or a
+    LoRA merge to make), from a :class:`SamplingCopy` whose weights are read from the policy at
+    every rollout. In process the weights are shared memory, so :meth:`sync` only records the
+    version the next rollout's weights are.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        tokenizer,
+        *,
+        stop_token_ids: list[int],
+        stop_strings: list[str] | None = None,
+        sampling_dtype: torch.dtype | None = None,
+    ):
+        self.policy = policy
+        needs_copy = sampling_dtype is not None and (sampling_dtype != policy.dtype or policy.has_adapters)
+        self.copy = SamplingCopy(policy.model, sampling_dtype) if needs_copy else None
+        self.model = self.copy.model if self.copy else policy.model
+        self.sampler = HFGenerateSampler(
+            self.model, tokenizer, stop_token_ids=stop_token_ids, stop_strings=stop_strings
+        )
+        self.pad_id = self.sampler.pad_id
+        self.version = policy.version
+
+    def sync(self, policy: Policy) -> None:
+        """Remember ``policy``'s version: the next rollout reads its weights as they are then."""
+        if policy is not self.policy:
+            raise ValueError("an in-process HFEngine samples the policy it was built for")
+        self.version = policy.version
+
+    def rollout(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
+        """One completion per prompt, drawn with a generator seeded by ``seed``."""
+        with self.copy.rollout() if self.copy else nullcontext():
+            completions = self.sampler.sample(
+                prompts,
+                temperature=params.temperature,
+                max_tokens=params.max_tokens,
+                greedy=params.greedy,
+                seed=seed,
+            )
+        return [dataclasses.replace(c, policy_version=self.version) for c in completions]

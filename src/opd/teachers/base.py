@@ -1,26 +1,157 @@
-"""What every teacher backend answers: log-probs of given token ids, top-k, hidden states."""
+"""What a teacher is asked and what it answers: the same padded tensors for local and remote teachers.
+
+A teacher reads (B, T) token ids with a score mask and answers, per scored position t, the
+log-prob of token t (``log q(x_t | x_<t)``), and when asked the k most likely tokens there or
+the final hidden state that predicts token t (the full distribution, from a local teacher).
+Everything stays laid out like the batch: position t is about token t. :meth:`TeacherScores.rows`
+gives the flat views an objective works on: one row per scored position, in the order the
+student's own scored rows come (:func:`opd.logprobs.flat_rows`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from opd.teachers.local import TeacherScores
+import torch
+from torch import nn
+
+from opd.data.sequences import pad_right
+from opd.logprobs import LogitTransform, flat_rows
+
+
+@dataclass(frozen=True)
+class TeacherRequest:
+    """What an objective needs from the teacher at every scored position, besides its log-prob."""
+
+    topk: int = 0
+    """The k most likely tokens and their log-probs (0: none)."""
+    hidden: bool = False
+    """The final hidden states and the teacher's lm head: its full distribution (local teachers only)."""
+    temperature: float = 1.0
+    """Top-k and the full distribution are taken at this temperature; log-probs always at 1."""
+
+
+@dataclass(frozen=True)
+class TeacherInput:
+    """Sequences to score: right-padded ids, their attention mask and which positions to score."""
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    score_mask_BT: torch.Tensor
+    """True where the teacher's log-prob of the token is wanted; position 0 never is (nothing predicts it)."""
+
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]], score_masks: list[list[bool]], pad_id: int):
+        """Pad unpadded sequences and masks (one mask entry per token) into a batch."""
+        ids, attention = pad_right(sequences, pad_id)
+        mask, _ = pad_right(
+            [[int(m) for m in mask[: len(seq)]] for mask, seq in zip(score_masks, sequences, strict=True)], 0
+        )
+        return cls(ids, attention, mask.bool())
+
+    def select(self, rows: torch.Tensor) -> TeacherInput:
+        """The sequences at indices ``rows``, cut to the longest of them."""
+        attention = self.attention_mask_BT[rows]
+        width = int(attention.sum(-1).max()) if rows.numel() else 0
+        return TeacherInput(
+            self.input_ids_BT[rows, :width], attention[:, :width], self.score_mask_BT[rows, :width]
+        )
+
+
+@dataclass
+class TeacherRows:
+    """The teacher's answer at the scored positions only, one row per position (N rows)."""
+
+    logprobs_N: torch.Tensor
+    topk_ids_NK: torch.Tensor | None = None
+    topk_logprobs_NK: torch.Tensor | None = None
+    hidden_ND: torch.Tensor | None = None
+    head: nn.Module | None = None
+    head_transform: LogitTransform | None = None
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's side of a batch, laid out like it: position t is about token t.
+
+    ``logprobs_BT`` (float32, 0 where not scored) always; ``topk_ids_BTK`` and ``topk_logprobs_BTK``
+    when top-k was asked for; ``hidden_BTD`` (the teacher's dtype and device) with ``head`` and
+    ``head_transform`` (its lm head and logit transform at the request's temperature) when the
+    full distribution was.
+    """
+
+    logprobs_BT: torch.Tensor
+    topk_ids_BTK: torch.Tensor | None = None
+    topk_logprobs_BTK: torch.Tensor | None = None
+    hidden_BTD: torch.Tensor | None = None
+    head: nn.Module | None = None
+    head_transform: LogitTransform | None = None
+
+    @classmethod
+    def zeros(cls, batch: int, width: int, request: TeacherRequest) -> TeacherScores:
+        """An empty answer for a (batch, width) batch, with room for the top-k asked for.
+
+        Hidden states are allocated by the first :meth:`put` that brings some (their width,
+        dtype and device are the teacher's).
+        """
+        scores = cls(torch.zeros(batch, width))
+        if request.topk:
+            scores.topk_ids_BTK = torch.zeros(batch, width, request.topk, dtype=torch.long)
+            scores.topk_logprobs_BTK = torch.zeros(batch, width, request.topk)
+        return scores
+
+    def select(self, rows: slice) -> TeacherScores:
+        """The same contiguous rows as :meth:`opd.data.sequences.RolloutBatch.select`."""
+
+        def cut(tensor):
+            return None if tensor is None else tensor[rows]
+
+        return replace(
+            self,
+            logprobs_BT=self.logprobs_BT[rows],
+            topk_ids_BTK=cut(self.topk_ids_BTK),
+            topk_logprobs_BTK=cut(self.topk_logprobs_BTK),
+            hidden_BTD=cut(self.hidden_BTD),
+        )
+
+    def rows(self, score_mask_BT: torch.Tensor, device: torch.device | None = None) -> TeacherRows:
+        """Flat views at the scored positions of ``score_mask_BT`` (moved to ``device``)."""
+
+        def flat(tensor):
+            if tensor is None:
+                return None
+            values = flat_rows(tensor, score_mask_BT)
+            return values if device is None else values.to(device)
+
+        return TeacherRows(
+            flat(self.logprobs_BT),
+            flat(self.topk_ids_BTK),
+            flat(self.topk_logprobs_BTK),
+            flat(self.hidden_BTD),
+            self.head,
+            self.head_transform,
+        )
+
+    def put(
+        self, row: int, positions: torch.Tensor, source: TeacherScores, source_row: int, source_positions
+    ) -> None:
+        """Copy the top-k and hidden states of ``source``'s row at ``source_positions`` into row ``row``
+        at ``positions`` (boolean masks with as many positions set, or slices of one length)."""
+        if self.topk_ids_BTK is not None:
+            self.topk_ids_BTK[row, positions] = source.topk_ids_BTK[source_row, source_positions]
+            self.topk_logprobs_BTK[row, positions] = source.topk_logprobs_BTK[source_row, source_positions]
+        if source.hidden_BTD is not None:
+            if self.hidden_BTD is None:
+                batch, width = self.logprobs_BT.shape
+                self.hidden_BTD = source.hidden_BTD.new_zeros(batch, width, source.hidden_BTD.shape[-1])
+                self.head, self.head_transform = source.head, source.head_transform
+            self.hidden_BTD[row, positions] = source.hidden_BTD[source_row, source_positions]
 
 
 class Teacher(Protocol):
-    """A teacher backend (``LocalTeacher``, ``RemoteTeacher``).
+    """A teacher backend (:mod:`opd.teachers.local`, :mod:`opd.teachers.remote`)."""
 
-    ``score`` returns, per sequence, log q(x_t | x_<t) where ``score_masks`` is set, plus the
-    top-k (``topk > 0``) and final hidden states (``hidden``, local teachers only) of those
-    positions; see :class:`opd.teachers.local.TeacherScores`.
-    """
-
-    def score(
-        self,
-        sequences: list[list[int]],
-        score_masks: list[list[bool]],
-        *,
-        topk: int = 0,
-        hidden: bool = False,
-        temperature: float = 1.0,
-    ) -> TeacherScores: ...
+    def score(self, inputs: TeacherInput, request: TeacherRequest) -> TeacherScores:
+        """Log q(x_t | x_<t) at every scored position, and what ``request`` asks for besides."""
+        ...

@@ -21,11 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from opd.teachers.local import TeacherScores
-
-
-class RemoteTeacherError(RuntimeError):
-    """The teacher server could not give usable log-probs; the message names it."""
+from opd.errors import RemoteTeacherError
+from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
 
 class RemoteTeacher:
@@ -102,36 +99,33 @@ class RemoteTeacher:
             f"teacher server {self.endpoint} failed after {self.max_retries + 1} attempts: {last_error}"
         )
 
-    def score(
-        self,
-        sequences: list[list[int]],
-        score_masks: list[list[bool]],
-        *,
-        topk: int = 0,
-        hidden: bool = False,
-        temperature: float = 1.0,
-    ) -> TeacherScores:
-        """Log-probs (and top-k) of every sequence; see :class:`opd.teachers.local.TeacherScores`."""
-        if hidden:
+    def score(self, inputs: TeacherInput, request: TeacherRequest) -> TeacherScores:
+        """Log-probs (and top-k) of every sequence, sent as token-id lists (the servers' JSON).
+
+        The servers answer at temperature 1; configs that would need another are refused upstream.
+        """
+        if request.hidden:
             raise RemoteTeacherError(
                 "a remote teacher sends log-probs, not hidden states: use a local teacher for jsd"
             )
+        lengths = inputs.attention_mask_BT.sum(-1).tolist()
+        sequences = [row[:n].tolist() for row, n in zip(inputs.input_ids_BT, lengths, strict=True)]
         batches = [
             sequences[i : i + self.request_batch_size]
             for i in range(0, len(sequences), self.request_batch_size)
         ]
         with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            answered = list(pool.map(lambda batch: self._score_batch(batch, topk), batches))
+            answered = list(pool.map(lambda batch: self._score_batch(batch, request.topk), batches))
         flat = [scores for batch_result in answered for scores in batch_result]
-        result = TeacherScores([], [] if topk else None, [] if topk else None, None)
-        for sequence, mask, (logprobs, top_ids, top_values) in zip(sequences, score_masks, flat, strict=True):
-            scored = torch.tensor([bool(m) for m in mask[: len(sequence)]])
+        scores = TeacherScores.zeros(*inputs.input_ids_BT.shape, request)
+        for row, (length, (logprobs, top_ids, top_values)) in enumerate(zip(lengths, flat, strict=True)):
+            scored = inputs.score_mask_BT[row, :length].bool().clone()
             scored[0] = False
-            result.logprobs.append(torch.where(scored, logprobs, torch.zeros_like(logprobs)))
-            if topk:
-                result.topk_ids.append(top_ids[scored])
-                result.topk_logprobs.append(top_values[scored])
-        return result
+            scores.logprobs_BT[row, :length] = torch.where(scored, logprobs, torch.zeros_like(logprobs))
+            if request.topk:
+                scores.topk_ids_BTK[row, :length][scored] = top_ids[scored]
+                scores.topk_logprobs_BTK[row, :length][scored] = top_values[scored]
+        return scores
 
     def _score_batch(
         self, batch: list[list[int]], topk: int

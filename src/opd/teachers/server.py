@@ -20,6 +20,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opd.models import load_causal_lm, load_tokenizer
+from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 
 
@@ -42,17 +43,18 @@ class ScoringModel:
         self, prompts: list[list[int]], k: int
     ) -> list[list[tuple[float, list[tuple[int, float]]] | None]]:
         """Per prompt, per position: None at 0, else (log p(token), [(id, log p)] top-k by rank)."""
+        inputs = TeacherInput.from_sequences(prompts, [[True] * len(p) for p in prompts], self.teacher.pad_id)
         with self.lock:
-            scores = self.teacher.score(prompts, [[True] * len(p) for p in prompts], topk=max(k, 1))
+            scores = self.teacher.score(inputs, TeacherRequest(topk=max(k, 1)))
         per_prompt = []
-        for logprobs, top_ids, top_values in zip(
-            scores.logprobs, scores.topk_ids, scores.topk_logprobs, strict=True
-        ):
+        for row, prompt in enumerate(prompts):
+            length = len(prompt)
+            values = scores.logprobs_BT[row, 1:length].tolist()
+            top_ids = scores.topk_ids_BTK[row, 1:length, :k].tolist()
+            top_values = scores.topk_logprobs_BTK[row, 1:length, :k].tolist()
             positions: list = [None]
-            for value, ids_k, values_k in zip(
-                logprobs[1:].tolist(), top_ids.tolist(), top_values.tolist(), strict=True
-            ):
-                positions.append((value, list(zip(ids_k[:k], values_k[:k], strict=True))))
+            for value, ids_k, values_k in zip(values, top_ids, top_values, strict=True):
+                positions.append((value, list(zip(ids_k, values_k, strict=True))))
             per_prompt.append(positions)
         return per_prompt
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from opd.config import Config
+from opd.config import TrainingConfig
 
 FUSED_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -21,8 +21,7 @@ def adamw(
     weight_decay: float = 0.0,
 ) -> torch.optim.AdamW:
     """AdamW; the fused kernel (one pass over each tensor, not ~10 elementwise ops) when every
-    parameter is a floating tensor on a CPU or CUDA device. On CPU it steps a 135M-parameter
-    model about 5x faster than the default loop; same update rule, other rounding."""
+    parameter is a floating tensor on a CPU or CUDA device: the same update rule, other rounding."""
     fused = bool(parameters) and all(
         p.device.type in FUSED_DEVICE_TYPES and p.dtype.is_floating_point for p in parameters
     )
@@ -48,13 +47,12 @@ def lr_factor(optimizer_step: int, *, warmup_steps: int, total_steps: int, sched
 
 
 def build_optimizer(
-    model, config: Config, total_steps: int
+    parameters: list[torch.nn.Parameter], training: TrainingConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with the reference's betas and the configured warmup and decay over ``total_steps``
     optimizer steps."""
-    training = config.training
     optimizer = adamw(
-        [p for p in model.parameters() if p.requires_grad],
+        parameters,
         lr=training.learning_rate,
         betas=(training.adam_beta1, training.adam_beta2),
         eps=training.adam_eps,

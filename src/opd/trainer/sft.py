@@ -10,8 +10,9 @@ import torch
 
 from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
+from opd.data.sequences import pad_right
 from opd.logprobs import sequence_logprobs
-from opd.teachers.local import pad_right
+from opd.models import module_device
 from opd.trainer.optimizer import lr_factor
 
 
@@ -41,7 +42,7 @@ def supervised_finetune(
     ``should_stop(steps_done)`` is asked after every step and ends training early when True.
     Returns the per-step losses (mean NLL per completion token).
     """
-    device = next(model.parameters()).device
+    device = module_device(model)
     rng = random.Random(seed)
     parameters = [p for p in model.parameters() if p.requires_grad]
     # torch's default (looped) AdamW on purpose: the demo's tiny models are built here, and the

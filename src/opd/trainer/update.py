@@ -4,57 +4,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
-from torch import nn
 
 from opd.config import TrainingConfig
-from opd.logprobs import (
-    LogitTransform,
-    backbone_and_head,
-    logit_transform_for,
-    scatter_rows,
-    scored_hidden_states,
-    sequence_logprobs,
-)
-from opd.losses import k3_kl_token_estimate
+from opd.data.sequences import RolloutBatch
+from opd.logprobs import flat_rows, scatter_rows
 from opd.models import DTYPES
-from opd.objectives.jsd_head import chunked_jsd
-from opd.objectives.policy_losses import POLICY_LOSSES, aggregate
-from opd.objectives.topk_head import chunked_topk_forward_kl
-from opd.trainer.rollouts import RolloutBatch
-
-
-@dataclass
-class TeacherTargets:
-    """The teacher's side of a batch, laid out like the batch: position t is about token t.
-
-    ``logprobs_BT`` always; ``topk_*_BTK`` for ``topk_forward_kl``; ``hidden_BTD`` with the
-    teacher's lm head and logit transform for ``jsd``.
-    """
-
-    logprobs_BT: torch.Tensor
-    topk_ids_BTK: torch.Tensor | None = None
-    topk_logprobs_BTK: torch.Tensor | None = None
-    hidden_BTD: torch.Tensor | None = None
-    head: nn.Linear | None = None
-    transform: LogitTransform | None = None
-
-    def select(self, rows: slice) -> TeacherTargets:
-        """The same contiguous rows as :meth:`RolloutBatch.select`."""
-
-        def cut(tensor):
-            return None if tensor is None else tensor[rows]
-
-        return replace(
-            self,
-            logprobs_BT=self.logprobs_BT[rows],
-            topk_ids_BTK=cut(self.topk_ids_BTK),
-            topk_logprobs_BTK=cut(self.topk_logprobs_BTK),
-            hidden_BTD=cut(self.hidden_BTD),
-        )
+from opd.objectives.base import Objective, StudentRows, TargetRows
+from opd.objectives.policy_losses import PolicyGradient, aggregate
+from opd.policy.policy import Policy
+from opd.teachers.base import TeacherScores
 
 
 @dataclass
@@ -75,103 +37,73 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
-def objective_per_token(
-    model,
+def policy_gradient(training: TrainingConfig) -> PolicyGradient:
+    """The policy-gradient settings of the run, as objectives with advantages read them."""
+    return PolicyGradient(
+        training.loss_fn, training.loss_fn_config, training.kl_penalty_coef, training.kl_discount_factor
+    )
+
+
+def token_losses(
+    policy: Policy,
+    objective: Objective,
     piece: RolloutBatch,
-    teacher: TeacherTargets | None,
+    teacher: TeacherScores | None,
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
-    vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss (B, T) of ``training.objective``, and the student's log-probs and entropy."""
-    device = next(model.parameters()).device
-    ids, attention, mask = (
-        t.to(device) for t in (piece.input_ids_BT, piece.attention_mask_BT, piece.mask_BT)
+    """Per-token loss (B, T) of ``objective``, and the student's log-probs and entropy, in one forward."""
+    mask = piece.mask_BT
+    device = policy.device
+    targets = TargetRows(
+        flat_rows(piece.sampled_logprobs_BT, mask).to(device),
+        flat_rows(advantages_BT, mask).to(device),
+        None if teacher is None else teacher.rows(mask, device),
+        policy_gradient(training),
     )
-    objective = training.objective
-    autocast_dtype = DTYPES.get(training.autocast)
-    if objective in ("jsd", "topk_forward_kl"):
-        hidden_ND, token_ids_N, selected_BT = scored_hidden_states(
-            model, ids, attention, mask, autocast_dtype=autocast_dtype
+    transform = policy.logit_transform(training.temperature)
+
+    def losses(hidden_ND, token_ids_N, head):
+        student = StudentRows(
+            hidden_ND, token_ids_N, head, transform, policy.vocab_size, training.logprob_chunk_size
         )
-        scored = mask.bool()
-        head = backbone_and_head(model)[1]
-        transform = logit_transform_for(model, training.temperature)
-        if objective == "jsd":
-            loss_N, logprobs_N, entropy_N = chunked_jsd(
-                hidden_ND,
-                head,
-                token_ids_N,
-                teacher.hidden_BTD.to(device)[scored],
-                teacher.head,
-                training.beta,
-                chunk_size=training.logprob_chunk_size,
-                transform=transform,
-                teacher_transform=teacher.transform,
-                vocab_size=vocab_size,
-            )
-        else:
-            loss_N, logprobs_N, entropy_N = chunked_topk_forward_kl(
-                hidden_ND,
-                head,
-                token_ids_N,
-                teacher.topk_ids_BTK.to(device)[scored],
-                teacher.topk_logprobs_BTK.to(device)[scored],
-                chunk_size=training.logprob_chunk_size,
-                transform=transform,
-                vocab_size=vocab_size,
-            )
-        return (
-            scatter_rows(loss_N, selected_BT),
-            scatter_rows(logprobs_N, selected_BT),
-            scatter_rows(entropy_N, selected_BT),
-        )
-    logprobs, entropy = sequence_logprobs(
-        model,
-        ids,
-        attention,
+        return objective.token_losses(student, targets)
+
+    rows, selected_BT = policy.forward_rows(
+        piece.input_ids_BT,
+        piece.attention_mask_BT,
         mask,
-        temperature=training.temperature,
-        chunk_size=training.logprob_chunk_size,
-        vocab_size=vocab_size,
-        autocast_dtype=autocast_dtype,
+        losses,
+        autocast_dtype=DTYPES.get(training.autocast),
     )
-    if objective == "sampled_reverse_kl":
-        sampled = piece.sampled_logprobs_BT.to(device)
-        per_token = POLICY_LOSSES[training.loss_fn](
-            logprobs, sampled, advantages_BT.to(device), training.loss_fn_config
-        )
-    elif objective == "k3":
-        teacher_logprobs = teacher.logprobs_BT.to(device)
-        if training.kl_direction == "reverse":
-            per_token = k3_kl_token_estimate(teacher_logprobs, logprobs)
-        else:
-            per_token = k3_kl_token_estimate(logprobs, teacher_logprobs)
-    else:
-        per_token = -logprobs
-    return per_token, logprobs, entropy
+    return (
+        scatter_rows(rows.loss_N, selected_BT),
+        scatter_rows(rows.logprobs_N, selected_BT),
+        scatter_rows(rows.entropy_N, selected_BT),
+    )
 
 
 def policy_update(
-    model,
+    policy: Policy,
+    objective: Objective,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: RolloutBatch,
-    teacher: TeacherTargets | None,
+    teacher: TeacherScores | None,
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
-    vocab_size: int,
 ) -> UpdateStats:
     """Split the batch into substeps; per substep accumulate micro-batch gradients, clip, step.
 
     A substep whose gradient is not finite is skipped (weights untouched) with a warning.
     Gradients are freed once used, so sampling and scoring the next batch run without them.
+    Every optimizer step taken advances the policy's version.
     """
-    device = next(model.parameters()).device
-    parameters = [p for p in model.parameters() if p.requires_grad]
+    device = policy.device
+    parameters = policy.trainable_parameters()
     totals = {"loss": 0.0, "objective": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     applied = 0
-    model.train()
+    policy.train()
     for substep in contiguous_slices(len(batch.prompt_lengths), training.num_substeps):
         part, part_teacher, part_advantages = (
             batch.select(substep),
@@ -184,13 +116,13 @@ def policy_update(
         for rows in contiguous_slices(num_sequences, math.ceil(num_sequences / micro)):
             piece = part.select(rows)
             mask = piece.mask_BT.to(device)
-            per_token, logprobs, entropy = objective_per_token(
-                model,
+            per_token, logprobs, entropy = token_losses(
+                policy,
+                objective,
                 piece,
                 None if part_teacher is None else part_teacher.select(rows),
                 part_advantages[rows],
                 training,
-                vocab_size,
             )
             loss = aggregate(per_token, mask, training.loss_aggregation, num_tokens, num_sequences)
             loss.backward()
@@ -208,6 +140,7 @@ def policy_update(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        policy.version += 1
         totals["grad_norm"] += grad_norm
         applied += 1
     tokens = max(totals["tokens"], 1.0)

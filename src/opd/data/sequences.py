@@ -1,4 +1,5 @@
-"""Turn prompts and sampled completions into the padded tensors the update works on."""
+"""Token sequences as every later stage sees them: sampled completions, and the padded batch of
+``prompt + completion`` rows that teachers score and the update trains on."""
 
 from __future__ import annotations
 
@@ -6,7 +7,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opd.sampling.base import Completion
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation of a prompt.
+
+    ``logprobs[i]`` is the sampler's log-probability of ``token_ids[i]`` under the
+    distribution it actually sampled from (temperature applied). ``finished`` is False
+    when ``max_tokens`` cut the completion before a stop token or string.
+    ``policy_version`` is the student's version (optimizer steps taken) whose weights
+    sampled it; None when the student did not write it (a teacher or a dataset did).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    policy_version: int | None = None
+
+
+def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and attention mask, right-padded."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        attention[row, : len(sequence)] = 1
+    return ids, attention
 
 
 @dataclass
@@ -26,6 +53,8 @@ class RolloutBatch:
     prompt_lengths: list[int]
     messages: list = field(default_factory=list)
     """Each row's conversation, for teachers that render prompts their own way."""
+    policy_version_B: torch.Tensor | None = None
+    """The student's version that sampled each row (-1 where the student did not)."""
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -44,6 +73,7 @@ class RolloutBatch:
             self.finished_B[rows],
             self.prompt_lengths[rows],
             self.messages[rows],
+            None if self.policy_version_B is None else self.policy_version_B[rows],
         )
 
 
@@ -77,4 +107,5 @@ def build_rollout_batch(
         torch.tensor([c.finished for c in completions]),
         [len(p) for p in prompts],
         list(messages) if messages is not None else [],
+        torch.tensor([-1 if c.policy_version is None else c.policy_version for c in completions]),
     )

@@ -1,0 +1,31 @@
+"""The errors a user's mistake raises: each message names the field, file or server at fault.
+
+They live here, below every other module, so that the command line can catch them without
+importing torch or transformers, and any layer can raise them.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted path of the offending field in the message."""
+
+
+class DataError(ValueError):
+    """A problem in a prompt source, naming the file and line."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message names the config field."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+class RemoteTeacherError(RuntimeError):
+    """The teacher server could not give usable log-probs; the message names it."""
+
+
+USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, RemoteTeacherError, FileNotFoundError)
+"""What the command line reports as one line and exit status 2 instead of a traceback."""

@@ -1,0 +1,45 @@
+"""The student's settings, as the config's ``student`` section holds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class StudentConfig:
+    """The model being trained, and the engine that samples its rollouts."""
+
+    model: str
+    """Hugging Face model id or local directory."""
+    lora_rank: int = 32
+    """LoRA rank; 0 trains every weight (full fine-tuning)."""
+    lora_alpha: float | None = None
+    """LoRA scaling numerator; defaults to ``lora_rank`` (scale 1)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    lora_target_modules: list[str] | str = "all-linear"
+    """Modules that get adapters: PEFT's ``all-linear`` (every linear layer but the lm head) or names."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; ``auto`` is bfloat16 on a GPU that supports it, float32 otherwise."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), or a torch device string such as ``cuda:1``."""
+    chat_template: str | None = None
+    """A Jinja chat template replacing the tokenizer's own (required for base models without one)."""
+    tokenizer: str | None = None
+    """Tokenizer id or path when it is not stored with the model."""
+    trust_remote_code: bool = False
+    """Run model code shipped in the checkpoint; off unless you trust its source."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, about a third more compute."""
+    sampler: Literal["hf"] = "hf"
+    """The rollout engine: ``hf`` samples with Hugging Face ``generate`` in the trainer's process."""
+    sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
+    The copy's weights are cast in before every rollout and freed after it; ``bfloat16``
+    under a float32 student halves the bytes each decode step reads, which is faster where
+    bfloat16 matmuls are (GPUs, CPUs with AVX-512; without it they take a fallback about 100x
+    slower, and opd warns). A LoRA student's adapters are merged into the copy (one matmul per
+    layer instead of three), so with LoRA a copy in the student's own dtype is made too and
+    samples faster. Its log-probs are the copy's, so the policy loss's importance ratio covers
+    the gap, as it does for a vLLM sampler. Evaluation always decodes with the student itself."""

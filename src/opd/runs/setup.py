@@ -1,0 +1,64 @@
+"""A run's student and teachers, built from its config: shared by training and ``opd eval``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from opd.config import Config, ConfigError
+from opd.data.render import ChatRenderer
+from opd.models import load_tokenizer
+from opd.policy.policy import Policy
+from opd.sampling.hf_generate import HFGenerateSampler
+from opd.teachers.base import TeacherRequest
+from opd.teachers.panel import TeacherPanel
+
+
+@dataclass
+class Student:
+    """The student's tokenizer, its model (:class:`opd.policy.Policy`) and how its prompts are rendered."""
+
+    tokenizer: object
+    policy: Policy
+    renderer: ChatRenderer
+
+    def sampler_for(self, model) -> HFGenerateSampler:
+        """A sampler of ``model`` (the student, or a teacher) that stops where the student's turns end."""
+        return HFGenerateSampler(
+            model,
+            self.tokenizer,
+            stop_token_ids=self.renderer.stop_token_ids,
+            stop_strings=self.renderer.stop_strings,
+        )
+
+
+def load_student(config: Config) -> Student:
+    """Tokenizer first (the objective's options are checked against its vocabulary), then the model,
+    its LoRA adapters initialised from the run's seed."""
+    torch.manual_seed(config.seed)
+    student = config.student
+    tokenizer = load_tokenizer(
+        student.tokenizer or student.model, "student.model", trust_remote_code=student.trust_remote_code
+    )
+    for option, problem in config.training.objective.vocabulary_problems(len(tokenizer)):
+        raise ConfigError(f"training.objective.{option}: {problem}")
+    policy = Policy.load(student, len(tokenizer))
+    renderer = ChatRenderer(tokenizer, student.chat_template, extra_stop_ids=policy.generation_stop_ids())
+    return Student(tokenizer, policy, renderer)
+
+
+def load_teachers(
+    config: Config, student: Student, pad_id: int, request: TeacherRequest | None
+) -> TeacherPanel:
+    """Every dataset's teacher, asked for ``request`` by default (token log-probs when None)."""
+    return TeacherPanel(
+        [config.teacher_for(d) for d in config.datasets],
+        [f"datasets[{i}].teacher" if d.teacher else "teacher" for i, d in enumerate(config.datasets)],
+        student.tokenizer,
+        student.renderer,
+        pad_id,
+        request=request,
+        batch_size=config.training.teacher_batch_size,
+        chunk_size=config.training.logprob_chunk_size,
+    )

@@ -1,0 +1,44 @@
+"""A teacher's settings, as the config's ``teacher`` (and ``datasets[i].teacher``) sections hold them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class TeacherConfig:
+    """The model whose per-token judgement trains the student. Scored in one no-grad forward."""
+
+    model: str
+    """Hugging Face model id or local directory (``local``), or the served model name (remote)."""
+    backend: Literal["local", "openai", "sglang"] = "local"
+    """``local``: in the trainer's process; ``openai``: a vLLM (OpenAI-compatible) server;
+    ``sglang``: an SGLang server. Remote teachers must share the student's token ids."""
+    base_url: str | None = None
+    """Remote server, as OpenAI clients take it: ``http://127.0.0.1:8000/v1`` (vLLM),
+    ``http://127.0.0.1:30000`` (SGLang)."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the server's API key (the key is never logged or saved)."""
+    tokenizer: str | None = None
+    """The teacher's tokenizer (id or path), checked against the student's; default: ``model`` when local."""
+    chat_template: str | None = None
+    """Render prompts for the teacher in its own format: a Jinja template, or ``tokenizer`` for
+    the teacher tokenizer's template. Unset: the teacher sees the student's rendering."""
+    cross_tokenizer: bool = False
+    """The teacher's tokenizer differs from the student's: completions are re-tokenized for it
+    and aligned on character offsets (``sampled_reverse_kl`` and ``k3`` on student samples only)."""
+    timeout_s: float = 60.0
+    """Remote: seconds to wait for one answer before retrying."""
+    max_retries: int = 4
+    """Remote: retries after a connection error, timeout or 5xx (exponential backoff with jitter)."""
+    max_concurrency: int = 4
+    """Remote: requests in flight at once."""
+    request_batch_size: int = 8
+    """Remote (openai): sequences per request."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Local: weights dtype, as for the student."""
+    device: str = "auto"
+    """Local: device, as for the student."""
+    trust_remote_code: bool = False
+    """Local: run model code shipped in the checkpoint."""

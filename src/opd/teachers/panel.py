@@ -1,0 +1,194 @@
+"""The run's teachers: one per dataset, loaded once per distinct model or server.
+
+They score the student's rollouts with what the objective needs (log-probs, top-k or hidden
+states). A teacher with its own chat template or tokenizer sees each rollout through a
+:class:`TeacherFormat`; the others read the batch's own padded tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from opd.data.render import ChatRenderer
+from opd.data.sequences import RolloutBatch
+from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
+from opd.teachers.alignment import TeacherFormat
+from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores
+from opd.teachers.config import TeacherConfig
+from opd.teachers.local import LocalTeacher
+from opd.teachers.remote import RemoteTeacher
+
+
+class TeacherPanel:
+    """Every dataset's teacher, how it reads the student's rollouts, and what to ask it for.
+
+    ``teachers[i]`` scores dataset i (``fields[i]`` names it in errors: ``teacher`` or
+    ``datasets[i].teacher``); ``request`` is what :meth:`score` asks for unless told otherwise
+    (None: the run needs no teacher answer, only :meth:`logprobs` for evaluation).
+    """
+
+    def __init__(
+        self,
+        teachers: list[TeacherConfig],
+        fields: list[str],
+        tokenizer,
+        renderer: ChatRenderer,
+        pad_id: int,
+        *,
+        request: TeacherRequest | None,
+        batch_size: int = 32,
+        chunk_size: int = 1024,
+    ):
+        self.tokenizer, self.renderer, self.pad_id, self.request = tokenizer, renderer, pad_id, request
+        self.batch_size, self.chunk_size = batch_size, chunk_size
+        self.vocab_size = len(tokenizer)
+        self.formats: list[TeacherFormat | None] = []
+        self.per_dataset = self._load_all(teachers, fields)
+
+    def _load_all(self, teachers: list[TeacherConfig], fields: list[str]) -> list[Teacher]:
+        loaded: dict[tuple, Teacher] = {}
+        formats: dict[tuple, TeacherFormat | None] = {}
+        per_dataset = []
+        for teacher_cfg, where in zip(teachers, fields, strict=True):
+            key = (
+                teacher_cfg.backend,
+                teacher_cfg.base_url,
+                teacher_cfg.model,
+                teacher_cfg.dtype,
+                teacher_cfg.device,
+            )
+            format_key = (
+                teacher_cfg.tokenizer or teacher_cfg.model,
+                teacher_cfg.chat_template,
+                teacher_cfg.cross_tokenizer,
+            )
+            if format_key not in formats:
+                formats[format_key] = self._teacher_format(teacher_cfg)
+            teacher_format = formats[format_key]
+            if key not in loaded:
+                loaded[key] = self._load_teacher(teacher_cfg, where, teacher_format)
+            per_dataset.append(loaded[key])
+            self.formats.append(teacher_format)
+        return per_dataset
+
+    def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
+        """How a teacher with its own template or tokenizer sees the rollouts (None: as the student)."""
+        if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer:
+            return None
+        name = teacher_cfg.tokenizer or teacher_cfg.model
+        own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
+        tokenizer = load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(self.tokenizer)
+        template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
+        renderer = ChatRenderer(tokenizer, template)
+        return TeacherFormat(
+            renderer, self.tokenizer, self.renderer.stop_token_ids, teacher_cfg.cross_tokenizer
+        )
+
+    def _load_teacher(
+        self, teacher_cfg: TeacherConfig, where: str, teacher_format: TeacherFormat | None
+    ) -> Teacher:
+        tokenizer_name = teacher_cfg.tokenizer or (
+            teacher_cfg.model if teacher_cfg.backend == "local" else None
+        )
+        if tokenizer_name is not None and not teacher_cfg.cross_tokenizer:
+            field_name = f"{where}.tokenizer" if teacher_cfg.tokenizer else f"{where}.model"
+            teacher_tokenizer = load_tokenizer(
+                tokenizer_name, field_name, trust_remote_code=teacher_cfg.trust_remote_code
+            )
+            check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
+        if teacher_cfg.backend != "local":
+            return RemoteTeacher(
+                backend=teacher_cfg.backend,
+                base_url=teacher_cfg.base_url,
+                model=teacher_cfg.model,
+                api_key_env=teacher_cfg.api_key_env,
+                timeout_s=teacher_cfg.timeout_s,
+                max_retries=teacher_cfg.max_retries,
+                max_concurrency=teacher_cfg.max_concurrency,
+                request_batch_size=teacher_cfg.request_batch_size,
+            )
+        model = load_causal_lm(
+            teacher_cfg.model,
+            f"{where}.model",
+            dtype=teacher_cfg.dtype,
+            device=teacher_cfg.device,
+            trust_remote_code=teacher_cfg.trust_remote_code,
+        )
+        vocab_size = self.vocab_size
+        if teacher_cfg.cross_tokenizer:
+            vocab_size = len(teacher_format.renderer.tokenizer)
+        return LocalTeacher(
+            model,
+            vocab_size=vocab_size,
+            pad_id=self.pad_id,
+            batch_size=self.batch_size,
+            chunk_size=self.chunk_size,
+        )
+
+    def rows_by_teacher(self, dataset_indices: list[int]) -> dict[int, list[int]]:
+        """Row indices grouped by the teacher that scores them, in first-seen order."""
+        groups: dict[int, list[int]] = {}
+        for row, dataset_index in enumerate(dataset_indices):
+            groups.setdefault(id(self.per_dataset[dataset_index]), []).append(row)
+        return groups
+
+    def score(self, batch: RolloutBatch, request: TeacherRequest | None = None) -> TeacherScores:
+        """Each row scored by its dataset's teacher, with what ``request`` (default: the panel's) asks for."""
+        request = request or self.request or TeacherRequest()
+        inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT.bool())
+        groups = list(self.rows_by_teacher(batch.dataset_index_B.tolist()).values())
+        first = self.formats[int(batch.dataset_index_B[0])]
+        if len(groups) == 1 and first is None:  # one teacher reading the student's tokens: its answer as is
+            return self.per_dataset[int(batch.dataset_index_B[0])].score(inputs, request)
+        scores = TeacherScores.zeros(*batch.mask_BT.shape, request)
+        for rows in groups:
+            dataset_index = int(batch.dataset_index_B[rows[0]])
+            teacher, teacher_format = self.per_dataset[dataset_index], self.formats[dataset_index]
+            if teacher_format is None:
+                answer = teacher.score(inputs.select(torch.tensor(rows)), request)
+                width = answer.logprobs_BT.shape[1]
+                for i, row in enumerate(rows):
+                    scores.logprobs_BT[row, :width] = answer.logprobs_BT[i]
+                    scores.put(row, slice(0, width), answer, i, slice(0, width))
+            else:
+                self._put_formatted(scores, rows, batch, teacher, teacher_format, request)
+        return scores
+
+    def _put_formatted(
+        self,
+        scores: TeacherScores,
+        rows: list[int],
+        batch: RolloutBatch,
+        teacher: Teacher,
+        teacher_format: TeacherFormat,
+        request: TeacherRequest,
+    ) -> None:
+        """Score the rows in the teacher's own format, then map its answer back onto the student's tokens."""
+        sequences = batch.sequences
+        built = [
+            teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :]) for r in rows
+        ]
+        answer = teacher.score(
+            TeacherInput.from_sequences(
+                [b.token_ids for b in built], [b.score_mask for b in built], self.pad_id
+            ),
+            request,
+        )
+        for i, row in enumerate(rows):
+            start, end = batch.prompt_lengths[row], len(sequences[row])
+            taught = answer.logprobs_BT[i, built[i].completion_start : len(built[i].token_ids)]
+            if teacher_format.cross_tokenizer:
+                student = batch.sampled_logprobs_BT[row, start:end].tolist()
+                taught = torch.tensor(teacher_format.student_view(built[i], taught.tolist(), student))
+            scores.logprobs_BT[row, start:end] = taught
+            scored = batch.mask_BT[row].bool()
+            teacher_scored = torch.zeros(answer.logprobs_BT.shape[1], dtype=torch.bool)
+            teacher_scored[: len(built[i].token_ids)] = torch.tensor(built[i].score_mask)
+            teacher_scored[0] = False
+            scores.put(row, scored, answer, i, teacher_scored)
+
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers applied)."""
+        return self.score(batch, TeacherRequest()).logprobs_BT
