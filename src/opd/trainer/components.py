@@ -35,6 +35,7 @@ class RunComponents:
         self.objective = training.objective
         student = load_student(config)
         self.tokenizer, self.policy, self.renderer = student.tokenizer, student.policy, student.renderer
+        self.policy.parallelize()
         self.vocab_size = len(self.tokenizer)
         device = self.policy.device
         warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")

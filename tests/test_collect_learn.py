@@ -1,0 +1,87 @@
+"""The step in two halves (collect, learn) and the one teacher I/O type both halves share."""
+
+import pytest
+import torch
+
+from opd.config import config_from_dict
+from opd.teachers.base import TeacherInput, TeacherRequest
+from opd.trainer.loop import Trainer
+
+
+def test_learn_takes_a_finished_batch_and_fetches_nothing(base_config, monkeypatch):
+    twin = Trainer(config_from_dict(base_config), progress=False)
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    batch = trainer.collect(0)
+    assert batch.step == 0 and batch.on_policy and set(batch.seconds) == {"time/sample", "time/teacher"}
+
+    def refuse(*_, **__):
+        raise AssertionError("learn() must not sample or score")
+
+    monkeypatch.setattr(trainer.engine, "rollout", refuse)
+    monkeypatch.setattr(trainer.teachers, "score", refuse)
+    learned = trainer.learn(batch)
+    expected = twin.train_step(0)
+    for key in expected:
+        if not key.startswith("time/"):
+            assert learned[key] == pytest.approx(expected[key], abs=1e-7), key
+
+
+def test_a_batch_collected_earlier_is_learned_as_it_was_collected(base_config):
+    """What collecting ahead of learning relies on: a batch keeps its version and scores."""
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    first, second = trainer.collect(0), trainer.collect(1)
+    trainer.learn(first)
+    assert second.rollouts.policy_version_B.unique().tolist() == [0] and trainer.policy.version == 1
+    metrics = trainer.learn(second)
+    assert metrics["kl_sample_train"] != 0  # the student moved since it sampled this batch
+    assert metrics["step"] == 1
+
+
+@pytest.mark.parametrize("request_", [TeacherRequest(), TeacherRequest(topk=4), TeacherRequest(hidden=True)])
+def test_teacher_scores_of_a_padded_batch_equal_each_row_scored_alone(base_config, request_):
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    rollouts, _ = trainer.sample_batch(0)
+    teacher = trainer.teachers.per_dataset[0]
+    inputs = TeacherInput(rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool())
+    together = teacher.score(inputs, request_)
+    for row in range(inputs.input_ids_BT.shape[0]):
+        alone = teacher.score(inputs.select(torch.tensor([row])), request_)
+        width = alone.logprobs_BT.shape[1]
+        torch.testing.assert_close(together.logprobs_BT[row, :width], alone.logprobs_BT[0], atol=1e-5, rtol=0)
+        assert not together.logprobs_BT[row, width:].any()
+        mask = rollouts.mask_BT[row : row + 1].bool()
+        rows_together, rows_alone = (
+            together.select(slice(row, row + 1)).rows(mask),
+            alone.rows(mask[:, :width]),
+        )
+        if request_.topk:
+            assert torch.equal(rows_together.topk_ids_NK, rows_alone.topk_ids_NK)
+            torch.testing.assert_close(
+                rows_together.topk_logprobs_NK, rows_alone.topk_logprobs_NK, atol=1e-5, rtol=0
+            )
+        if request_.hidden:
+            torch.testing.assert_close(rows_together.hidden_ND, rows_alone.hidden_ND, atol=1e-5, rtol=1e-5)
+            assert together.head is teacher.lm_head
+
+
+def test_two_teachers_answer_into_one_batch_as_each_would_alone(base_config, model_dirs, prompts_file):
+    base_config["datasets"].append(
+        {
+            "name": "self",
+            "source": str(prompts_file),
+            "groups_per_batch": 1,
+            "group_size": 2,
+            "teacher": {"model": str(model_dirs["student"])},
+        }
+    )
+    base_config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 3}
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    rollouts, _ = trainer.sample_batch(0)
+    scores = trainer.teachers.score(rollouts)
+    inputs = TeacherInput(rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool())
+    for dataset_index, teacher in enumerate(trainer.teachers.per_dataset):
+        rows = (rollouts.dataset_index_B == dataset_index).nonzero().flatten()
+        alone = teacher.score(inputs.select(rows), TeacherRequest(topk=3))
+        width = alone.logprobs_BT.shape[1]
+        torch.testing.assert_close(scores.logprobs_BT[rows, :width], alone.logprobs_BT, atol=1e-5, rtol=0)
+        assert torch.equal(scores.topk_ids_BTK[rows, :width], alone.topk_ids_BTK)

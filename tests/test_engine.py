@@ -1,0 +1,64 @@
+"""The rollout-engine contract on the HF engine: explicit seeds, versions, behaviour log-probs."""
+
+import torch
+
+from opd.config import config_from_dict
+from opd.data.sequences import build_rollout_batch
+from opd.logprobs import sequence_logprobs
+from opd.sampling.base import SamplingParams
+from opd.trainer.loop import Trainer
+
+PARAMS = SamplingParams(temperature=1.0, max_tokens=8)
+
+
+def engine_and_prompts(base_config, **student):
+    base_config["student"].update(student)
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    prompts = [trainer.renderer.prompt_ids([{"role": "user", "content": q}]) for q in ("abc", "gfed")] * 3
+    return trainer, prompts
+
+
+def test_a_seed_fixes_the_rollout_and_leaves_the_global_generator_alone(base_config):
+    trainer, prompts = engine_and_prompts(base_config)
+    engine = trainer.engine
+    engine.sync(trainer.policy)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = engine.rollout(prompts, PARAMS, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)
+    again = engine.rollout(prompts, PARAMS, seed=7)
+    other = engine.rollout(prompts, PARAMS, seed=8)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+
+
+def test_completions_carry_the_version_synced_and_their_behaviour_logprobs(base_config):
+    trainer, prompts = engine_and_prompts(base_config, sampling_dtype="bfloat16")
+    trainer.train_step(0)
+    assert trainer.policy.version == 1
+    assert {c.policy_version for c in trainer.engine.rollout(prompts, PARAMS, seed=0)} == {
+        0
+    }  # not synced yet
+    trainer.engine.sync(trainer.policy)
+    completions = trainer.engine.rollout(prompts, PARAMS, seed=0)
+    assert {c.policy_version for c in completions} == {1}
+    batch = build_rollout_batch(prompts, completions, [0] * len(prompts), trainer.engine.pad_id)
+    with torch.no_grad(), trainer.engine.copy.rollout() as copied:
+        recomputed, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+    mask = batch.mask_BT.bool()
+    torch.testing.assert_close(recomputed[mask], batch.sampled_logprobs_BT[mask], atol=2e-2, rtol=0)
+    assert batch.policy_version_B.tolist() == [1] * len(prompts)
+
+
+def test_a_step_samples_the_same_whatever_came_before_it(base_config):
+    """Rollouts depend on (seed, step) and the weights only: a fresh trainer given the weights of
+    one that trained a step samples that trainer's next step exactly (what an exact resume needs)."""
+    trainer, _ = engine_and_prompts(base_config)
+    trainer.train_step(0)
+    torch.manual_seed(999)  # whatever the global generator holds
+    expected, _ = trainer.sample_batch(1)
+    fresh = Trainer(config_from_dict(base_config), progress=False)
+    fresh.policy.model.load_state_dict(trainer.policy.model.state_dict())
+    got, _ = fresh.sample_batch(1)
+    assert torch.equal(got.input_ids_BT, expected.input_ids_BT)
+    assert torch.equal(got.sampled_logprobs_BT, expected.sampled_logprobs_BT)
