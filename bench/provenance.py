@@ -1,0 +1,62 @@
+"""What every result file records besides its numbers: the commit, the machine, the libraries.
+
+A figure in the docs is only worth as much as the means to rerun it: with the commit (marked
+``-dirty`` when the tree had uncommitted changes), the command, the resolved settings and this
+environment, anyone can tell whether their run is comparable.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
+"""The CPU flags that decide how fast float32 and bfloat16 matmuls run here."""
+LIBRARIES = ("torch", "transformers", "peft", "trl", "reasoning-gym")
+
+
+def git_commit(root: Path) -> str:
+    """The checked-out commit, with ``-dirty`` when tracked files differ from it."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode != 0
+    return commit + ("-dirty" if dirty else "")
+
+
+def cpu() -> dict:
+    """The CPU's model name, core count and the matmul-relevant flags it has."""
+    model, flags = platform.processor(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def environment() -> dict:
+    """Python, the libraries that matter, torch's threads and CPU capability, and the CPU."""
+    import torch
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "libraries": versions,
+        "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "cpu": cpu(),
+    }
