@@ -10,7 +10,8 @@ on both alike; the table gives medians and the after / before ratio (1.00 = as f
     python bench/before_after.py --base v0.1 --student DIR --teacher DIR --steps 3 --repeats 3
     python bench/before_after.py --base v0.1 --heads-only --rows 256 1024
 
-The base revision is checked out with ``git worktree`` into a temporary directory and removed
+On a shared machine one torch thread (``--threads 1``) varies least from run to run. The base
+revision is checked out with ``git worktree`` into a temporary directory and removed
 afterwards. Results go to ``--out`` as JSON with the commits, the settings and the machine.
 """
 
@@ -46,6 +47,10 @@ def child(args) -> None:
     """One measurement in this fresh interpreter; its result is the last line of stdout, as JSON."""
     tree = Path(args.child_tree)
     os.environ["TQDM_DISABLE"] = "1"
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.child_kind == "step":
         step_time = load_bench(tree, "step_time")
         settings = argparse.Namespace(
@@ -92,6 +97,7 @@ def measure(args, tree: Path, kind: str, tool: str, mode: str) -> dict:
         "vocab",
         "chunk_size",
         "calls",
+        "threads",
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -124,6 +130,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=3, help="fused heads: timed calls per run")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads per run (default torch's: one per core); 1 is quieter"
+    )
     parser.add_argument("--heads-only", action="store_true")
     parser.add_argument("--steps-only", action="store_true")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")

@@ -71,6 +71,8 @@ def test_an_option_may_be_overridden_under_a_bare_name():
     data = dict(MINIMAL, training={"objective": "jsd"})
     config = config_from_dict(data, ["training.objective.beta=0.25"])
     assert config.training.objective.beta == 0.25
+    switched = config_from_dict(data, ["training.objective=k3", "training.objective.kl_direction=forward"])
+    assert switched.training.objective == objectives()["k3"](kl_direction="forward")
 
 
 @pytest.mark.parametrize(

@@ -475,11 +475,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
     """Validate a plain mapping (as read from YAML) into a :class:`Config`."""
-    data = copy.deepcopy(data)
+    data = _objective_as_mapping(copy.deepcopy(data))
+    for override in overrides or []:
+        data = _objective_as_mapping(apply_overrides(data, [override]))
+    return validate(_build_dataclass(Config, data, ""))
+
+
+def _objective_as_mapping(data: dict) -> dict:
+    """``training.objective: jsd`` as ``{name: jsd}``, so that ``training.objective.beta=...`` applies."""
     training = data.get("training")
     if isinstance(training, dict) and isinstance(training.get("objective"), str):
-        training["objective"] = {"name": training["objective"]}  # so training.objective.beta=... applies
-    return validate(_build_dataclass(Config, apply_overrides(data, overrides or []), ""))
+        training["objective"] = {"name": training["objective"]}
+    return data
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
