@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from isolated_runs import alternating_medians, run_child
+from provenance import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the references live in tests/
 VARIANTS = ("naive", "checkpointed", "fused")
@@ -119,6 +120,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, nargs="*", default=[32], help="topk's teacher tokens per row")
     parser.add_argument("--calls", type=int, default=3, help="timed calls per process (after a warm-up)")
     parser.add_argument("--repeats", type=int, default=2, help="processes per variant, alternating")
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--setting", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,6 +135,7 @@ def main() -> None:
     header = ("objective", "variant", "seconds", "time x", "peak MiB", "mem %", "loss")
     widths = (12, 13, 8, 7, 9, 6, 12)
     print(" ".join(f"{name:>{width}}" for name, width in zip(header, widths, strict=True)))
+    rows = []
     for objective in args.objective:
         for setting in args.beta if objective == "jsd" else args.topk:
             runs, seconds, memory = alternating_medians(
@@ -147,6 +150,18 @@ def main() -> None:
                     f"{seconds[variant] / seconds['naive']:>7.2f} {memory[variant]:>9.0f} "
                     f"{100 * memory[variant] / memory['naive']:>5.0f}% {runs[variant][0]['loss']:>12.4f}"
                 )
+                rows.append(
+                    {
+                        "objective": objective,
+                        "setting": setting,
+                        "variant": variant,
+                        "seconds": seconds[variant],
+                        "peak_mib": memory[variant],
+                        "loss": runs[variant][0]["loss"],
+                    }
+                )
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "setting", "out")}
+    write_result(args.out, "bench/fused_heads.py", settings, rows)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 import torch
-from sample_efficiency import TASKS, cache_root, float32_sampler, write_task_files
+import yaml
+from provenance import write_result
+from sample_efficiency import SWEEP, cache_root, float32_sampler, task_files
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from opd.data.prompts import load_prompts
@@ -95,19 +98,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--task", default="multistep", choices=list(TASKS))
+    tasks = yaml.safe_load(SWEEP.read_text())["tasks"]
+    parser.add_argument("--task", default="multistep", choices=list(tasks))
     parser.add_argument("--sigmas", type=float, nargs="*", default=[0.25, 0.5, 1.0, 2.0, 3.0])
     parser.add_argument("--seeds", type=int, default=3, help="noise draws per sigma")
     parser.add_argument("--samples", type=int, default=8, help="temperature-1 samples per prompt")
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
 
     teacher = cache_root() / f"teacher-{args.task}"
     if not (teacher / "teacher.json").exists():
         parser.error(f"no cached teacher at {teacher}: build it with bench/sample_efficiency.py first")
-    max_tokens = TASKS[args.task]["max_tokens"]
+    spec = tasks[args.task]
+    max_tokens = spec["max_tokens"]
     model, tokenizer, renderer, sampler = float32_sampler(teacher)
     model.eval()
-    prompts = load_prompts(str(write_task_files(args.task)[1]))
+    prompts = load_prompts(str(task_files(args.task, spec)[1]))
 
     exact = noisy_greedy(model, tokenizer, renderer, prompts, 0.0, 0, max_tokens)
     print(f"teacher {teacher}, {len(prompts)} held-out prompts")
@@ -117,9 +123,8 @@ def main() -> None:
         near = [grade for grade, smallest in pairs if smallest < gap]
         right = f", {statistics.mean(near):.3f} of them right" if near else ""
         print(f"greedy paths through a top-1 minus top-2 probability gap < {gap}: {len(near)}{right}")
-    torch.manual_seed(0)
     rendered = [renderer.prompt_ids(p.messages) for p in prompts]
-    completions = sampler.sample(rendered * args.samples, temperature=1.0, max_tokens=max_tokens)
+    completions = sampler.sample(rendered * args.samples, temperature=1.0, max_tokens=max_tokens, seed=0)
     grades = [
         GRADERS["reasoning_gym"](tokenizer.decode(c.token_ids, skip_special_tokens=True), p)
         for c, p in zip(completions, prompts * args.samples, strict=True)
@@ -131,6 +136,7 @@ def main() -> None:
         f"sometimes {sum(0 < p < 1 for p in per_prompt)}, never {sum(p == 0 for p in per_prompt)}"
     )
     print(f"{'sigma':>6} {'KL/token':>9} {'greedy accuracy per seed':>26} {'mean':>6}")
+    noisy = []
     for sigma in args.sigmas:
         runs = [
             noisy_greedy(model, tokenizer, renderer, prompts, sigma, seed, max_tokens)
@@ -142,6 +148,14 @@ def main() -> None:
             f"{sigma:6.2f} {kl:9.4f} {' / '.join(f'{a:.3f}' for a in accuracies):>26} "
             f"{statistics.mean(accuracies):6.3f}"
         )
+        noisy.append({"sigma": sigma, "kl_per_token": kl, "accuracies": accuracies})
+    results = {
+        "teacher_greedy_accuracy": statistics.mean(exact["grades"]),
+        "teacher_sampled_accuracy": statistics.mean(grades),
+        "prompts": len(prompts),
+        "noisy_greedy": noisy,
+    }
+    write_result(args.out, "bench/greedy_fragility.py", vars(args) | {"teacher": str(teacher)}, results)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ import functools
 import json
 import resource
 import time
+from pathlib import Path
 
 import torch
 from isolated_runs import alternating_medians, run_child
+from provenance import write_result
 
 from opd.logprobs import selected_token_logprobs  # imported here, not inside the timed call
 
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -93,6 +96,7 @@ def main() -> None:
     )
     print("forward + backward of selected-token log-probs; medians; ratios against naive in this run")
     print(f"{'vocab':>8} {'variant':>16} {'seconds':>8} {'time x':>7} {'peak MiB':>9} {'mem %':>6}")
+    rows = []
     for vocab in args.vocab:
         _, seconds, memory = alternating_medians(
             VARIANTS,
@@ -106,6 +110,11 @@ def main() -> None:
                 f"{vocab:>8} {variant:>16} {seconds[variant]:>8.3f} {time_ratio:>7.2f} "
                 f"{memory[variant]:>9.0f} {memory_share:>5.0f}%"
             )
+            rows.append(
+                {"vocab": vocab, "variant": variant, "seconds": seconds[variant], "peak_mib": memory[variant]}
+            )
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "out")}
+    write_result(args.out, "bench/logprobs_memory.py", settings, rows)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,26 @@ def environment() -> dict:
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "cpu": cpu(),
     }
+
+
+def write_result(path: Path | None, bench: str, settings: dict, results, **extra) -> None:
+    """Write ``results`` to ``path`` (if given) as JSON, with the command, commit, settings and
+    environment that produced them."""
+    import json
+    import sys
+
+    if path is None:
+        return
+    root = Path(__file__).resolve().parents[1]
+    record = {
+        "bench": bench,
+        "command": " ".join(["python", *sys.argv]),
+        "commit": git_commit(root),
+        "settings": settings,
+        "environment": environment(),
+        **extra,
+        "results": results,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"wrote {path}")

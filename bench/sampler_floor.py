@@ -21,8 +21,10 @@ import argparse
 import inspect
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from provenance import write_result
 from torch import nn
 
 
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -109,6 +112,11 @@ def main() -> None:
     print(f"{'':>24} {'ms/token':>9} {'vs floor':>9}")
     for name, seconds in rows.items():
         print(f"{name:>24} {seconds * 1000:9.1f} {seconds / floor:9.2f}")
+    results = {
+        "ms_per_token": {name: 1000 * s for name, s in rows.items()},
+        "weights_mib": weight_bytes / 2**20,
+    }
+    write_result(args.out, "bench/sampler_floor.py", vars(args), results)
 
 
 if __name__ == "__main__":

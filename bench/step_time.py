@@ -10,7 +10,7 @@ is its own; the first step of each run is a warm-up and not timed.
 
     pip install 'trl>=1.11'
     python bench/step_time.py --quick            # tiny demo models (run `opd demo` once first)
-    python bench/step_time.py --student DIR --teacher DIR --steps 4 --repeats 3
+    python bench/step_time.py --student DIR --teacher DIR --steps 4 --repeats 3 --out result.json
 
 Prints medians and the opd/TRL ratios measured in this run.
 """
@@ -26,6 +26,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import write_result
 
 # tool -> what it runs; ratios are against "trl" (TRL in float32, as opd trains)
 TOOLS = {
@@ -217,6 +219,7 @@ def main() -> None:
         choices=list(TOOLS),
         help="; ".join(f"{tool}: {what}" for tool, what in TOOLS.items()) + " (trl is always run)",
     )
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 4)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -241,6 +244,7 @@ def main() -> None:
         + (f" {'vs TRL bf16':>11}" if versus_bf16 else "")
         + f"  {' / '.join(PHASES)} (opd, median s)"
     )
+    rows = []
     for mode in args.modes:
         runs: dict[str, list[dict]] = {tool: [] for tool in tools}
         for _ in range(args.repeats):
@@ -264,6 +268,20 @@ def main() -> None:
                 + "  "
                 + " / ".join(f"{phases[phase]:.2f}" for phase in phases)
             )
+            rows.append(
+                {
+                    "mode": mode,
+                    "tool": tool,
+                    "seconds_per_step": seconds,
+                    "vs_trl": seconds / summary["trl"][0],
+                    "peak_mib": peak,
+                    "peak_vs_trl": peak / summary["trl"][1],
+                    "phases": phases,
+                    "runs": runs[tool],
+                }
+            )
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_result(args.out, "bench/step_time.py", settings, rows, tools={t: TOOLS[t] for t in tools})
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ def inverse_cdf_sample(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch
     Token i is taken when ``u * total`` falls in ``[cdf[i-1], cdf[i])``, so zero-probability
     tokens are never taken. The cumulative sum runs in float64, so its rounding is far below
     any probability a float32 softmax can express. One uniform number per row, where
-    ``torch.multinomial`` draws one exponential per vocabulary entry (8 ms a row-batch for a
-    49k vocabulary on a CPU, against 0.2 ms here). A row with no finite distribution (NaN
+    ``torch.multinomial`` draws one exponential per vocabulary entry (for a vocabulary of tens
+    of thousands, most of a CPU decode step's sampling time). A row with no finite distribution (NaN
     logits) gets the last token, whose NaN log-prob makes the trainer skip the step.
     """
     cdf_BV = probs_BV.double().cumsum(-1)
@@ -47,8 +47,8 @@ def contiguous_head_input(model):
     The prefill passes the head only the last position, a strided slice of the hidden states.
     For a weight that does not require grad (a sampling copy, a frozen head under LoRA),
     ``torch.matmul`` then cannot fold that slice into one matrix and multiplies it by a
-    batch-expanded copy of the weight: a batch x vocab x hidden copy, 0.36 s a rollout for
-    SmolLM2 at batch 8 on a CPU against 4 ms for the copied slice.
+    batch-expanded copy of the weight: a batch x vocab x hidden copy per rollout, where copying
+    the slice costs a few kilobytes.
     """
     head = model.get_output_embeddings()
     handle = None if head is None else head.register_forward_pre_hook(_contiguous_input)
