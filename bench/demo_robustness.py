@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from provenance import write_result
+
 from opd.config import apply_overrides
 from opd.demo import run as demo
 
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="the end-to-end test's 200 by default")
     parser.add_argument("--set", nargs="*", default=[], metavar="DOTTED.KEY=VALUE")
     parser.add_argument("--work-dir", default=None, help="models and runs (default: a new temp dir)")
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="opd-demo-robustness-"))
     demo.demo_config = with_overrides(args.set)
@@ -46,6 +49,7 @@ def main() -> None:
     teacher = demo.ensure_model("teacher", demo.TEACHER_SPEC, seed=0, log=print)
     print(f"{args.steps} steps, overrides {args.set or 'none'}; models and runs in {work}")
     print(f"{'seed':>4} {'acc before':>10} {'acc after':>9} {'KL before':>9} {'KL after':>8} {'KL cut':>6}")
+    rows = []
     for seed in args.seeds:
         os.environ["OPD_CACHE"] = str(work / f"seed{seed}")
         if not (demo.cache_dir() / "teacher").exists():
@@ -61,6 +65,8 @@ def main() -> None:
             f"{after['teacher_kl']:>8.3f} {before['teacher_kl'] / after['teacher_kl']:>5.1f}x",
             flush=True,
         )
+        rows.append({"seed": seed, "before": before, "after": after})
+    write_result(args.out, "bench/demo_robustness.py", vars(args) | {"work_dir": str(work)}, rows)
 
 
 if __name__ == "__main__":
