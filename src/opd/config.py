@@ -26,6 +26,7 @@ from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
 from opd.objectives.registry import default_objective, objective_names, objectives
 from opd.policy.config import StudentConfig
+from opd.sampling.vllm_settings import student_settings_problems
 from opd.teachers.config import TeacherConfig
 
 __all__ = [
@@ -330,6 +331,8 @@ def validate(config: Config) -> Config:
         _positive(dataset.num_prompts, f"datasets[{i}].num_prompts")
         _positive(dataset.eval_num_prompts, f"datasets[{i}].eval_num_prompts")
     _positive(config.student.lora_rank, "student.lora_rank", allow_zero=True)
+    for key, problem in student_settings_problems(config.student):
+        raise ConfigError(f"student.{key}: {problem}")
     _positive(config.save_every, "save_every", allow_zero=True)
     _positive(config.eval_every, "eval_every", allow_zero=True)
     training = config.training

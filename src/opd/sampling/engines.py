@@ -12,7 +12,9 @@ from opd.sampling.base import RolloutEngine
 from opd.sampling.hf_generate import HFEngine
 
 
-def _hf_engine(student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer) -> HFEngine:
+def _hf_engine(
+    student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer, seed: int
+) -> HFEngine:
     return HFEngine(
         policy,
         tokenizer,
@@ -22,12 +24,25 @@ def _hf_engine(student: StudentConfig, policy: Policy, tokenizer, renderer: Chat
     )
 
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf_engine}
+def _vllm_engine(student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer, seed: int):
+    from opd.sampling.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        student,
+        policy,
+        tokenizer,
+        stop_token_ids=renderer.stop_token_ids,
+        stop_strings=renderer.stop_strings,
+        seed=seed,
+    )
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf_engine, "vllm": _vllm_engine}
 """Each value of ``student.sampler`` and how its engine is built."""
 
 
 def build_rollout_engine(
-    student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer
+    student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer, *, seed: int = 0
 ) -> RolloutEngine:
     """The engine that samples ``policy``'s rollouts, stopping where ``renderer`` says a turn ends."""
-    return ENGINES[student.sampler](student, policy, tokenizer, renderer)
+    return ENGINES[student.sampler](student, policy, tokenizer, renderer, seed)

@@ -25,6 +25,35 @@ from opd.errors import RemoteTeacherError
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
 
+def server_message(body: str) -> str:
+    """The message of a vLLM / SGLang / opd serve error body (``{"error": {"message"}}`` or
+    ``{"message"}``), or the body itself, cut to 500 characters."""
+    try:
+        answer = json.loads(body)
+    except json.JSONDecodeError:
+        return body[:500]
+    inner = answer.get("error", answer) if isinstance(answer, dict) else None
+    message = inner.get("message") if isinstance(inner, dict) else None
+    return str(message)[:500] if message else body[:500]
+
+
+def refusal_hint(status: int, message: str) -> str:
+    """What to change in opd or on the server for the refusals users meet most."""
+    lowered = message.lower()
+    if status == 404 and "model" in lowered:
+        return "; set teacher.model to the name the server serves (GET /v1/models lists it)"
+    if "max allowed" in lowered or "max_logprobs" in lowered:
+        return "; start the server with a larger --max-logprobs, or ask for fewer (training.objective.topk)"
+    if "out of vocabulary" in lowered:
+        return (
+            "; the server's model has fewer ids than the student's tokenizer: serve a teacher that "
+            "shares it, or set cross_tokenizer: true with teacher.tokenizer"
+        )
+    if "maximum context length" in lowered or "max_model_len" in lowered or "too long" in lowered:
+        return "; start the server with a larger --max-model-len, or lower training.max_tokens"
+    return ""
+
+
 class RemoteTeacher:
     """Scores token ids through ``POST {base_url}/completions`` (openai) or ``/generate`` (sglang)."""
 
@@ -74,10 +103,11 @@ class RemoteTeacher:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     body = response.read()
             except urllib.error.HTTPError as error:
-                detail = error.read().decode(errors="replace")[:500]
+                detail = server_message(error.read().decode(errors="replace"))
                 if error.code < 500:
                     raise RemoteTeacherError(
                         f"teacher server {self.endpoint} answered HTTP {error.code}: {detail}"
+                        f"{refusal_hint(error.code, detail)}"
                     ) from None
                 last_error = f"HTTP {error.code}: {detail}"
                 continue

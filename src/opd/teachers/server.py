@@ -17,15 +17,31 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
+
+from opd.logprobs import chunk_logits, head_weights
 from opd.models import load_causal_lm, load_tokenizer
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 
 
 class RequestError(ValueError):
-    """A malformed request: answered with HTTP 400 and this message."""
+    """A request refused: answered with ``status`` (400 unless said) and this message, as vLLM words it."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """vLLM's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = {404: "NotFoundError"}.get(status, "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class ScoringModel:
@@ -36,26 +52,36 @@ class ScoringModel:
         self.name = name
         self.max_logprobs = max_logprobs
         self.vocab_size = len(tokenizer)
+        self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.teacher = LocalTeacher(model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0)
         self.lock = threading.Lock()
 
     def score(
         self, prompts: list[list[int]], k: int
-    ) -> list[list[tuple[float, list[tuple[int, float]]] | None]]:
-        """Per prompt, per position: None at 0, else (log p(token), [(id, log p)] top-k by rank)."""
+    ) -> list[list[tuple[float, int, list[tuple[int, float]]] | None]]:
+        """Per prompt, per position: None at 0, else (log p(token), its rank, [(id, log p)] top-k by rank).
+
+        The rank is vLLM's: one more than the number of ids the model finds strictly more likely.
+        """
         inputs = TeacherInput.from_sequences(prompts, [[True] * len(p) for p in prompts], self.teacher.pad_id)
         with self.lock:
-            scores = self.teacher.score(inputs, TeacherRequest(topk=max(k, 1)))
-        per_prompt = []
-        for row, prompt in enumerate(prompts):
-            length = len(prompt)
-            values = scores.logprobs_BT[row, 1:length].tolist()
-            top_ids = scores.topk_ids_BTK[row, 1:length, :k].tolist()
-            top_values = scores.topk_logprobs_BTK[row, 1:length, :k].tolist()
-            positions: list = [None]
-            for value, ids_k, values_k in zip(values, top_ids, top_values, strict=True):
-                positions.append((value, list(zip(ids_k, values_k, strict=True))))
-            per_prompt.append(positions)
+            scores = self.teacher.score(inputs, TeacherRequest(topk=max(k, 1), hidden=True))
+            weight, bias = head_weights(scores.head, self.vocab_size)
+            per_prompt = []
+            for row, prompt in enumerate(prompts):
+                length = len(prompt)
+                values = scores.logprobs_BT[row, 1:length].tolist()
+                logits, _ = chunk_logits(
+                    scores.hidden_BTD[row, 1:length], weight, bias, scores.head_transform
+                )
+                chosen = logits.gather(-1, torch.tensor(prompt[1:], device=logits.device)[:, None])
+                ranks = ((logits > chosen).sum(-1) + 1).tolist()
+                top_ids = scores.topk_ids_BTK[row, 1:length, :k].tolist()
+                top_values = scores.topk_logprobs_BTK[row, 1:length, :k].tolist()
+                positions: list = [None]
+                for value, rank, ids_k, values_k in zip(values, ranks, top_ids, top_values, strict=True):
+                    positions.append((value, rank, list(zip(ids_k, values_k, strict=True))))
+                per_prompt.append(positions)
         return per_prompt
 
 
@@ -68,7 +94,7 @@ def _token_ids(value, field: str, vocab_size: int) -> list[int]:
         raise RequestError(f"'{field}' must be a non-empty list of token ids")
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
-        raise RequestError(f"'{field}' has token ids outside the vocabulary of {vocab_size}: {bad[:5]}")
+        raise RequestError(f"Token id {bad[0]} is out of vocabulary (the model has {vocab_size} ids)")
     return value
 
 
@@ -76,7 +102,7 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
     """The answer to ``POST /v1/completions``."""
     if body.get("model") not in (None, scorer.name):
         raise RequestError(
-            f"model '{body.get('model')}' is not served here; this server serves '{scorer.name}'"
+            f"The model `{body.get('model')}` does not exist. Valid aliases: {scorer.name}.", 404, "model"
         )
     prompt = body.get("prompt")
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
@@ -90,36 +116,56 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
         raise RequestError("'prompt_logprobs' must be a non-negative integer")
     if k > scorer.max_logprobs:
         raise RequestError(
-            f"Requested prompt logprobs of {k}, which is greater than max allowed: {scorer.max_logprobs}"
+            f"Requested prompt logprobs of {k}, which is greater than max allowed: {scorer.max_logprobs} "
+            f"(parameter=prompt_logprobs, value={k})",
+            param="prompt_logprobs",
         )
     if body.get("max_tokens", 16) not in (0, 1):
         raise RequestError("'max_tokens' must be 0 or 1 here (this server does not generate)")
     choices = []
+    decode = scorer.tokenizer.decode
     for index, (ids, positions) in enumerate(zip(prompts, scorer.score(prompts, k), strict=True)):
         entries: list = [None]
         for token, position in zip(ids[1:], positions[1:], strict=True):
-            value, top = position
-            entry = {
-                str(tid): {"logprob": lp, "rank": rank, "decoded_token": scorer.tokenizer.decode([tid])}
-                for rank, (tid, lp) in enumerate(top, start=1)
-            }
-            rank = next((r for r, (tid, _) in enumerate(top, start=1) if tid == token), None)
-            entry[str(token)] = {
-                "logprob": value,
-                "rank": rank or k + 1,
-                "decoded_token": scorer.tokenizer.decode([token]),
-            }
+            value, rank, top = position
+            # vLLM lists the prompt token first, then the top-k by rank
+            entry = {str(token): {"logprob": value, "rank": rank, "decoded_token": decode([token])}}
+            for top_rank, (tid, lp) in enumerate(top, start=1):
+                entry.setdefault(str(tid), {"logprob": lp, "rank": top_rank, "decoded_token": decode([tid])})
             entries.append(entry)
         choices.append(
             {
                 "index": index,
                 "text": "",
+                "logprobs": None,
                 "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
                 "prompt_logprobs": entries,
-                "prompt_token_ids": ids,
+                "prompt_token_ids": ids if body.get("return_token_ids") else None,
+                "routed_experts": None,
             }
         )
-    return {"id": "cmpl-opd", "object": "text_completion", "model": scorer.name, "choices": choices}
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:16]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": scorer.name,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": "opd-serve",
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
 
 
 def generate_response(scorer: ScoringModel, body: dict) -> dict:
@@ -141,7 +187,7 @@ def generate_response(scorer: ScoringModel, body: dict) -> dict:
             token_logprobs.append([None, token, None])
             top_logprobs.append(None)
             continue
-        value, top = positions[position]
+        value, _, top = positions[position]
         token_logprobs.append([value, token, decode([token])])
         top_logprobs.append([[lp, tid, decode([tid])] for tid, lp in top])
     meta = {
@@ -150,6 +196,36 @@ def generate_response(scorer: ScoringModel, body: dict) -> dict:
         "prompt_tokens": len(ids),
     }
     return {"text": "", "meta_info": meta}
+
+
+def models_response(scorer: ScoringModel) -> dict:
+    """The answer to ``GET /v1/models``, in vLLM's shape."""
+    created = int(time.time())
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    model = {
+        "id": scorer.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "opd",
+        "root": scorer.name,
+        "parent": None,
+        "max_model_len": scorer.max_model_len,
+        "permission": [permission],
+    }
+    return {"object": "list", "data": [model]}
 
 
 def make_handler(scorer: ScoringModel):
@@ -169,14 +245,14 @@ def make_handler(scorer: ScoringModel):
             self.end_headers()
             self.wfile.write(data)
 
-        def _error(self, status: int, message: str) -> None:
-            self._send(status, {"object": "error", "message": message, "code": status})
+        def _error(self, status: int, message: str, param: str | None = None) -> None:
+            self._send(status, error_body(message, status, param))
 
         def do_GET(self):
             if self.path == "/health":
                 self._send(200, {"status": "ok"})
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": scorer.name, "object": "model"}]})
+                self._send(200, models_response(scorer))
             else:
                 self._error(404, f"no route {self.path}")
 
@@ -194,7 +270,7 @@ def make_handler(scorer: ScoringModel):
             except (json.JSONDecodeError, UnicodeDecodeError):
                 self._error(400, "the request body is not valid JSON")
             except RequestError as error:
-                self._error(400, str(error))
+                self._error(error.status, str(error), error.param)
 
     return Handler
 

@@ -16,6 +16,7 @@ from opd.models import DTYPES, warn_if_slow_on_this_cpu
 from opd.runs.evaluation import load_eval_sets
 from opd.runs.loggers import check_loggers
 from opd.runs.setup import load_student, load_teachers
+from opd.sampling.base import Sampler
 from opd.sampling.engines import build_rollout_engine
 from opd.teachers.local import LocalTeacher
 from opd.trainer.optimizer import build_optimizer
@@ -24,9 +25,9 @@ from opd.trainer.optimizer import build_optimizer
 class RunComponents:
     """The student (:attr:`policy`), its rollout engine, the teachers, the data and the optimizer.
 
-    ``sampler`` decodes with the student itself (evaluation); ``engine`` samples its rollouts
-    (from the student, or from a sampling copy); ``teacher_samplers`` write completions for the
-    off-policy data sources, one per local teacher.
+    ``engine`` samples the student's rollouts (from the student, a sampling copy or vLLM);
+    ``sampler`` decodes for evaluation: the engine itself where it can (vLLM), else the student;
+    ``teacher_samplers`` write completions for the off-policy data sources, one per local teacher.
     """
 
     def __init__(self, config: Config):
@@ -40,8 +41,12 @@ class RunComponents:
         device = self.policy.device
         warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")
         warn_if_slow_on_this_cpu(DTYPES.get(training.autocast), device, "training.autocast")
-        self.engine = build_rollout_engine(student_cfg, self.policy, self.tokenizer, self.renderer)
-        self.sampler = student.sampler_for(self.policy.model)
+        self.engine = build_rollout_engine(
+            student_cfg, self.policy, self.tokenizer, self.renderer, seed=config.seed
+        )
+        self.sampler = (
+            self.engine if isinstance(self.engine, Sampler) else student.sampler_for(self.policy.model)
+        )
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
         self.batches = CompositeBatches(
             self.datasets,

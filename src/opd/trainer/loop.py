@@ -69,7 +69,7 @@ class Batch:
     teacher: TeacherScores | None
     """The teachers' answer, as the objective asked for it (None: it needs none)."""
     seconds: dict[str, float]
-    """``time/sample`` and ``time/teacher``."""
+    """``time/sample`` (which includes ``time/weight_sync`` on student batches) and ``time/teacher``."""
 
     @property
     def on_policy(self) -> bool:
@@ -98,6 +98,7 @@ class Trainer(RunComponents):
         super().__init__(config)
         self.progress = progress
         self.spans = SpanRecorder(None)
+        self.sync_seconds = 0.0
 
     def data_source_at(self, step: int) -> str:
         """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""
@@ -130,7 +131,9 @@ class Trainer(RunComponents):
         training, seed = self.config.training, step_seed(self.config.seed, step)
         params = SamplingParams(temperature=training.temperature, max_tokens=training.max_tokens)
         if source == "student":
+            synced = time.perf_counter()
             self.engine.sync(self.policy)
+            self.sync_seconds = time.perf_counter() - synced
             completions = self.engine.rollout(prompts, params, seed=seed)
         elif source == "teacher":
             completions = self.teacher_rollouts(prompts, dataset_indices, params, seed)
@@ -158,6 +161,7 @@ class Trainer(RunComponents):
     def collect(self, step: int) -> Batch:
         """Step ``step``'s batch: prompts, completions, and the teachers' scores of them."""
         started = time.perf_counter()
+        self.sync_seconds = 0.0
         with self.spans.span(step, "sample"):
             rollouts, source = self.sample_batch(step)
         sampled_at = time.perf_counter()
@@ -165,7 +169,12 @@ class Trainer(RunComponents):
         if self.teachers.request is not None:  # SFT reads only the tokens: no teacher forward to pay for
             with self.spans.span(step, "teacher"):
                 teacher = self.teachers.score(rollouts)
-        seconds = {"time/sample": sampled_at - started, "time/teacher": time.perf_counter() - sampled_at}
+        seconds = {
+            "time/sample": sampled_at - started,
+            "time/teacher": time.perf_counter() - sampled_at,
+        }
+        if source == "student":
+            seconds["time/weight_sync"] = self.sync_seconds
         return Batch(step, source, rollouts, teacher, seconds)
 
     def kl_metrics(self, batch: Batch) -> dict[str, float]:
@@ -230,7 +239,7 @@ class Trainer(RunComponents):
             "skipped": int(stats.applied_substeps == 0),
             **batch.seconds,
             "time/train": train_seconds,
-            "time/total": sum(batch.seconds.values()) + train_seconds,
+            "time/total": batch.seconds["time/sample"] + batch.seconds["time/teacher"] + train_seconds,
         }
         if batch.on_policy:
             metrics["kl_sample_train"] = stats.kl_sample_train
@@ -261,6 +270,8 @@ class Trainer(RunComponents):
         """``test/*`` metrics of the current student on every dataset's held-out prompts."""
         started = time.perf_counter()
         with self.spans.span(step if step is not None else -1, "eval"):
+            if self.sampler is self.engine:
+                self.engine.sync(self.policy)
             metrics = evaluate(
                 self.sampler,
                 self.renderer,

@@ -1,0 +1,244 @@
+"""The student's rollouts sampled by an in-process ``vllm.LLM``, its weights synced after every update.
+
+The engine runs in the trainer's process (vLLM's engine core in process, as TRL's colocate
+mode does), so a sync hands vLLM the trainer's tensors directly: no disk round trip and no
+serialization. ``reload_weights`` loads them layer by layer and re-runs each layer's
+post-load processing, which matters on a CPU, where vLLM packs every linear weight into a
+oneDNN handle at load time and a plain ``load_weights`` would leave the packed copy stale.
+A LoRA student either pushes its merged weights (``W + scale * B @ A``, the default) or saves
+its adapter and has vLLM hot-load it in place (``student.lora_sync: adapter``).
+
+Sampling is exactly ``softmax(logits / temperature)`` over the tokenizer's ids: no top-k or
+top-p, none of the checkpoint's generation defaults (``generation_config="vllm"``), and the
+log-probs vLLM records are the processed ones (temperature applied), so they are the
+behaviour policy's. Each row draws from a seed derived from the rollout's seed and its row,
+so a resumed run samples the same completions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from opd.data.sequences import Completion
+from opd.errors import ConfigError
+from opd.models import DTYPES
+from opd.policy.config import StudentConfig
+from opd.sampling.base import SamplingParams
+from opd.sampling.vllm_settings import lora_rank_for_engine, student_settings_problems
+
+if TYPE_CHECKING:
+    from opd.policy.policy import Policy
+
+
+def row_seed(seed: int, row: int) -> int:
+    """Row ``row``'s sampling seed in a rollout seeded ``seed``: depends on nothing else."""
+    return (seed * 6_364_136_223_846_793_005 + (row + 1) * 1_442_695_040_888_963_407) % (2**63)
+
+
+class VLLMEngine:
+    """Samples the student's rollouts with an in-process ``vllm.LLM`` built from ``student.model``.
+
+    :meth:`sync` pushes the policy's weights whenever its version moved since the last push (and
+    always before the first rollout, so weights loaded by a resume or ``load_checkpoint_path``
+    reach vLLM), then empties the prefix cache, whose entries were computed with the old
+    weights. It also serves as a :class:`opd.sampling.base.Sampler` for evaluation, with the
+    weights of the last sync.
+    """
+
+    def __init__(
+        self,
+        student: StudentConfig,
+        policy: Policy,
+        tokenizer,
+        *,
+        stop_token_ids: list[int],
+        stop_strings: list[str] | None = None,
+        seed: int = 0,
+    ):
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self.stop_strings = list(stop_strings or [])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
+        self.vocab_size = len(tokenizer)
+        self.dtype = DTYPES.get(student.sampling_dtype, policy.dtype)
+        self.adapter_sync = policy.has_adapters and student.lora_sync == "adapter"
+        self.version: int | None = None
+        self.sleeping = False
+        self.sync_seconds = 0.0
+        self.llm = self._build(student, seed)
+        self.sleep_mode = bool(student.sampler_options.get("enable_sleep_mode"))
+        model_vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        self.allowed_token_ids = list(range(self.vocab_size)) if model_vocab > self.vocab_size else None
+        self.adapter_dir: Path | None = None
+        self.lora_request = None
+        if self.adapter_sync:
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="opd-adapter-", dir=_scratch_dir()))
+            weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
+
+    def _build(self, student: StudentConfig, seed: int):
+        for key, problem in student_settings_problems(student):
+            raise ConfigError(f"student.{key}: {problem}")
+        # The engine core must live in this process: a sync hands it the trainer's tensors.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        options: dict[str, Any] = engine_defaults(self.policy.device) | dict(student.sampler_options)
+        if self.adapter_sync:
+            options.setdefault("max_lora_rank", lora_rank_for_engine(student.lora_rank))
+            options |= {"enable_lora": True, "max_loras": 1}
+        try:
+            return LLM(
+                model=str(Path(student.model).expanduser()) if _is_path(student.model) else student.model,
+                tokenizer=student.tokenizer,
+                dtype=str(self.dtype).removeprefix("torch."),
+                seed=seed,
+                trust_remote_code=student.trust_remote_code,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",
+                **options,
+            )
+        except Exception as error:  # vLLM raises ValueError, TypeError, pydantic and runtime errors
+            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(
+                f"student.sampler: vLLM could not build an engine for '{student.model}' with "
+                f"sampler_options {student.sampler_options}: {type(error).__name__}: {message}"
+            ) from error
+
+    def sync(self, policy: Policy) -> None:
+        """Push ``policy``'s weights into the engine if they changed since the last push."""
+        if policy is not self.policy:
+            raise ValueError("a VLLMEngine samples the policy it was built for")
+        if self.version == policy.version and not self.sleeping:
+            return
+        started = time.perf_counter()
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+        if self.adapter_sync:
+            policy.save(self.adapter_dir)
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest("opd-student", 1, str(self.adapter_dir), load_inplace=True)
+        else:
+            weights = policy.sampler_weights(self.dtype)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.apply_model(refresh_shared_weight_layers)
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+        self.llm.reset_prefix_cache()
+        self.version = policy.version
+        self.sync_seconds = time.perf_counter() - started
+
+    def rollout(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
+        """One completion per prompt, each with its behaviour log-probs and the synced version."""
+        completions = self.sample(
+            prompts,
+            temperature=params.temperature,
+            max_tokens=params.max_tokens,
+            greedy=params.greedy,
+            seed=seed,
+        )
+        if self.sleep_mode:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+        return [dataclasses.replace(c, policy_version=self.version) for c in completions]
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        *,
+        temperature: float,
+        max_tokens: int,
+        greedy: bool = False,
+        seed: int | None = None,
+    ) -> list[Completion]:
+        """One completion per prompt from the engine's current weights (greedy ignores the temperature)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        if self.version is None:
+            raise RuntimeError("VLLMEngine.sample before the first sync: call sync(policy) first")
+        params = [
+            VLLMSamplingParams(
+                n=1,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=max_tokens,
+                seed=None if seed is None else row_seed(seed, row),
+                logprobs=0,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=True,
+                stop=self.stop_strings or None,
+                include_stop_str_in_output=True,
+                allowed_token_ids=self.allowed_token_ids,
+                skip_special_tokens=False,
+            )
+            for row in range(len(prompts))
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
+        )
+        return [self._completion(output.outputs[0]) for output in outputs]
+
+    def _completion(self, output) -> Completion:
+        token_ids = list(output.token_ids)
+        logprobs = [
+            float(step[token].logprob) for step, token in zip(output.logprobs, token_ids, strict=True)
+        ]
+        return Completion(token_ids, logprobs, finished=output.finish_reason == "stop")
+
+
+def refresh_shared_weight_layers(model) -> None:
+    """Re-run the post-load processing of layers whose weight another layer owns (a tied lm head).
+
+    ``reload_weights`` processes the layers it loaded; a head tied to the embedding loads nothing
+    of its own, so on a CPU its packed copy of the weight (made when the engine was built) would
+    keep the old values: a 0.34-nat log-prob error on a tiny tied model after one update.
+    """
+    from collections import Counter
+
+    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if weight is not None and uses[id(weight)] > 1 and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
+CPU_KV_CACHE_BYTES = 2**30
+"""KV cache of an engine on a CPU unless set: vLLM would otherwise take most of the machine's memory
+(21 of 23.5 GiB here, 59 s to allocate), leaving none to the trainer it shares the process with."""
+
+GPU_MEMORY_UTILIZATION = 0.3
+"""Share of the GPU a colocated engine takes unless set (vLLM's own default, 0.9, is for a server
+alone on its device; the trainer needs the rest)."""
+
+
+def engine_defaults(device) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments opd chooses unless ``student.sampler_options`` sets them."""
+    defaults: dict[str, Any] = {"enforce_eager": True}
+    if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        defaults["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if device.type == "cuda":
+        defaults["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+    return defaults
+
+
+def _is_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def _scratch_dir() -> str | None:
+    """Memory-backed scratch space for adapter syncs where there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

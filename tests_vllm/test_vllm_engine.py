@@ -1,0 +1,176 @@
+"""The vLLM rollout engine against a real in-process vLLM: its log-probs are the trainer's, before and
+after every update, for full fine-tuning and both LoRA sync modes; seeds, stops and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from opd.config import ConfigError, config_from_dict
+from opd.sampling.base import SamplingParams
+from opd.sampling.vllm_engine import VLLMEngine
+from opd.trainer.loop import Trainer, train
+
+STUDENTS = {
+    "full-untied": {"model": "untied", "lora_rank": 0},
+    "full-tied": {"model": "tied", "lora_rank": 0},
+    "lora-merged": {"model": "tied", "lora_rank": 8, "lora_sync": "merged"},
+    "lora-adapter": {"model": "untied", "lora_rank": 8, "lora_sync": "adapter"},
+}
+
+
+def configured(vllm_config, vllm_models, student: dict, **training) -> dict:
+    config = copy.deepcopy(vllm_config)
+    config["student"] |= student | {"model": str(vllm_models[student["model"]])}
+    config["training"] |= training
+    return config
+
+
+def trainer_logprobs(trainer: Trainer, batch) -> torch.Tensor:
+    """The trainer's own log-probs of the batch's sampled tokens, at the run's temperature."""
+    rollouts = batch.rollouts
+    with torch.no_grad():
+        logprobs, _ = trainer.policy.sequence_logprobs(
+            rollouts.input_ids_BT,
+            rollouts.attention_mask_BT,
+            rollouts.mask_BT,
+            temperature=trainer.config.training.temperature,
+        )
+    return logprobs
+
+
+def gap(trainer: Trainer, batch) -> float:
+    """Largest |vLLM's recorded log-prob - the trainer's| over the batch's sampled tokens."""
+    mask = batch.rollouts.mask_BT.bool()
+    return float((batch.rollouts.sampled_logprobs_BT - trainer_logprobs(trainer, batch))[mask].abs().max())
+
+
+@pytest.mark.parametrize("student", list(STUDENTS))
+def test_engine_samples_from_the_weights_being_trained(vllm_config, vllm_models, student):
+    config = configured(
+        vllm_config,
+        vllm_models,
+        STUDENTS[student],
+        temperature=0.7,
+        learning_rate=2e-2 if "lora" in student else 5e-3,
+    )
+    trainer = Trainer(config_from_dict(config), progress=False)
+    assert isinstance(trainer.engine, VLLMEngine) and trainer.sampler is trainer.engine
+    first = trainer.collect(0)
+    assert first.rollouts.mask_BT.sum() > 0
+    assert gap(trainer, first) < 1e-4
+    assert (first.rollouts.policy_version_B == 0).all()
+
+    before = trainer_logprobs(trainer, first)
+    trainer.learn(first)
+    assert trainer.policy.version == 1
+    mask = first.rollouts.mask_BT.bool()
+    moved = float((trainer_logprobs(trainer, first) - before)[mask].abs().max())
+    assert moved > 1e-2, "the update must move the log-probs enough that a stale engine would show"
+
+    second = trainer.collect(1)
+    assert (second.rollouts.policy_version_B == 1).all()
+    assert gap(trainer, second) < 1e-4
+
+
+def test_rollouts_follow_their_seed_stop_at_the_stop_id_and_record_truncation(vllm_config, vllm_models):
+    trainer = Trainer(config_from_dict(vllm_config), progress=False)
+    engine = trainer.engine
+    engine.sync(trainer.policy)
+    prompts = [trainer.renderer.prompt_ids([{"role": "user", "content": "reverse abc"}])] * 6
+    params = SamplingParams(temperature=1.0, max_tokens=12)
+    once = engine.rollout(prompts, params, seed=7)
+    again = engine.rollout(prompts, params, seed=7)
+    other = engine.rollout(prompts, params, seed=8)
+    assert [c.token_ids for c in once] == [c.token_ids for c in again]
+    assert [c.logprobs for c in once] == [c.logprobs for c in again]
+    assert [c.token_ids for c in once] != [c.token_ids for c in other]
+    assert len({tuple(c.token_ids) for c in once}) > 1, "rows of one prompt draw from seeds of their own"
+    stops = set(trainer.renderer.stop_token_ids)
+    for completion in once + other:
+        ends_at_stop = completion.token_ids[-1] in stops
+        assert completion.finished == ends_at_stop
+        assert not any(t in stops for t in completion.token_ids[:-1])
+        assert completion.finished or len(completion.token_ids) == 12
+        assert len(completion.logprobs) == len(completion.token_ids)
+    greedy = engine.sample(prompts[:2], temperature=1.0, max_tokens=12, greedy=True)
+    assert greedy[0].token_ids == greedy[1].token_ids
+
+
+@pytest.mark.parametrize("student", ["full-untied", "lora-merged"])
+def test_ten_steps_keep_kl_sample_train_below_1e_3(vllm_config, vllm_models, student):
+    config = configured(
+        vllm_config,
+        vllm_models,
+        STUDENTS[student],
+        max_steps=10,
+        learning_rate=1e-3 if student.startswith("full") else 1e-2,
+    )
+    metrics = train(config_from_dict(config), progress=False).metrics
+    assert [m["step"] for m in metrics] == list(range(10))
+    kl = [abs(m["kl_sample_train"]) for m in metrics]
+    assert max(kl) < 1e-3, kl
+    assert all(m["time/weight_sync"] > 0 for m in metrics[1:])
+
+
+def test_evaluation_decodes_with_the_synced_engine(vllm_config, vllm_models, tmp_path):
+    config = copy.deepcopy(vllm_config)
+    config["datasets"] = [
+        {
+            "name": "rev",
+            "source": "demo:reverse",
+            "groups_per_batch": 2,
+            "group_size": 2,
+            "eval_num_prompts": 8,
+        }
+    ]
+    config |= {"eval_every": 2}
+    config["training"] |= {"max_steps": 2}
+    metrics = train(config_from_dict(config), progress=False).metrics
+    evaluated = [m for m in metrics if "test/rev/accuracy" in m]
+    assert [m["step"] for m in evaluated] == [0, 2]
+
+
+def test_sampler_options_vllm_does_not_take_are_refused_by_name(vllm_config):
+    vllm_config["student"]["sampler_options"] = {"max_model_length": 256}
+    with pytest.raises(
+        ConfigError, match=r"student\.sampler_options\.max_model_length: .*did you mean 'max_model_len'"
+    ):
+        config_from_dict(vllm_config)
+    vllm_config["student"]["sampler_options"] = {"dtype": "float16"}
+    with pytest.raises(ConfigError, match=r"student\.sampler_options\.dtype: set by opd from student\.dtype"):
+        config_from_dict(vllm_config)
+
+
+def test_lora_rank_above_the_engines_max_lora_rank_is_refused(vllm_config):
+    vllm_config["student"] |= {"lora_rank": 16, "lora_sync": "adapter"}
+    vllm_config["student"]["sampler_options"] |= {"max_lora_rank": 8}
+    with pytest.raises(
+        ConfigError, match=r"student\.sampler_options\.max_lora_rank: 8 is below student\.lora_rank 16"
+    ):
+        config_from_dict(vllm_config)
+
+
+def test_a_value_vllm_rejects_is_a_config_error_before_training(vllm_config, tmp_path):
+    vllm_config["student"]["sampler_options"] |= {"max_model_len": 100_000}
+    with pytest.raises(
+        ConfigError, match=r"student\.sampler: vLLM could not build an engine .*max_model_len"
+    ):
+        Trainer(config_from_dict(vllm_config), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_architecture_vllm_does_not_support_is_a_config_error(vllm_config, vllm_models, tmp_path):
+    import json
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(vllm_models["untied"], odd)
+    config_json = json.loads((odd / "config.json").read_text())
+    config_json["architectures"] = ["OpdNoSuchModelForCausalLM"]
+    (odd / "config.json").write_text(json.dumps(config_json))
+    vllm_config["student"]["model"] = str(odd)
+    with pytest.raises(ConfigError, match=r"student\.sampler: vLLM could not build an engine for .*odd"):
+        Trainer(config_from_dict(vllm_config), progress=False)
