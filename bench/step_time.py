@@ -8,7 +8,7 @@ full-vocabulary generalized JSD (beta 1 = reverse KL), so opd runs the same obje
 repeat) runs in its own process, alternating, so peak memory (the process's high-water mark)
 is its own; the first step of each run is a warm-up and not timed.
 
-    pip install 'trl>=1.11'
+    pip install 'trl>=1.11'              # and vLLM for the opd-*-vllm tools (docs/vllm.md)
     python bench/step_time.py --quick            # tiny demo models (run `opd demo` once first)
     python bench/step_time.py --student DIR --teacher DIR --steps 4 --repeats 3 --out result.json
 
@@ -33,6 +33,7 @@ from provenance import write_result
 TOOLS = {
     "trl": "TRL DistillationTrainer, float32",
     "trl-bf16": "TRL with bf16=True (its default: bfloat16 autocast for generation and training)",
+    "trl-vllm": "TRL with its colocated vLLM (use_vllm=True, vllm_mode colocate), float32",
     "opd-jsd": "opd jsd beta 1 (TRL's objective), float32",
     "opd-sampled": "opd sampled_reverse_kl, float32",
     "opd-topk": "opd topk_forward_kl (k 32: what a vLLM / SGLang teacher can serve), float32",
@@ -42,11 +43,16 @@ TOOLS = {
     "opd-sampled-f32s": "opd sampled_reverse_kl, rollouts from a float32 copy (LoRA merged)",
     "opd-jsd-mixed": "opd jsd at trl-bf16's precision: bfloat16 sampling copy, teacher and autocast update",
     "opd-sampled-mixed": "opd sampled_reverse_kl at trl-bf16's precision (as opd-jsd-mixed)",
+    "opd-jsd-vllm": "opd jsd, rollouts by the in-process vLLM engine (student.sampler: vllm), float32",
+    "opd-sampled-vllm": "opd sampled_reverse_kl, rollouts by vLLM (LoRA: merged weights pushed)",
+    "opd-sampled-vllmad": "opd sampled_reverse_kl, rollouts by vLLM (LoRA: adapter hot-loaded)",
 }
 OBJECTIVES = {"jsd": "jsd", "sampled": "sampled_reverse_kl", "topk": "topk_forward_kl"}
 SAMPLING_DTYPES = {"-bf16s": "bfloat16", "-f32s": "float32", "-mixed": "bfloat16"}
 MIXED = "-mixed"  # also runs the update under bfloat16 autocast and the teacher in bfloat16
+VLLM = {"-vllm": "merged", "-vllmad": "adapter"}  # student.sampler: vllm, and its student.lora_sync
 PHASES = ("sample", "teacher", "train")  # opd's own time/* metrics, printed beside the totals
+# (time/sample includes the weight sync of the vLLM tools)
 
 
 def prompts(count: int) -> list[str]:
@@ -55,7 +61,7 @@ def prompts(count: int) -> list[str]:
     return [p.messages[0]["content"] for p in generate_task_prompts("reverse", seed=123, count=count)]
 
 
-def run_trl(args, steps: int, bf16: bool) -> dict:
+def run_trl(args, steps: int, bf16: bool, vllm: bool = False) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DistillationTrainer
@@ -87,6 +93,7 @@ def run_trl(args, steps: int, bf16: bool) -> dict:
             max_steps=steps,
             use_cpu=args.device == "cpu",
             bf16=bf16,
+            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 1024} if vllm else {}),
         )
         trainer = DistillationTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.student),
@@ -101,7 +108,9 @@ def run_trl(args, steps: int, bf16: bool) -> dict:
     return {"step_seconds": step_times[1:], "tokens": None, "phases": {}}
 
 
-def run_opd(args, steps: int, objective: str, sampling_dtype: str | None, mixed: bool) -> dict:
+def run_opd(
+    args, steps: int, objective: str, sampling_dtype: str | None, mixed: bool, lora_sync: str | None
+) -> dict:
     from opd.config import config_from_dict
     from opd.trainer.loop import Trainer
 
@@ -120,6 +129,7 @@ def run_opd(args, steps: int, objective: str, sampling_dtype: str | None, mixed:
                     "lora_rank": 16 if args.mode == "lora" else 0,
                     "device": args.device,
                     "sampling_dtype": sampling_dtype,
+                    **({"sampler": "vllm", "lora_sync": lora_sync} if lora_sync else {}),
                 },
                 "teacher": {
                     "model": args.teacher,
@@ -161,11 +171,21 @@ def child(args, tool: str, mode: str, directory: str) -> None:
     args.mode = mode
     steps = args.steps + 1
     if tool.startswith("trl"):
-        result = run_trl(args, steps, bf16=tool == "trl-bf16")
+        if tool == "trl-vllm":  # what opd's engine sets on a CPU (docs/vllm.md): TRL leaves vLLM's defaults
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        result = run_trl(args, steps, bf16=tool == "trl-bf16", vllm=tool == "trl-vllm")
     else:
         objective = OBJECTIVES[tool.split("-")[1]]
         suffix = "-" + tool.rpartition("-")[2]
-        result = run_opd(args, steps, objective, SAMPLING_DTYPES.get(suffix), mixed=suffix == MIXED)
+        result = run_opd(
+            args,
+            steps,
+            objective,
+            SAMPLING_DTYPES.get(suffix),
+            mixed=suffix == MIXED,
+            lora_sync=VLLM.get(suffix),
+        )
     result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (Path(directory) / "result.json").write_text(json.dumps(result))
 

@@ -29,8 +29,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_until_up(port: int, process: subprocess.Popen, path: str = "/health") -> None:
-    deadline = time.monotonic() + 60
+def wait_until_up(port: int, process: subprocess.Popen, path: str = "/health", timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}")
