@@ -267,9 +267,21 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         runs: dict[str, list[dict]] = {tool: [] for tool in tools}
+        failures: dict[str, str] = {}
         for _ in range(args.repeats):
             for tool in tools:
-                runs[tool].append(measure(context, args, tool, mode))
+                if tool in failures:
+                    continue
+                try:
+                    runs[tool].append(measure(context, args, tool, mode))
+                except RuntimeError as error:  # a peer that cannot run here is a finding, not the end
+                    if tool == "trl":
+                        raise
+                    failures[tool] = str(error).strip().splitlines()[-1]
+        for tool, reason in failures.items():
+            print(f"{mode:>5} {tool:>17} failed: {reason}")
+            rows.append({"mode": mode, "tool": tool, "failed": reason})
+            del runs[tool]
         summary = {}
         for tool, results in runs.items():
             seconds = statistics.median(s for r in results for s in r["step_seconds"])

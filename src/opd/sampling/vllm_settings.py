@@ -21,7 +21,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ENGINE_OPTIONS_SET_BY_OPD = {
     "model": "student.model",
     "tokenizer": "student.tokenizer",
-    "dtype": "student.dtype",
+    "dtype": "student.dtype / student.sampling_dtype",
     "seed": "seed",
     "trust_remote_code": "student.trust_remote_code",
     "logprobs_mode": "(opd records the processed log-probs the sampler drew from)",
