@@ -11,11 +11,14 @@ reasoning-gym ``chain_sum``.
 
     python bench/smollm2.py      # once: the converted model
     python bench/vllm_sync.py --out docs/results/vllm_sync.json
+    # on a GPU: colocated, bfloat16, the engine asleep during the update
+    python bench/vllm_sync.py --device cuda --dtype bfloat16 --sampler-options '{"enable_sleep_mode": true}'
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -63,8 +66,15 @@ def run(name: str, student: Path, teacher: Path, args) -> list[dict]:
             "eval_every": 0,
             "save_every": 0,
             "compute_post_kl": True,
-            "student": {"model": str(student), "dtype": "float32", "sampler": "vllm", **settings},
-            "teacher": {"model": str(teacher), "dtype": "float32"},
+            "student": {
+                "model": str(student),
+                "dtype": args.dtype,
+                "device": args.device,
+                "sampler": "vllm",
+                "sampler_options": args.sampler_options,
+                **settings,
+            },
+            "teacher": {"model": str(teacher), "dtype": args.dtype, "device": args.device},
             "datasets": [
                 {
                     "name": "chain_sum",
@@ -96,6 +106,11 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.05, help="the teacher's perturbation (x weight std)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--sampler-options", type=json.loads, default={}, help="student.sampler_options as JSON"
+    )
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
     student = converted_dir()
