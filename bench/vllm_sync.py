@@ -53,8 +53,9 @@ def perturbed_teacher(model_dir: Path, noise: float) -> Path:
     return target
 
 
-def run(name: str, student: Path, teacher: Path, args) -> list[dict]:
-    from opd.config import config_from_dict
+def run(name: str, student: Path, teacher: Path, args) -> tuple[list[dict], dict]:
+    """The run's per-step records, and its resolved opd config."""
+    from opd.config import config_from_dict, config_to_dict
     from opd.trainer.loop import train
 
     settings = dict(RUNS[name])
@@ -90,9 +91,10 @@ def run(name: str, student: Path, teacher: Path, args) -> list[dict]:
                 "max_steps": args.steps,
             },
         }
-        metrics = train(config_from_dict(config), progress=False).metrics
+        resolved = config_from_dict(config)
+        metrics = train(resolved, progress=False).metrics
     keys = ("kl_sample_train", "post_kl", "teacher_kl", "time/weight_sync", "time/sample", "time/total")
-    return [{"step": m["step"], **{k: m[k] for k in keys}} for m in metrics]
+    return [{"step": m["step"], **{k: m[k] for k in keys}} for m in metrics], config_to_dict(resolved)
 
 
 def main() -> None:
@@ -115,13 +117,13 @@ def main() -> None:
     args = parser.parse_args()
     student = converted_dir()
     teacher = perturbed_teacher(student, args.noise)
-    results = {}
+    results, configs = {}, {}
     print(
         f"{'run':>13} {'max |kl_sample_train|':>22} {'min post_kl':>12} "
         f"{'sync s':>7} {'sample s':>9} {'step s':>7}"
     )
     for name in args.runs:
-        rows = run(name, student, teacher, args)
+        rows, configs[name] = run(name, student, teacher, args)
         results[name] = rows
         timed = rows[1:]  # the first step builds nothing, but pays the first sync of the whole model
         print(
@@ -131,9 +133,7 @@ def main() -> None:
             f"{statistics.median(r['time/sample'] for r in timed):9.3f} "
             f"{statistics.median(r['time/total'] for r in timed):7.3f}"
         )
-    write_result(
-        args.out, "bench/vllm_sync.py", vars(args) | {"runs": {n: RUNS[n] for n in args.runs}}, results
-    )
+    write_result(args.out, "bench/vllm_sync.py", vars(args) | {"configs": configs}, results)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,22 @@ def run_cli(config_path):
     )
 
 
+def kill_after_rows(config_path, metrics, rows: int, timeout_s: float) -> None:
+    """Run ``opd train config_path`` and SIGKILL it once ``metrics`` holds ``rows`` rows."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "opd.cli", "train", str(config_path), "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            break
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+
+
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path):
     run_cli(write_config(base_config, tmp_path, "reference"))
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
@@ -63,18 +79,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, t
 
     config_path = write_config(base_config, tmp_path, "killed")
     metrics = tmp_path / "killed" / "metrics.jsonl"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "opd.cli", "train", str(config_path), "--no-progress"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.005)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_after_rows(config_path, metrics, 5, timeout_s=120)
     rows_at_kill = len(metrics.read_text().splitlines())
     assert rows_at_kill < STEPS, "the run finished before it could be killed"
     last = list_checkpoints(tmp_path / "killed")[-1].step

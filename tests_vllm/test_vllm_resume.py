@@ -3,15 +3,9 @@ one, because every row samples from a seed derived from (run seed, step, row).""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 from opd.runs.checkpoints import list_checkpoints
 from opd.runs.metrics import read_jsonl
-from tests.test_resume import STEPS, assert_same_rows, run_cli, write_config
+from tests.test_resume import STEPS, assert_same_rows, kill_after_rows, run_cli, write_config
 
 
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(vllm_config, tmp_path):
@@ -22,18 +16,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(vllm_config, t
 
     config_path = write_config(vllm_config, tmp_path, "killed")
     metrics = tmp_path / "killed" / "metrics.jsonl"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "opd.cli", "train", str(config_path), "--no-progress"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.005)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_after_rows(config_path, metrics, 5, timeout_s=300)
     assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
     assert 0 < list_checkpoints(tmp_path / "killed")[-1].step < STEPS
 
