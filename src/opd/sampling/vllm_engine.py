@@ -21,7 +21,6 @@ import dataclasses
 import os
 import shutil
 import tempfile
-import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,7 +71,6 @@ class VLLMEngine:
         self.adapter_sync = policy.has_adapters and student.lora_sync == "adapter"
         self.version: int | None = None
         self.sleeping = False
-        self.sync_seconds = 0.0
         self.llm = self._build(student, seed)
         self.sleep_mode = bool(student.sampler_options.get("enable_sleep_mode"))
         model_vocab = self.llm.llm_engine.model_config.get_vocab_size()
@@ -118,7 +116,6 @@ class VLLMEngine:
             raise ValueError("a VLLMEngine samples the policy it was built for")
         if self.version == policy.version and not self.sleeping:
             return
-        started = time.perf_counter()
         if self.sleeping:
             self.llm.wake_up(tags=["weights"])
         if self.adapter_sync:
@@ -135,7 +132,6 @@ class VLLMEngine:
             self.sleeping = False
         self.llm.reset_prefix_cache()
         self.version = policy.version
-        self.sync_seconds = time.perf_counter() - started
 
     def rollout(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
         """One completion per prompt, each with its behaviour log-probs and the synced version."""
@@ -147,7 +143,9 @@ class VLLMEngine:
             seed=seed,
         )
         if self.sleep_mode:
-            self.llm.sleep(level=2)
+            # level 2 frees the weights, which the next sync pushes again; an adapter sync does
+            # not push the base weights, so they are kept in host memory (level 1)
+            self.llm.sleep(level=1 if self.adapter_sync else 2)
             self.sleeping = True
         return [dataclasses.replace(c, policy_version=self.version) for c in completions]
 
