@@ -94,7 +94,7 @@ class VLLMEngine:
             options |= {"enable_lora": True, "max_loras": 1}
         try:
             return LLM(
-                model=str(Path(student.model).expanduser()) if _is_path(student.model) else student.model,
+                model=str(Path(student.model).expanduser()),  # a hub id passes through unchanged
                 tokenizer=student.tokenizer,
                 dtype=str(self.dtype).removeprefix("torch."),
                 seed=seed,
@@ -231,10 +231,6 @@ def engine_defaults(device) -> dict[str, Any]:
     if device.type == "cuda":
         defaults["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
     return defaults
-
-
-def _is_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
 
 
 def _scratch_dir() -> str | None:
