@@ -174,3 +174,36 @@ def test_an_architecture_vllm_does_not_support_is_a_config_error(vllm_config, vl
     vllm_config["student"]["model"] = str(odd)
     with pytest.raises(ConfigError, match=r"student\.sampler: vLLM could not build an engine for .*odd"):
         Trainer(config_from_dict(vllm_config), progress=False)
+
+
+def test_an_embedding_wider_than_the_tokenizer_is_never_sampled_past_it(
+    vllm_config, char_tokenizer, tmp_path
+):
+    """Checkpoints often pad the vocabulary (Qwen: 151,936 rows for 151,665 ids): vLLM must sample,
+    and normalise its log-probs, over the tokenizer's ids only, as the trainer does."""
+    from tests.conftest import tiny_llama
+
+    padded = tmp_path / "padded"
+    model = tiny_llama(128, hidden=128, seed=5, tie=False)
+    with torch.no_grad():
+        model.lm_head.weight[len(char_tokenizer) :] *= 0  # logit 0: well inside the distribution
+    model.save_pretrained(padded)
+    char_tokenizer.save_pretrained(padded)
+    vllm_config["student"]["model"] = str(padded)
+    vllm_config["training"] |= {"max_tokens": 16}
+    trainer = Trainer(config_from_dict(vllm_config), progress=False)
+    assert trainer.engine.allowed_token_ids == list(range(len(char_tokenizer)))
+    batch = trainer.collect(0)
+    sampled = batch.rollouts.input_ids_BT[batch.rollouts.mask_BT.bool()]
+    assert sampled.max() < len(char_tokenizer)
+    assert gap(trainer, batch) < 1e-4
+
+
+def test_sleep_mode_on_a_cpu_is_refused_with_vllms_reason(vllm_config):
+    vllm_config["student"]["sampler_options"] |= {"enable_sleep_mode": True}
+    with pytest.raises(
+        ConfigError,
+        match=r"student\.sampler: vLLM could not build an engine .*ValidationError: 1 validation error for "
+        r"ModelConfig Value error, Sleep mode is not supported on current platform\.$",
+    ):
+        Trainer(config_from_dict(vllm_config), progress=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -104,10 +105,9 @@ class VLLMEngine:
                 **options,
             )
         except Exception as error:  # vLLM raises ValueError, TypeError, pydantic and runtime errors
-            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ConfigError(
                 f"student.sampler: vLLM could not build an engine for '{student.model}' with "
-                f"sampler_options {student.sampler_options}: {type(error).__name__}: {message}"
+                f"sampler_options {student.sampler_options}: {type(error).__name__}: {vllm_message(error)}"
             ) from error
 
     def sync(self, policy: Policy) -> None:
@@ -195,6 +195,15 @@ class VLLMEngine:
             float(step[token].logprob) for step, token in zip(output.logprobs, token_ids, strict=True)
         ]
         return Completion(token_ids, logprobs, finished=output.finish_reason == "stop")
+
+
+def vllm_message(error: Exception) -> str:
+    """vLLM's error on one line, without pydantic's echo of every argument and its help link
+    (a rejected option's reason sits on the second line of a pydantic ValidationError)."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"\s*\[type=[^\]]*\]", "", text)
+    text = re.sub(r"\s*For further information visit \S+", "", text)
+    return text[:500] or type(error).__name__
 
 
 def refresh_shared_weight_layers(model) -> None:
