@@ -32,6 +32,11 @@ class SamplingParams:
     """Take the most likely token instead (the temperature is then ignored)."""
 
 
+def pad_id_for(tokenizer, stop_token_ids: list[int]) -> int:
+    """The id a sampler pads with: the tokenizer's pad token, else the first stop id."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
+
+
 @runtime_checkable
 class Sampler(Protocol):
     """Samples completions of token-id prompts from one fixed model (a teacher, or a model evaluated)."""

@@ -16,7 +16,7 @@ from opd.data.sequences import Completion
 from opd.logprobs import unwrap_peft
 from opd.models import module_device
 from opd.policy.policy import Policy
-from opd.sampling.base import SamplingParams
+from opd.sampling.base import SamplingParams, pad_id_for
 from opd.sampling.precision import SamplingCopy
 
 
@@ -123,7 +123,7 @@ class HFGenerateSampler:
         self.stop_token_ids = stop_token_ids
         self.stop_strings = stop_strings or []
         self.batch_size = batch_size
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
+        self.pad_id = pad_id_for(tokenizer, stop_token_ids)
         self.device = module_device(model)
 
     @torch.no_grad()

@@ -30,7 +30,7 @@ from opd.data.sequences import Completion
 from opd.errors import ConfigError
 from opd.models import DTYPES
 from opd.policy.config import StudentConfig
-from opd.sampling.base import SamplingParams
+from opd.sampling.base import SamplingParams, pad_id_for
 from opd.sampling.vllm_settings import lora_rank_for_engine, student_settings_problems
 
 if TYPE_CHECKING:
@@ -63,10 +63,9 @@ class VLLMEngine:
         seed: int = 0,
     ):
         self.policy = policy
-        self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.stop_strings = list(stop_strings or [])
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
+        self.pad_id = pad_id_for(tokenizer, stop_token_ids)
         self.vocab_size = len(tokenizer)
         self.dtype = DTYPES.get(student.sampling_dtype, policy.dtype)
         self.adapter_sync = policy.has_adapters and student.lora_sync == "adapter"

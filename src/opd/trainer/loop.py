@@ -161,7 +161,6 @@ class Trainer(RunComponents):
     def collect(self, step: int) -> Batch:
         """Step ``step``'s batch: prompts, completions, and the teachers' scores of them."""
         started = time.perf_counter()
-        self.sync_seconds = 0.0
         with self.spans.span(step, "sample"):
             rollouts, source = self.sample_batch(step)
         sampled_at = time.perf_counter()
