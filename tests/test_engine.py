@@ -5,7 +5,7 @@ import torch
 from opd.config import config_from_dict
 from opd.data.sequences import build_rollout_batch
 from opd.logprobs import sequence_logprobs
-from opd.sampling.base import SamplingParams
+from opd.sampling.base import SamplingParams, row_seeds
 from opd.trainer.loop import Trainer
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=8)
@@ -24,23 +24,38 @@ def test_a_seed_fixes_the_rollout_and_leaves_the_global_generator_alone(base_con
     engine.sync(trainer.policy)
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    first = engine.rollout(prompts, PARAMS, seed=7)
+    first = engine.rollout(prompts, PARAMS, seeds=row_seeds(7, len(prompts)))
     assert torch.equal(torch.get_rng_state(), state)
-    again = engine.rollout(prompts, PARAMS, seed=7)
-    other = engine.rollout(prompts, PARAMS, seed=8)
+    again = engine.rollout(prompts, PARAMS, seeds=row_seeds(7, len(prompts)))
+    other = engine.rollout(prompts, PARAMS, seeds=row_seeds(8, len(prompts)))
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert [c.token_ids for c in first] != [c.token_ids for c in other]
+
+
+def test_a_rows_draws_depend_on_its_seed_only_not_on_its_batch_mates(base_config):
+    """What lets N processes sample one process's batch: each shares out rows, keeping their seeds."""
+    trainer, prompts = engine_and_prompts(base_config)
+    trainer.engine.sync(trainer.policy)
+    seeds = row_seeds(11, len(prompts))
+    whole = trainer.engine.rollout(prompts, PARAMS, seeds=seeds)
+    halves = [
+        trainer.engine.rollout(prompts[rows], PARAMS, seeds=seeds[rows])
+        for rows in (slice(0, 3), slice(3, None))
+    ]
+    assert [c.token_ids for c in halves[0] + halves[1]] == [c.token_ids for c in whole]
+    reordered = trainer.engine.rollout(prompts[::-1], PARAMS, seeds=seeds[::-1])
+    assert [c.token_ids for c in reordered[::-1]] == [c.token_ids for c in whole]
 
 
 def test_completions_carry_the_version_synced_and_their_behaviour_logprobs(base_config):
     trainer, prompts = engine_and_prompts(base_config, sampling_dtype="bfloat16")
     trainer.train_step(0)
     assert trainer.policy.version == 1
-    assert {c.policy_version for c in trainer.engine.rollout(prompts, PARAMS, seed=0)} == {
+    assert {c.policy_version for c in trainer.engine.rollout(prompts, PARAMS, seeds=row_seeds(0, len(prompts)))} == {
         0
     }  # not synced yet
     trainer.engine.sync(trainer.policy)
-    completions = trainer.engine.rollout(prompts, PARAMS, seed=0)
+    completions = trainer.engine.rollout(prompts, PARAMS, seeds=row_seeds(0, len(prompts)))
     assert {c.policy_version for c in completions} == {1}
     batch = build_rollout_batch(prompts, completions, [0] * len(prompts), trainer.engine.pad_id)
     with torch.no_grad(), trainer.engine.copy.rollout() as copied:

@@ -73,7 +73,9 @@ def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config
     with trainer.engine.copy.rollout() as copied:
         assert_copy_holds(trainer.student, copied)
     from_copy, from_student = copy_and_student_logprobs(trainer, batch)
-    torch.testing.assert_close(from_copy[mask], batch.sampled_logprobs_BT[mask], atol=2e-2, rtol=0)
+    # bfloat16 keeps 8 bits of mantissa: a logit near 10 rounds by up to 0.04, and a decode step
+    # (KV cache) and a whole-sequence forward round differently
+    torch.testing.assert_close(from_copy[mask], batch.sampled_logprobs_BT[mask], atol=5e-2, rtol=0)
     copy_error = (from_copy[mask] - batch.sampled_logprobs_BT[mask]).abs().max()
     student_error = (from_student[mask] - batch.sampled_logprobs_BT[mask]).abs().max()
     assert copy_error < student_error

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opd.config import ConfigError, config_from_dict
-from opd.sampling.base import SamplingParams
+from opd.sampling.base import SamplingParams, row_seeds
 from opd.sampling.vllm_engine import VLLMEngine
 from opd.trainer.loop import Trainer, train
 
@@ -81,9 +81,9 @@ def test_rollouts_follow_their_seed_stop_at_the_stop_id_and_record_truncation(vl
     engine.sync(trainer.policy)
     prompts = [trainer.renderer.prompt_ids([{"role": "user", "content": "reverse abc"}])] * 6
     params = SamplingParams(temperature=1.0, max_tokens=12)
-    once = engine.rollout(prompts, params, seed=7)
-    again = engine.rollout(prompts, params, seed=7)
-    other = engine.rollout(prompts, params, seed=8)
+    once = engine.rollout(prompts, params, seeds=row_seeds(7, len(prompts)))
+    again = engine.rollout(prompts, params, seeds=row_seeds(7, len(prompts)))
+    other = engine.rollout(prompts, params, seeds=row_seeds(8, len(prompts)))
     assert [c.token_ids for c in once] == [c.token_ids for c in again]
     assert [c.logprobs for c in once] == [c.logprobs for c in again]
     assert [c.token_ids for c in once] != [c.token_ids for c in other]

@@ -142,6 +142,21 @@ class TrainingConfig:
     """Sequences per teacher forward."""
     show_examples: bool = False
     """Print one coloured sample per dataset per step (prompt, trained tokens, per-token KL)."""
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    """How several processes (``torchrun --nproc_per_node N``) share the student: ``ddp`` keeps a
+    whole copy per process and averages gradients; ``fsdp`` shards weights, gradients and optimizer
+    state across them (PyTorch FSDP2, ``fully_shard`` per transformer block); ``auto`` is none for
+    one process and fsdp for several. Each process samples, scores and learns from its share of
+    every step's groups; the update equals one process's on the whole batch."""
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The torch.distributed backend under torchrun: ``auto`` is nccl on GPUs, gloo on CPUs."""
+    dist_timeout_s: float = 1800.0
+    """How long a process waits in a collective for the others before the job fails."""
+    max_staleness: int = 0
+    """Collect up to this many steps ahead of learning: with k >= 1, the batches of steps
+    i+1..i+k are sampled and scored by a background worker (with its own copy of the weights,
+    refreshed after every update) while step i learns, so a batch may come from weights up to k
+    updates old (its recorded log-probs make the importance ratio correct). 0: the synchronous loop."""
 
 
 @dataclass
@@ -350,6 +365,13 @@ def validate(config: Config) -> Config:
     if not 0.0 <= training.kl_discount_factor < 1.0:
         raise ConfigError(
             f"training.kl_discount_factor: must be in [0, 1), got {training.kl_discount_factor}"
+        )
+    _positive(training.max_staleness, "training.max_staleness", allow_zero=True)
+    _positive(training.dist_timeout_s, "training.dist_timeout_s")
+    if training.max_staleness and config.student.sampler != "hf":
+        raise ConfigError(
+            f"training.max_staleness: collection ahead of learning runs on student.sampler: hf; "
+            f"with '{config.student.sampler}' set max_staleness: 0"
         )
     if not 0.0 <= training.lmbda <= 1.0:
         raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 from opd.data.prompts import DataError, Prompt
 
@@ -65,3 +66,44 @@ class CompositeBatches:
                 for prompt in self.order(index, pass_index)[start : start + per_batch]
             )
         return items
+
+
+def contiguous_slices(total: int, parts: int) -> list[slice]:
+    """``parts`` near-equal contiguous slices of ``range(total)`` (empty ones dropped)."""
+    bounds = [round(i * total / parts) for i in range(parts + 1)]
+    return [slice(a, b) for a, b in pairwise(bounds) if b > a]
+
+
+def rank_split_problem(group_sizes: list[int], num_substeps: int, world_size: int) -> str | None:
+    """Why a step's rows cannot be shared out by :func:`rank_rows` (None when they can)."""
+    total = sum(group_sizes)
+    if world_size == 1:
+        return None
+    if total % (num_substeps * world_size):
+        return f"{total} sequences do not split into {num_substeps * world_size} equal parts"
+    starts = set(accumulate(group_sizes, initial=0))
+    share = total // (num_substeps * world_size)
+    cuts = [part * share for part in range(num_substeps * world_size)]
+    broken = [cut for cut in cuts if cut not in starts]
+    if broken:
+        return f"part boundaries at sequence {broken[0]} would split a prompt's group"
+    return None
+
+
+def rank_rows(group_sizes: list[int], num_substeps: int, world_size: int, rank: int) -> list[int]:
+    """The rows of a step (numbered in one process's order) that process ``rank`` works on.
+
+    Each optimizer substep's slice of the batch is cut into ``world_size`` equal runs of whole
+    groups and process ``rank`` takes the ``rank``-th of each, so that every substep of every
+    process sees its share of the same sequences one process would: N processes make the same
+    update as one. :func:`rank_split_problem` says when no such cut exists.
+    """
+    total = sum(group_sizes)
+    if world_size == 1:
+        return list(range(total))
+    share = total // (num_substeps * world_size)
+    rows = []
+    for substep in range(num_substeps):
+        start = (substep * world_size + rank) * share
+        rows.extend(range(start, start + share))
+    return rows

@@ -10,6 +10,7 @@ place where parallelism is applied.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from opd.logprobs import (
 from opd.models import load_causal_lm, module_device
 from opd.policy.config import StudentConfig
 from opd.policy.lora import apply_lora, sampler_weights
+from opd.policy.parallel import apply_ddp, apply_fsdp, fsdp_modules
 from opd.policy.weights import load_weights
 
 
@@ -44,6 +46,8 @@ class Policy:
         self.vocab_size = vocab_size
         self.device = module_device(model)
         self.version = 0
+        self.parallel = "none"
+        """How :meth:`parallelize` shares the student among processes: ``none``, ``ddp`` or ``fsdp``."""
 
     @classmethod
     def load(cls, student: StudentConfig, vocab_size: int) -> Policy:
@@ -58,7 +62,49 @@ class Policy:
         return cls(apply_lora(base, student), vocab_size)
 
     def parallelize(self) -> None:
-        """Apply data or model parallelism to :attr:`module`; on one process there is none to apply."""
+        """Apply :attr:`parallel` to :attr:`module`: the one place parallelism is applied.
+
+        ``ddp`` wraps the scored forward in DistributedDataParallel; ``fsdp`` shards every
+        transformer block, then the rest (embeddings, final norm, lm head), with ``fully_shard``.
+        The optimizer must be built afterwards: FSDP replaces the parameters with sharded ones.
+        """
+        if self.parallel == "ddp":
+            self.module = apply_ddp(self.module, self.device)
+        elif self.parallel == "fsdp":
+            self.module = apply_fsdp(self.module, self.base_model)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each process holds only a shard of the weights (FSDP)."""
+        return self.parallel == "fsdp"
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every weight whole on every process while inside (FSDP all-gathers; a no-op otherwise).
+
+        A collective: every process must enter it together.
+        """
+        if not self.sharded:
+            yield
+            return
+        modules = fsdp_modules(self.module)
+        with torch.no_grad():
+            for module in modules:
+                module.unshard()
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+
+    def gradient_sync(self, enabled: bool):
+        """A context in which backward does (or, accumulating micro-batches, does not yet) reduce
+        gradients across processes."""
+        if enabled or self.parallel == "none":
+            return nullcontext()
+        if self.parallel == "ddp":
+            return self.module.no_sync()
+        return _fsdp_sync_off(self.module)
 
     @property
     def base_model(self) -> nn.Module:
@@ -143,7 +189,10 @@ class Policy:
         return scatter_rows(logprobs_N, selected_BT), scatter_rows(entropy_N, selected_BT)
 
     def sampler_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight a sampler needs, by its plain Hugging Face name, LoRA merged, in ``dtype``."""
+        """Every weight a sampler needs, by its plain Hugging Face name, LoRA merged, in ``dtype``.
+
+        Sharded weights must be read inside :meth:`gathered`.
+        """
         return sampler_weights(self.model, dtype)
 
     def save(self, directory: Path) -> None:
@@ -153,3 +202,12 @@ class Policy:
     def load_weights(self, model_dir: Path) -> None:
         """Load a saved adapter or full model (:func:`opd.policy.weights.load_weights`)."""
         load_weights(self.model, model_dir)
+
+
+@contextmanager
+def _fsdp_sync_off(module: nn.Module) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

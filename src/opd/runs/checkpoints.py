@@ -11,6 +11,11 @@ Layout of one checkpoint::
       model/               PEFT adapter or full HF model (safetensors), with the tokenizer
       trainer_state.pt     optimizer, scheduler, RNG states, step (loaded with weights_only=True)
       checkpoint.json      name, step, written last
+
+A run of several processes writes the weights and optimizer state sharded instead
+(:mod:`opd.runs.sharded_state`): ``state/`` is a ``torch.distributed.checkpoint`` directory
+(every process writes its shards), ``model/`` holds the tokenizer and the model's config, and
+``trainer_state.pt`` the rest. Every process takes part in the save; rank 0 alone commits it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from opd.distributed import barrier, world
 from opd.errors import CheckpointError
 
 INDEX_NAME = "checkpoints.jsonl"
@@ -84,17 +90,33 @@ def save_checkpoint(
 ) -> CheckpointRecord:
     """Write checkpoint ``step_<step>`` atomically and append it to the index.
 
-    ``save_model(directory)`` writes the student's weights (:meth:`opd.policy.Policy.save`).
+    ``save_model(directory)`` writes the student's weights (:meth:`opd.policy.Policy.save`, or
+    the sharded state; every process calls this function and ``save_model``, each writing its
+    shards; only rank 0 writes the rest and commits).
     """
     root = log_path / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
     final = root / name
     staging = root / f".tmp-{name}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    save_model(staging / "model")
+    main = world().is_main
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    barrier()
+    save_model(staging)
+    barrier()
+    record = CheckpointRecord(name, step, final)
+    if main:
+        _commit(log_path, staging, record, tokenizer, trainer_state)
+    barrier()
+    return record
+
+
+def _commit(log_path: Path, staging: Path, record: CheckpointRecord, tokenizer, trainer_state: dict) -> None:
+    """Finish a staged checkpoint: tokenizer, trainer state, marker; fsync; rename; index."""
+    name, step, final = record.name, record.step, record.path
     tokenizer.save_pretrained(staging / "model")
     torch.save({**trainer_state, "step": step, "rng": rng_states()}, staging / STATE_NAME)
     (staging / MARKER_NAME).write_text(json.dumps({"name": name, "step": step}))
@@ -102,15 +124,13 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     staging.rename(final)
-    _fsync_tree(root)
-    record = CheckpointRecord(name, step, final)
+    _fsync_tree(final.parent)
     with (log_path / INDEX_NAME).open("a", encoding="utf-8") as handle:
         handle.write(
             json.dumps({"name": name, "step": step, "path": str(final.relative_to(log_path))}) + "\n"
         )
         handle.flush()
         os.fsync(handle.fileno())
-    return record
 
 
 def list_checkpoints(log_path: Path) -> list[CheckpointRecord]:

@@ -74,30 +74,29 @@ def _is_empty_run(log_path: Path) -> bool:
     return not any((log_path / name).exists() for name in RUN_FILES)
 
 
-def prepare_log_path(config: Config) -> StartPoint:
-    """Apply ``on_existing_log_path`` and find the checkpoint to continue from, before any write."""
+def resumed_model_dir(config: Config) -> Path | None:
+    """The weights a run would resume from (None: it starts fresh); read only, nothing checked."""
+    log_path = Path(config.log_path)
+    if not log_path.is_dir() or _is_empty_run(log_path) or config.on_existing_log_path != "resume":
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # resume_point warns, when the run starts
+        records = list_checkpoints(log_path)
+    return records[-1].path / "model" if records else None
+
+
+def resume_point(config: Config) -> StartPoint:
+    """Where the run starts, as ``on_existing_log_path`` decides it: read only, nothing written."""
     log_path = Path(config.log_path)
     if log_path.exists() and not log_path.is_dir():
         raise ConfigError(f"log_path: '{log_path}' exists and is not a directory")
-    log_path.mkdir(parents=True, exist_ok=True)
-    if not os.access(log_path, os.W_OK):
-        raise ConfigError(f"log_path: '{log_path}' is not writable")
-    if _is_empty_run(log_path):
+    if not log_path.exists() or _is_empty_run(log_path) or config.on_existing_log_path == "overwrite":
         return StartPoint()
-    policy = config.on_existing_log_path
-    if policy == "fail":
+    if config.on_existing_log_path == "fail":
         raise ConfigError(
             f"log_path: '{log_path}' already holds a run and on_existing_log_path is 'fail'; "
             "choose another log_path, or resume / overwrite"
         )
-    if policy == "overwrite":
-        for name in RUN_FILES:
-            target = log_path / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-        return StartPoint()
     saved_config = log_path / CONFIG_NAME
     if saved_config.exists():
         check_resumable(yaml.safe_load(saved_config.read_text()) or {}, config)
@@ -108,6 +107,23 @@ def prepare_log_path(config: Config) -> StartPoint:
     last = records[-1]
     state = load_trainer_state(last, records[:-1])
     return StartPoint(step=last.step, trainer_state=state, model_dir=last.path / "model")
+
+
+def prepare_log_path(config: Config) -> None:
+    """Create ``log_path``, or empty it under ``on_existing_log_path: overwrite`` (once nothing can fail)."""
+    log_path = Path(config.log_path)
+    if log_path.exists() and not log_path.is_dir():
+        raise ConfigError(f"log_path: '{log_path}' exists and is not a directory")
+    log_path.mkdir(parents=True, exist_ok=True)
+    if not os.access(log_path, os.W_OK):
+        raise ConfigError(f"log_path: '{log_path}' is not writable")
+    if config.on_existing_log_path == "overwrite" and not _is_empty_run(log_path):
+        for name in RUN_FILES:
+            target = log_path / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
 
 
 def keep_metrics_before(path: Path, step: int) -> None:

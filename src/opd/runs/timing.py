@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,11 +14,13 @@ from opd.runs.metrics import read_jsonl
 class SpanRecorder:
     """Appends ``{step, name, start, end}`` (seconds since the epoch) to ``timing.jsonl``.
 
-    With no path it records nothing (a trainer used outside :meth:`Trainer.run`).
+    With no path it records nothing (a trainer used outside :meth:`Trainer.run`, or a process
+    other than rank 0). Spans may end on several threads (a worker collecting ahead).
     """
 
     def __init__(self, path: str | Path | None):
         self._handle = None
+        self._lock = threading.Lock()
         if path is not None:
             self._handle = Path(path).open("a", encoding="utf-8")  # noqa: SIM115 - held for the whole run
 
@@ -30,8 +33,9 @@ class SpanRecorder:
         finally:
             if self._handle is not None:
                 record = {"step": step, "name": name, "start": start, "end": time.time()}
-                self._handle.write(json.dumps(record) + "\n")
-                self._handle.flush()
+                with self._lock:
+                    self._handle.write(json.dumps(record) + "\n")
+                    self._handle.flush()
 
     def close(self) -> None:
         """Close the file."""

@@ -17,7 +17,7 @@ from opd.data.sequences import Completion
 if TYPE_CHECKING:
     from opd.policy.policy import Policy
 
-__all__ = ["Completion", "RolloutEngine", "Sampler", "SamplingParams"]
+__all__ = ["Completion", "RolloutEngine", "Sampler", "SamplingParams", "row_seed", "row_seeds"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,24 @@ class SamplingParams:
     """Most tokens per completion; a completion cut here is marked unfinished."""
     greedy: bool = False
     """Take the most likely token instead (the temperature is then ignored)."""
+
+
+def row_seed(seed: int, row: int) -> int:
+    """Row ``row``'s sampling seed in a rollout seeded ``seed``: depends on nothing else."""
+    return (seed * 6_364_136_223_846_793_005 + (row + 1) * 1_442_695_040_888_963_407) % (2**63)
+
+
+def row_seeds(seed: int | list[int], count: int) -> list[int]:
+    """One seed per row: ``seed`` given per row as it is, or each row's :func:`row_seed` of it.
+
+    A row's draws depend on its seed only, never on the other rows of the batch, so a batch
+    split across processes samples what one process would.
+    """
+    if isinstance(seed, int):
+        return [row_seed(seed, row) for row in range(count)]
+    if len(seed) != count:
+        raise ValueError(f"{len(seed)} seeds for {count} prompts")
+    return list(seed)
 
 
 def pad_id_for(tokenizer, stop_token_ids: list[int]) -> int:
@@ -50,10 +68,11 @@ class Sampler(Protocol):
         temperature: float,
         max_tokens: int,
         greedy: bool = False,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
     ) -> list[Completion]:
-        """One completion per prompt (repeat a prompt to get a group); ``seed`` None draws from torch's
-        global generator."""
+        """One completion per prompt (repeat a prompt to get a group); ``seed``: one for the call
+        (each row gets its :func:`row_seed`), one per prompt, or None to draw from torch's global
+        generator."""
         ...
 
 
@@ -62,11 +81,16 @@ class RolloutEngine(Protocol):
 
     pad_id: int
     """The id that pads the prompts and completions it returns."""
+    serves_evaluation: bool
+    """Whether evaluation decodes with the engine (a :class:`Sampler` too) instead of the student."""
 
     def sync(self, policy: Policy) -> None:
         """Bring the engine's weights to the policy's current ones (and remember its version)."""
         ...
 
-    def rollout(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
-        """One completion per prompt, each with its behaviour log-probs and policy version."""
+    def rollout(
+        self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]
+    ) -> list[Completion]:
+        """One completion per prompt, drawn with that prompt's seed, each with its behaviour
+        log-probs and policy version."""
         ...

@@ -7,7 +7,7 @@ engine built on it, sampling from the student itself or from a :class:`SamplingC
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -16,7 +16,7 @@ from opd.data.sequences import Completion
 from opd.logprobs import unwrap_peft
 from opd.models import module_device
 from opd.policy.policy import Policy
-from opd.sampling.base import SamplingParams, pad_id_for
+from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
 from opd.sampling.precision import SamplingCopy
 
 
@@ -34,6 +34,35 @@ def inverse_cdf_sample(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch
     targets_B1 = uniform_B.double()[:, None] * cdf_BV[:, -1:]
     tokens_B = torch.searchsorted(cdf_BV, targets_B1, right=True).squeeze(-1)
     return tokens_B.clamp_(max=probs_BV.shape[-1] - 1)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern (0 <= value < 2**64) as the int64 that has its bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX_1 = _signed(0xBF58476D1CE4E5B9)
+_MIX_2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seeds_B: torch.Tensor, step: int) -> torch.Tensor:
+    """U[0, 1) per row at decode step ``step``: SplitMix64 output ``step`` of the row's seed.
+
+    A row's draws depend on its own seed and the step only (not on which rows share its batch,
+    nor on any generator's state), so a batch split across processes draws what one process
+    would. int64 arithmetic wraps, as SplitMix64's unsigned arithmetic does.
+    """
+    z = seeds_B + _signed((step + 1) * _GOLDEN % (1 << 64))
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() * 2.0**-53
 
 
 def _contiguous_input(_module: torch.nn.Module, args: tuple) -> tuple:
@@ -68,13 +97,11 @@ class _SampledLogprobRecorder(LogitsProcessor):
     ``generate``'s greedy argmax takes it.
     """
 
-    def __init__(
-        self, temperature: float, vocab_size: int | None, *, draw: bool, generator: torch.Generator | None
-    ):
+    def __init__(self, temperature: float, vocab_size: int | None, *, seeds_B: torch.Tensor | None):
         self.temperature = temperature
         self.vocab_size = vocab_size
-        self.draw = draw
-        self.generator = generator
+        self.seeds_B = seeds_B
+        """Each row's seed (:func:`counter_uniform`); None: greedy, nothing is drawn."""
         self.previous_logprobs: torch.Tensor | None = None
         self.recorded: list[torch.Tensor] = []
 
@@ -83,14 +110,14 @@ class _SampledLogprobRecorder(LogitsProcessor):
             self.recorded.append(self.previous_logprobs.gather(-1, last_tokens[:, None]).squeeze(-1))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._gather_previous(input_ids[:, -1])
+        self._gather_previous(input_ids[:, -1])  # after it, len(recorded) is this decode step's index
         scores = scores.float() / self.temperature
         if self.vocab_size is not None and self.vocab_size < scores.shape[-1]:
             scores[:, self.vocab_size :] = float("-inf")
         self.previous_logprobs = torch.log_softmax(scores, dim=-1)
-        if not self.draw:
+        if self.seeds_B is None:
             return scores
-        uniform_B = torch.rand(scores.shape[0], device=scores.device, generator=self.generator)
+        uniform_B = counter_uniform(self.seeds_B, len(self.recorded))
         tokens_B = inverse_cdf_sample(self.previous_logprobs.exp(), uniform_B)
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens_B[:, None], 0.0)
 
@@ -134,15 +161,19 @@ class HFGenerateSampler:
         temperature: float,
         max_tokens: int,
         greedy: bool = False,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
     ) -> list[Completion]:
-        """One completion per prompt; with ``seed``, the draws come from a generator of their own."""
-        generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+        """One completion per prompt; ``seed``: one for the call, one per prompt, or None (drawn
+        from torch's global generator). Each row's draws depend on its seed alone."""
+        if seed is None:
+            seed = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        seeds = row_seeds(seed, len(prompts))
         size = self.batch_size or len(prompts)
         completions: list[Completion] = []
         for start in range(0, len(prompts), size):
+            rows = slice(start, start + size)
             completions += self._sample_batch(
-                prompts[start : start + size], temperature, max_tokens, greedy, generator
+                prompts[rows], temperature, max_tokens, None if greedy else seeds[rows]
             )
         return completions
 
@@ -156,7 +187,7 @@ class HFGenerateSampler:
             stop_strings=self.stop_strings or None,
         )
 
-    def _sample_batch(self, prompts, temperature, max_tokens, greedy, generator) -> list[Completion]:
+    def _sample_batch(self, prompts, temperature, max_tokens, seeds: list[int] | None) -> list[Completion]:
         device = self.device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -165,7 +196,9 @@ class HFGenerateSampler:
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
         recorder = _SampledLogprobRecorder(
-            1.0 if greedy else temperature, len(self.tokenizer), draw=not greedy, generator=generator
+            1.0 if seeds is None else temperature,
+            len(self.tokenizer),
+            seeds_B=None if seeds is None else torch.tensor(seeds, dtype=torch.long, device=device),
         )
         generation_config = self.generation_config(max_tokens)
         # generate() fills every unset field from the model's own generation_config
@@ -206,10 +239,13 @@ class HFGenerateSampler:
 class HFEngine:
     """The student's rollout engine on Hugging Face ``generate``, in the trainer's process.
 
-    It samples from the policy's own model, or, with ``sampling_dtype`` set (and a cast or a
-    LoRA merge to make), from a :class:`SamplingCopy` whose weights are read from the policy at
-    every rollout. In process the weights are shared memory, so :meth:`sync` only records the
-    version the next rollout's weights are.
+    It samples from the policy's own model, or from a :class:`SamplingCopy` whose weights are
+    read at every rollout: with ``sampling_dtype`` set (and a cast or a LoRA merge to make),
+    under FSDP (a process holds only a shard, so the copy holds the gathered weights while it
+    samples), or when asked (``copy=True``: a worker collecting ahead of learning samples
+    weights published to it, never the ones being updated). :meth:`sync` records the source
+    of the next rollout's weights and its version: the policy (in process, read as they are
+    then) or any published weights with a ``version`` and ``sampler_weights(dtype)``.
     """
 
     def __init__(
@@ -220,31 +256,73 @@ class HFEngine:
         stop_token_ids: list[int],
         stop_strings: list[str] | None = None,
         sampling_dtype: torch.dtype | None = None,
+        copy: bool = False,
     ):
         self.policy = policy
-        needs_copy = sampling_dtype is not None and (sampling_dtype != policy.dtype or policy.has_adapters)
-        self.copy = SamplingCopy(policy.model, sampling_dtype) if needs_copy else None
+        needs_copy = (
+            copy
+            or policy.sharded
+            or (sampling_dtype is not None and (sampling_dtype != policy.dtype or policy.has_adapters))
+        )
+        self.copy = SamplingCopy(policy.model, sampling_dtype or policy.dtype) if needs_copy else None
         self.model = self.copy.model if self.copy else policy.model
         self.sampler = HFGenerateSampler(
             self.model, tokenizer, stop_token_ids=stop_token_ids, stop_strings=stop_strings
         )
         self.pad_id = self.sampler.pad_id
+        self.source = policy
         self.version = policy.version
 
-    def sync(self, policy: Policy) -> None:
-        """Remember ``policy``'s version: the next rollout reads its weights as they are then."""
-        if policy is not self.policy:
-            raise ValueError("an in-process HFEngine samples the policy it was built for")
-        self.version = policy.version
+    @property
+    def serves_evaluation(self) -> bool:
+        """Whether evaluation should decode with this engine: under FSDP the student itself is
+        sharded, and generating from it would need every process in lock step."""
+        return self.policy.sharded
 
-    def rollout(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
-        """One completion per prompt, drawn with a generator seeded by ``seed``."""
-        with self.copy.rollout() if self.copy else nullcontext():
+    def sync(self, source) -> None:
+        """Take the next rollout's weights from ``source``: the policy, or published weights."""
+        if self.copy is None and source is not self.policy:
+            raise ValueError("an in-process HFEngine without a copy samples the policy it was built for")
+        self.source = source
+        self.version = source.version
+
+    @contextmanager
+    def _weights(self):
+        """The model to sample from, holding the source's weights."""
+        if self.copy is None:
+            yield self.model
+        elif self.source is self.policy:
+            with self.policy.gathered(), self.copy.rollout() as model:
+                yield model
+        else:
+            with self.copy.rollout(self.source.sampler_weights(self.copy.dtype)) as model:
+                yield model
+
+    def rollout(
+        self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]
+    ) -> list[Completion]:
+        """One completion per prompt, each drawn with its own seed."""
+        with self._weights():
             completions = self.sampler.sample(
                 prompts,
                 temperature=params.temperature,
                 max_tokens=params.max_tokens,
                 greedy=params.greedy,
-                seed=seed,
+                seed=seeds,
             )
         return [dataclasses.replace(c, policy_version=self.version) for c in completions]
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        *,
+        temperature: float,
+        max_tokens: int,
+        greedy: bool = False,
+        seed: int | list[int] | None = None,
+    ) -> list[Completion]:
+        """Decode for evaluation from the synced weights (:class:`opd.sampling.base.Sampler`)."""
+        with self._weights():
+            return self.sampler.sample(
+                prompts, temperature=temperature, max_tokens=max_tokens, greedy=greedy, seed=seed
+            )

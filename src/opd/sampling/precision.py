@@ -10,7 +10,7 @@ importance ratio of the policy loss (and ``kl_sample_train``) sees any gap.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -51,13 +51,16 @@ class SamplingCopy:
         return torch.empty(0, dtype=self.dtype, device=parameter.device)
 
     @contextmanager
-    def rollout(self) -> Iterator[nn.Module]:
-        """The copy holding the student's current weights, freed again on exit."""
+    def rollout(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> Iterator[nn.Module]:
+        """The copy holding the student's current weights (or the given sampler ``weights``),
+        freed again on exit."""
         filled = []
+        if weights is None:
+            weights = sampler_weights(self.source, self.dtype, self.merged)
         with torch.no_grad():
-            for name, weight in sampler_weights(self.source, self.dtype, self.merged):
+            for name, weight in weights:
                 held = self._held[name]
-                held.data = weight  # shared, not copied, when already in dtype
+                held.data = weight.to(self.dtype)  # shared, not copied, when already in dtype
                 filled.append(held)
         try:
             yield self.model

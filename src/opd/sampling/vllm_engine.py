@@ -30,16 +30,11 @@ from opd.data.sequences import Completion
 from opd.errors import ConfigError
 from opd.models import DTYPES
 from opd.policy.config import StudentConfig
-from opd.sampling.base import SamplingParams, pad_id_for
+from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
 from opd.sampling.vllm_settings import lora_rank_for_engine, student_settings_problems
 
 if TYPE_CHECKING:
     from opd.policy.policy import Policy
-
-
-def row_seed(seed: int, row: int) -> int:
-    """Row ``row``'s sampling seed in a rollout seeded ``seed``: depends on nothing else."""
-    return (seed * 6_364_136_223_846_793_005 + (row + 1) * 1_442_695_040_888_963_407) % (2**63)
 
 
 class VLLMEngine:
@@ -66,6 +61,7 @@ class VLLMEngine:
         self.stop_token_ids = list(stop_token_ids)
         self.stop_strings = list(stop_strings or [])
         self.pad_id = pad_id_for(tokenizer, stop_token_ids)
+        self.serves_evaluation = True
         self.vocab_size = len(tokenizer)
         self.dtype = DTYPES.get(student.sampling_dtype, policy.dtype)
         self.adapter_sync = policy.has_adapters and student.lora_sync == "adapter"
@@ -132,14 +128,16 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = policy.version
 
-    def rollout(self, prompts: list[list[int]], params: SamplingParams, *, seed: int) -> list[Completion]:
+    def rollout(
+        self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]
+    ) -> list[Completion]:
         """One completion per prompt, each with its behaviour log-probs and the synced version."""
         completions = self.sample(
             prompts,
             temperature=params.temperature,
             max_tokens=params.max_tokens,
             greedy=params.greedy,
-            seed=seed,
+            seed=seeds,
         )
         if self.sleep_mode:
             # level 2 frees the weights, which the next sync pushes again; an adapter sync does
@@ -155,13 +153,15 @@ class VLLMEngine:
         temperature: float,
         max_tokens: int,
         greedy: bool = False,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
     ) -> list[Completion]:
-        """One completion per prompt from the engine's current weights (greedy ignores the temperature)."""
+        """One completion per prompt from the engine's current weights (greedy ignores the temperature);
+        ``seed`` as :meth:`opd.sampling.base.Sampler.sample` takes it."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         if self.version is None:
             raise RuntimeError("VLLMEngine.sample before the first sync: call sync(policy) first")
+        seeds = [None] * len(prompts) if seed is None else row_seeds(seed, len(prompts))
         params = [
             VLLMSamplingParams(
                 n=1,
@@ -169,7 +169,7 @@ class VLLMEngine:
                 top_p=1.0,
                 top_k=0,
                 max_tokens=max_tokens,
-                seed=None if seed is None else row_seed(seed, row),
+                seed=seed_of_row,
                 logprobs=0,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=True,
@@ -178,7 +178,7 @@ class VLLMEngine:
                 allowed_token_ids=self.allowed_token_ids,
                 skip_special_tokens=False,
             )
-            for row in range(len(prompts))
+            for seed_of_row in seeds
         ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts],

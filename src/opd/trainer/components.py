@@ -7,45 +7,129 @@ is written.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 
-from opd.config import Config
-from opd.data.batching import CompositeBatches
+from opd.config import Config, ConfigError
+from opd.data.batching import CompositeBatches, rank_rows, rank_split_problem
 from opd.data.prompts import Prompt, load_prompts
-from opd.models import DTYPES, warn_if_slow_on_this_cpu
+from opd.distributed import LAUNCH_HINT, World, init_from_env, launched_world, process_device
+from opd.models import DTYPES, resolve_device, warn_if_slow_on_this_cpu
 from opd.runs.evaluation import load_eval_sets
 from opd.runs.loggers import check_loggers
+from opd.runs.resume import resumed_model_dir
 from opd.runs.setup import load_student, load_teachers
-from opd.sampling.base import Sampler
+from opd.runs.sharded_state import has_sharded_state, load_sharded_state
 from opd.sampling.engines import build_rollout_engine
 from opd.teachers.local import LocalTeacher
 from opd.trainer.optimizer import build_optimizer
+
+
+def parallel_mode(requested: str, processes: int) -> str:
+    """``training.parallel`` resolved for this many processes; refused where it cannot apply."""
+    if requested == "auto":
+        return "none" if processes == 1 else "fsdp"
+    if requested != "none" and processes == 1:
+        raise ConfigError(
+            f"training.parallel: {requested} needs several processes and this is one; {LAUNCH_HINT}, "
+            "or set parallel: none (or auto)"
+        )
+    if requested == "none" and processes > 1:
+        raise ConfigError(
+            f"training.parallel: none with {processes} processes would train {processes} unrelated "
+            "copies; use ddp, fsdp or auto"
+        )
+    return requested
+
+
+def step_group_sizes(config: Config) -> list[int]:
+    """The sequences of each prompt's group in a step, in the order a step lists them."""
+    sizes = []
+    for dataset in config.datasets:
+        size = 1 if config.training.data_source == "dataset" else dataset.group_size
+        sizes += [size] * dataset.groups_per_batch
+    return sizes
+
+
+def for_this_process(config: Config, processes: World) -> Config:
+    """The config with each model on this process's device (a GPU per process under torchrun)."""
+    student = dataclasses.replace(config.student, device=process_device(config.student.device, processes))
+    teacher = dataclasses.replace(config.teacher, device=process_device(config.teacher.device, processes))
+    datasets = [
+        d
+        if d.teacher is None
+        else dataclasses.replace(
+            d, teacher=dataclasses.replace(d.teacher, device=process_device(d.teacher.device, processes))
+        )
+        for d in config.datasets
+    ]
+    return dataclasses.replace(config, student=student, teacher=teacher, datasets=datasets)
+
+
+def check_processes(config: Config, processes: int) -> str:
+    """What must hold among ``processes`` processes, checked before any model loads; the parallel mode."""
+    training = config.training
+    parallel = parallel_mode(training.parallel, processes)
+    problem = rank_split_problem(step_group_sizes(config), training.num_substeps, processes)
+    if problem:
+        raise ConfigError(
+            f"datasets: each step's groups (groups_per_batch x group_size per dataset) are shared out "
+            f"in whole groups, into world size ({processes}) x training.num_substeps "
+            f"({training.num_substeps}) equal parts, and {problem}; change groups_per_batch or the "
+            "number of processes"
+        )
+    if processes > 1 and config.student.sampler != "hf":
+        raise ConfigError(
+            f"student.sampler: '{config.student.sampler}' runs in one process; with {processes} "
+            "processes use sampler: hf (or one process)"
+        )
+    return parallel
 
 
 class RunComponents:
     """The student (:attr:`policy`), its rollout engine, the teachers, the data and the optimizer.
 
     ``engine`` samples the student's rollouts (from the student, a sampling copy or vLLM);
-    ``sampler`` decodes for evaluation: the engine itself where it can (vLLM), else the student;
-    ``teacher_samplers`` write completions for the off-policy data sources, one per local teacher.
+    ``sampler`` decodes for evaluation: the engine where it serves evaluation (vLLM, or the
+    copy of a sharded student), else the student; ``teacher_samplers`` write completions for
+    the off-policy data sources, one per local teacher. Under torchrun the process joins its
+    group first (:mod:`opd.distributed`) and each process loads its models on its own device.
+    A one-process checkpoint the run resumes from (``resumed_model_dir``) has its weights loaded
+    before the student is sharded; a sharded one's are loaded by :meth:`opd.trainer.loop.Trainer.run`.
     """
 
     def __init__(self, config: Config):
         self.config = config
         student_cfg, training = config.student, config.training
+        launched = launched_world()
+        parallel = check_processes(config, launched.size)
+        process_config = for_this_process(config, launched)
+        device = resolve_device(process_config.student.device)
+        self.world = init_from_env(training.dist_backend, device, training.dist_timeout_s)
         self.objective = training.objective
-        student = load_student(config)
+        student = load_student(process_config)
         self.tokenizer, self.policy, self.renderer = student.tokenizer, student.policy, student.renderer
-        self.policy.parallelize()
+        self.resumed_model_dir = resumed_model_dir(config)
+        load_from = self.resumed_model_dir or (
+            Path(config.load_checkpoint_path).expanduser() if config.load_checkpoint_path else None
+        )
+        if load_from is not None and not has_sharded_state(load_from):
+            self.policy.load_weights(load_from)
         self.vocab_size = len(self.tokenizer)
         device = self.policy.device
         warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")
         warn_if_slow_on_this_cpu(DTYPES.get(training.autocast), device, "training.autocast")
+        self.policy.parallel = parallel
         self.engine = build_rollout_engine(
             student_cfg, self.policy, self.tokenizer, self.renderer, seed=config.seed
         )
+        self.policy.parallelize()
+        if load_from is not None and self.resumed_model_dir is None and has_sharded_state(load_from):
+            load_sharded_state(load_from, self.policy)
         self.sampler = (
-            self.engine if isinstance(self.engine, Sampler) else student.sampler_for(self.policy.model)
+            self.engine if self.engine.serves_evaluation else student.sampler_for(self.policy.model)
         )
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
         self.batches = CompositeBatches(
@@ -54,8 +138,11 @@ class RunComponents:
             [d.name for d in config.datasets],
             config.seed,
         )
+        self.rank_rows = rank_rows(
+            step_group_sizes(config), training.num_substeps, self.world.size, self.world.rank
+        )
         request = self.objective.teacher_request(training.temperature)
-        self.teachers = load_teachers(config, student, self.engine.pad_id, request)
+        self.teachers = load_teachers(process_config, student, self.engine.pad_id, request)
         self.teacher_samplers = {
             id(teacher): student.sampler_for(teacher.model)
             for teacher in self.teachers.per_dataset

@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 from opd.config import Config, config_to_dict
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
+from opd.distributed import all_reduce, barrier
+from opd.errors import CheckpointError
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import examples, sample_records
@@ -34,12 +36,21 @@ from opd.runs.resume import (
     METRICS_NAME,
     SAMPLES_NAME,
     TIMING_NAME,
+    StartPoint,
     keep_metrics_before,
     prepare_log_path,
+    resume_point,
+)
+from opd.runs.sharded_state import (
+    has_sharded_state,
+    load_indexed_optimizer_state,
+    load_sharded_state,
+    save_sharded_state,
 )
 from opd.runs.timing import SpanRecorder, write_chrome_trace
-from opd.sampling.base import SamplingParams
+from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
 from opd.teachers.base import TeacherScores
+from opd.trainer.ahead import AheadCollector
 from opd.trainer.components import RunComponents
 from opd.trainer.sft import completion_tokens
 from opd.trainer.update import policy_gradient, policy_update
@@ -70,6 +81,8 @@ class Batch:
     """The teachers' answer, as the objective asked for it (None: it needs none)."""
     seconds: dict[str, float]
     """``time/sample`` (which includes ``time/weight_sync`` on student batches) and ``time/teacher``."""
+    staleness: int | None = None
+    """Collected ahead: how many updates the weights that sampled it lag behind (None: synchronous)."""
 
     @property
     def on_policy(self) -> bool:
@@ -110,11 +123,15 @@ class Trainer(RunComponents):
             return "student" if on_policy else "teacher"
         return source
 
-    def sample_batch(self, step: int) -> tuple[RolloutBatch, str]:
-        """Render the step's prompts and get their completions from the step's data source.
+    def sample_batch(self, step: int, engine: RolloutEngine | None = None) -> tuple[RolloutBatch, str]:
+        """Render this process's share of the step's prompts and get their completions from the
+        step's data source.
 
-        The student and teachers sample ``group_size`` completions per prompt, seeded by (run
-        seed, step); a dataset gives its one completion per prompt.
+        The student and teachers sample ``group_size`` completions per prompt, each row seeded
+        by (run seed, step, its row in the whole batch), so the rows drawn do not depend on how
+        the batch is shared among processes; a dataset gives its one completion per prompt.
+        ``engine`` (default: the run's) samples the student, synced first unless it was given
+        already synced (a worker collecting ahead holds published weights).
         """
         source = self.data_source_at(step)
         prompts, completions, dataset_indices, messages = [], [], [], []
@@ -128,23 +145,36 @@ class Trainer(RunComponents):
             prompts += [prompt_ids] * group_size
             dataset_indices += [item.dataset_index] * group_size
             messages += [item.prompt.messages] * group_size
-        training, seed = self.config.training, step_seed(self.config.seed, step)
+        rows = self.rank_rows
+        prompts, dataset_indices, messages = (
+            [values[r] for r in rows] for values in (prompts, dataset_indices, messages)
+        )
+        seeds = [row_seed(step_seed(self.config.seed, step), r) for r in rows]
+        training = self.config.training
         params = SamplingParams(temperature=training.temperature, max_tokens=training.max_tokens)
-        if source == "student":
-            synced = time.perf_counter()
-            self.engine.sync(self.policy)
-            self.sync_seconds = time.perf_counter() - synced
-            completions = self.engine.rollout(prompts, params, seed=seed)
-        elif source == "teacher":
-            completions = self.teacher_rollouts(prompts, dataset_indices, params, seed)
+        if source == "dataset":
+            completions = [completions[r] for r in rows]
+        elif source == "student":
+            if engine is None:
+                engine = self.engine
+                synced = time.perf_counter()
+                engine.sync(self.policy)
+                self.sync_seconds = time.perf_counter() - synced
+            completions = engine.rollout(prompts, params, seeds=seeds)
+        else:
+            completions = self.teacher_rollouts(prompts, dataset_indices, params, seeds)
         return build_rollout_batch(
             prompts, completions, dataset_indices, self.engine.pad_id, messages
         ), source
 
     def teacher_rollouts(
-        self, prompts: list[list[int]], dataset_indices: list[int], params: SamplingParams, seed: int
+        self,
+        prompts: list[list[int]],
+        dataset_indices: list[int],
+        params: SamplingParams,
+        seeds: list[int],
     ) -> list[Completion]:
-        """Each prompt's completion written by its dataset's (local) teacher."""
+        """Each prompt's completion written by its dataset's (local) teacher, with that row's seed."""
         completions: list[Completion] = [None] * len(prompts)
         for rows in self.teachers.rows_by_teacher(dataset_indices).values():
             sampler = self.teacher_samplers[id(self.teachers.per_dataset[dataset_indices[rows[0]]])]
@@ -152,17 +182,18 @@ class Trainer(RunComponents):
                 [prompts[r] for r in rows],
                 temperature=params.temperature,
                 max_tokens=params.max_tokens,
-                seed=seed,
+                seed=[seeds[r] for r in rows],
             )
             for row, completion in zip(rows, sampled, strict=True):
                 completions[row] = completion
         return completions
 
-    def collect(self, step: int) -> Batch:
-        """Step ``step``'s batch: prompts, completions, and the teachers' scores of them."""
+    def collect(self, step: int, engine: RolloutEngine | None = None) -> Batch:
+        """Step ``step``'s batch (this process's share): prompts, completions, and the teachers'
+        scores of them. ``engine``: as :meth:`sample_batch` takes it."""
         started = time.perf_counter()
         with self.spans.span(step, "sample"):
-            rollouts, source = self.sample_batch(step)
+            rollouts, source = self.sample_batch(step, engine)
         sampled_at = time.perf_counter()
         teacher = None
         if self.teachers.request is not None:  # SFT reads only the tokens: no teacher forward to pay for
@@ -172,40 +203,57 @@ class Trainer(RunComponents):
             "time/sample": sampled_at - started,
             "time/teacher": time.perf_counter() - sampled_at,
         }
-        if source == "student":
+        if source == "student" and engine is None:
             seconds["time/weight_sync"] = self.sync_seconds
         return Batch(step, source, rollouts, teacher, seconds)
 
     def kl_metrics(self, batch: Batch) -> dict[str, float]:
-        """``teacher_kl`` = sum(reverse KL) / completion tokens, overall and per dataset."""
+        """``teacher_kl`` = sum(reverse KL) / completion tokens, overall and per dataset (over
+        every process's share)."""
         rollouts, reverse_kl = batch.rollouts, batch.reverse_kl_BT
-        metrics = {"teacher_kl": float(reverse_kl.sum() / rollouts.mask_BT.sum().clamp(min=1))}
-        for index, dataset in enumerate(self.config.datasets):
+        sums = [float(reverse_kl.sum()), float(rollouts.mask_BT.sum())]
+        for index in range(len(self.config.datasets)):
             rows = rollouts.dataset_index_B == index
-            tokens = rollouts.mask_BT[rows].sum()
+            sums += [float(reverse_kl[rows].sum()), float(rollouts.mask_BT[rows].sum())]
+        sums = all_reduce(sums)
+        metrics = {"teacher_kl": sums[0] / max(sums[1], 1.0)}
+        for index, dataset in enumerate(self.config.datasets):
+            kl, tokens = sums[2 + 2 * index : 4 + 2 * index]
             if tokens > 0:
-                metrics[f"teacher_kl/{dataset.name}"] = float(reverse_kl[rows].sum() / tokens)
+                metrics[f"teacher_kl/{dataset.name}"] = kl / tokens
         return metrics
 
     def learn(self, batch: Batch) -> dict[str, float]:
-        """Advantages and the update from a finished batch; returns the step's metrics."""
+        """Advantages and the update from a finished batch; returns the step's metrics (the whole
+        batch's, reduced over processes, but for times, which are this process's)."""
         training, rollouts, teacher = self.config.training, batch.rollouts, batch.teacher
         mask = rollouts.mask_BT
         lengths = mask.sum(-1)
         metrics: dict[str, float] = {"step": batch.step, "on_policy": int(batch.on_policy)}
         if batch.on_policy and teacher is not None:
             metrics |= self.kl_metrics(batch)
+        scored = mask.bool()
+        finite = (teacher is None or bool(torch.isfinite(teacher.logprobs_BT[scored]).all())) and bool(
+            torch.isfinite(rollouts.sampled_logprobs_BT[scored]).all()
+        )
+        tokens, sequences, truncated, not_finite = all_reduce(
+            [
+                float(lengths.sum()),
+                float(mask.shape[0]),
+                float((~rollouts.finished_B).sum()),
+                float(not finite),
+            ]
+        )
         metrics |= {
-            "num_tokens": int(lengths.sum()),
-            "num_sequences": int(mask.shape[0]),
-            "completion_len_mean": float(lengths.mean()),
-            "frac_truncated": float((~rollouts.finished_B).float().mean()),
+            "num_tokens": int(tokens),
+            "num_sequences": int(sequences),
+            "completion_len_mean": tokens / sequences,
+            "frac_truncated": truncated / sequences,
             "lr": self.scheduler.get_last_lr()[0],
         }
-        scored = mask.bool()
-        if (
-            teacher is not None and not torch.isfinite(teacher.logprobs_BT[scored]).all()
-        ) or not torch.isfinite(rollouts.sampled_logprobs_BT[scored]).all():
+        if batch.staleness is not None:
+            metrics["staleness_mean"] = batch.staleness
+        if not_finite:
             warnings.warn(
                 f"step {batch.step}: non-finite log-probs from the sampler or teacher; step skipped",
                 stacklevel=2,
@@ -263,7 +311,8 @@ class Trainer(RunComponents):
         )
         mask = rollouts.mask_BT.to(logprobs.device)
         sampled = rollouts.sampled_logprobs_BT.to(logprobs.device)
-        return float(((sampled - logprobs) * mask).sum() / mask.sum().clamp(min=1))
+        kl, tokens = all_reduce([float(((sampled - logprobs) * mask).sum()), float(mask.sum())])
+        return kl / max(tokens, 1.0)
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """``test/*`` metrics of the current student on every dataset's held-out prompts."""
@@ -283,96 +332,132 @@ class Trainer(RunComponents):
         return metrics | {"time/eval": time.perf_counter() - started}
 
     def run(self) -> TrainResult:
-        """Train from the start point ``log_path`` dictates up to ``num_steps``, checkpointing on the way."""
-        log_path = Path(self.config.log_path)
-        start = prepare_log_path(self.config)
-        if start.model_dir is not None:
-            self.policy.load_weights(start.model_dir)
-            self.optimizer.load_state_dict(start.trainer_state["optimizer"])
-            self.scheduler.load_state_dict(start.trainer_state["scheduler"])
-            self.policy.version = start.trainer_state.get("policy_version", self.scheduler.last_epoch)
-            restore_rng_states(start.trainer_state["rng"])
-        elif self.config.load_checkpoint_path:
-            self.policy.load_weights(Path(self.config.load_checkpoint_path).expanduser())
-        (log_path / CONFIG_NAME).write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
+        """Train from the start point ``log_path`` dictates up to ``num_steps``, checkpointing on the way.
+
+        Every process runs this loop on its share of each batch; rank 0 alone writes the run's
+        files, logs and shows progress.
+        """
+        log_path, main = Path(self.config.log_path), self.world.is_main
+        start = resume_point(self.config)
+        if start.model_dir != self.resumed_model_dir:
+            raise CheckpointError(
+                f"{log_path}: its checkpoints changed while the run was being set up; start it again"
+            )
+        if main:
+            prepare_log_path(self.config)
+        barrier()
+        self.restore(start)
+        if main:
+            (log_path / CONFIG_NAME).write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
         if start.step >= self.num_steps:
-            tqdm.write(f"{log_path}: training already complete ({start.step} steps); nothing to do")
+            if main:
+                tqdm.write(f"{log_path}: training already complete ({start.step} steps); nothing to do")
             return result
-        for name in (METRICS_NAME, SAMPLES_NAME):
-            keep_metrics_before(log_path / name, start.step)
+        if main:
+            for name in (METRICS_NAME, SAMPLES_NAME):
+                keep_metrics_before(log_path / name, start.step)
         eval_every = self.config.eval_every if self.eval_sets else 0
         names = [d.name for d in self.config.datasets]
-        writer = MetricsWriter(log_path / METRICS_NAME)
-        loggers = build_loggers(self.config)
-        samples = JsonlWriter(log_path / SAMPLES_NAME)
-        self.spans = SpanRecorder(log_path / TIMING_NAME)
+        writer = MetricsWriter(log_path / METRICS_NAME) if main else None
+        loggers = build_loggers(self.config) if main else []
+        samples = JsonlWriter(log_path / SAMPLES_NAME) if main else None
+        self.spans = SpanRecorder(log_path / TIMING_NAME if main else None)
+        staleness = self.config.training.max_staleness
+        ahead = AheadCollector(self, staleness, start.step, self.num_steps) if staleness else None
         checkpoint_seconds = None
         bar = tqdm(
             total=self.num_steps,
             initial=start.step,
             desc="opd",
-            disable=not self.progress,
+            disable=not (self.progress and main),
             dynamic_ncols=True,
         )
-        try:
-            for step in range(start.step, self.num_steps):
-                evaluation = self.evaluate(step) if eval_every and step % eval_every == 0 else {}
-                batch = self.collect(step)
-                samples.write(
-                    sample_records(self.tokenizer, names, step, batch.rollouts, batch.reverse_kl_BT)
-                )
-                if self.config.training.show_examples:
-                    tqdm.write(examples(self.tokenizer, names, batch.rollouts, batch.reverse_kl_BT))
-                metrics = self.learn(batch) | evaluation
-                if checkpoint_seconds is not None:
-                    metrics["time/checkpoint"], checkpoint_seconds = checkpoint_seconds, None
-                metrics["progress/done_frac"] = (step + 1) / self.num_steps
+
+        def record(metrics: dict, step: int) -> None:
+            if main:
                 writer.write(metrics)
                 for logger in loggers:
                     logger.log(metrics, step)
-                result.metrics.append(metrics)
+            result.metrics.append(metrics)
+
+        try:
+            for step in range(start.step, self.num_steps):
+                evaluation = self.evaluate(step) if eval_every and step % eval_every == 0 else {}
+                batch = ahead.batch(step) if ahead else self.collect(step)
+                if main:
+                    samples.write(
+                        sample_records(self.tokenizer, names, step, batch.rollouts, batch.reverse_kl_BT)
+                    )
+                    if self.config.training.show_examples:
+                        tqdm.write(examples(self.tokenizer, names, batch.rollouts, batch.reverse_kl_BT))
+                metrics = self.learn(batch) | evaluation
+                if ahead:
+                    metrics["time/weight_sync"] = ahead.publish(step + 1)
+                if checkpoint_seconds is not None:
+                    metrics["time/checkpoint"], checkpoint_seconds = checkpoint_seconds, None
+                metrics["progress/done_frac"] = (step + 1) / self.num_steps
+                record(metrics, step)
                 bar.set_postfix(
                     {k: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics}, refresh=False
                 )
                 bar.update(1)
                 done = step + 1
                 if done == self.num_steps and eval_every:
-                    final = {"step": done} | self.evaluate(done)
-                    writer.write(final)
-                    for logger in loggers:
-                        logger.log(final, done)
-                    result.metrics.append(final)
+                    record({"step": done} | self.evaluate(done), done)
                 if done == self.num_steps or (self.config.save_every and done % self.config.save_every == 0):
                     saving = time.perf_counter()
                     with self.spans.span(step, "checkpoint"):
                         self.save_checkpoint(done)
                     checkpoint_seconds = time.perf_counter() - saving
         finally:
+            if ahead:
+                ahead.close()
             bar.close()
-            writer.close()
-            for logger in loggers:
-                logger.close()
-            samples.close()
+            for handle in (writer, samples, *loggers):
+                if handle is not None:
+                    handle.close()
             self.spans.close()
             self.spans = SpanRecorder(None)
-        if self.config.trace:
+        if self.config.trace and main:
             write_chrome_trace(log_path / TIMING_NAME, log_path / "trace.json")
         return result
 
+    def restore(self, start: StartPoint) -> None:
+        """Put back a checkpoint's optimizer, schedule, policy version and RNG states (and its
+        weights, when sharded; one-process weights were loaded before the student was sharded)."""
+        if start.model_dir is None:
+            return
+        checkpoint = start.model_dir.parent
+        if has_sharded_state(checkpoint):
+            load_sharded_state(checkpoint, self.policy, self.optimizer)
+        else:
+            load_indexed_optimizer_state(self.policy, self.optimizer, start.trainer_state["optimizer"])
+        self.scheduler.load_state_dict(start.trainer_state["scheduler"])
+        self.policy.version = start.trainer_state.get("policy_version", self.scheduler.last_epoch)
+        restore_rng_states(start.trainer_state["rng"])
+
     def save_checkpoint(self, steps_done: int) -> None:
-        """Weights, optimizer, scheduler and RNG states after ``steps_done`` steps, written atomically."""
-        save_checkpoint(
-            Path(self.config.log_path),
-            steps_done,
-            self.policy.save,
-            self.tokenizer,
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "policy_version": self.policy.version,
-            },
-        )
+        """Weights, optimizer, scheduler and RNG states after ``steps_done`` steps, written atomically:
+        a Hugging Face model and an indexed optimizer state from one process, sharded state from
+        several (:mod:`opd.runs.sharded_state`)."""
+        state = {
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy.version,
+            "world_size": self.world.size,
+        }
+        if self.world.size > 1:
+
+            def save_model(directory: Path) -> None:
+                save_sharded_state(directory, self.policy, self.optimizer)
+
+        else:
+            state["optimizer"] = self.optimizer.state_dict()
+
+            def save_model(directory: Path) -> None:
+                self.policy.save(directory / "model")
+
+        save_checkpoint(Path(self.config.log_path), steps_done, save_model, self.tokenizer, state)
 
 
 def train(config: Config, *, progress: bool = True) -> TrainResult:

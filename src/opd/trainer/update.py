@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
 from opd.config import TrainingConfig
+from opd.data.batching import contiguous_slices
 from opd.data.sequences import RolloutBatch
+from opd.distributed import all_reduce, world
 from opd.logprobs import flat_rows, scatter_rows
 from opd.models import DTYPES
 from opd.objectives.base import Objective, StudentRows, TargetRows
@@ -29,12 +30,6 @@ class UpdateStats:
     kl_sample_train: float
     grad_norm: float
     applied_substeps: int
-
-
-def contiguous_slices(total: int, parts: int) -> list[slice]:
-    """``parts`` near-equal contiguous slices of ``range(total)`` (empty ones dropped)."""
-    bounds = [round(i * total / parts) for i in range(parts + 1)]
-    return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
 def policy_gradient(training: TrainingConfig) -> PolicyGradient:
@@ -98,10 +93,17 @@ def policy_update(
     A substep whose gradient is not finite is skipped (weights untouched) with a warning.
     Gradients are freed once used, so sampling and scoring the next batch run without them.
     Every optimizer step taken advances the policy's version.
+
+    Among several processes ``batch`` is this process's share: the token and sequence counts
+    that normalise the loss are the whole batch's (summed over processes), and each process's
+    loss is scaled by their number because DDP and FSDP average gradients, so N processes make
+    the update one process makes on the whole batch. The statistics returned are the whole batch's.
     """
     device = policy.device
+    processes = world().size
     parameters = policy.trainable_parameters()
-    totals = {"loss": 0.0, "objective": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+    totals = {"loss": 0.0, "objective": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0}
+    grad_norms = 0.0
     applied = 0
     policy.train()
     for substep in contiguous_slices(len(batch.prompt_lengths), training.num_substeps):
@@ -110,29 +112,33 @@ def policy_update(
             None if teacher is None else teacher.select(substep),
             advantages_BT[substep],
         )
-        num_tokens = int(part.mask_BT.sum())
-        num_sequences = part.mask_BT.shape[0]
-        micro = training.micro_batch_size or num_sequences
-        for rows in contiguous_slices(num_sequences, math.ceil(num_sequences / micro)):
+        num_tokens, num_sequences = (
+            int(count) for count in all_reduce([float(part.mask_BT.sum()), float(part.mask_BT.shape[0])])
+        )
+        local_sequences = part.mask_BT.shape[0]
+        micro = training.micro_batch_size or local_sequences
+        pieces = contiguous_slices(local_sequences, math.ceil(local_sequences / micro))
+        for index, rows in enumerate(pieces):
             piece = part.select(rows)
             mask = piece.mask_BT.to(device)
-            per_token, logprobs, entropy = token_losses(
-                policy,
-                objective,
-                piece,
-                None if part_teacher is None else part_teacher.select(rows),
-                part_advantages[rows],
-                training,
-            )
-            loss = aggregate(per_token, mask, training.loss_aggregation, num_tokens, num_sequences)
-            loss.backward()
+            with policy.gradient_sync(index == len(pieces) - 1):
+                per_token, logprobs, entropy = token_losses(
+                    policy,
+                    objective,
+                    piece,
+                    None if part_teacher is None else part_teacher.select(rows),
+                    part_advantages[rows],
+                    training,
+                )
+                loss = aggregate(per_token, mask, training.loss_aggregation, num_tokens, num_sequences)
+                (loss * processes if processes > 1 else loss).backward()
             totals["loss"] += float(loss.detach())
             totals["objective"] += float((per_token.detach() * mask).sum())
             totals["entropy"] += float((entropy * mask).sum())
             totals["kl"] += float(((piece.sampled_logprobs_BT.to(device) - logprobs.detach()) * mask).sum())
             totals["tokens"] += float(mask.sum())
         max_norm = training.max_grad_norm if training.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        grad_norm = whole_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
         if not math.isfinite(grad_norm):
             warnings.warn("non-finite gradient: skipping this optimizer step", stacklevel=2)
             optimizer.zero_grad(set_to_none=True)
@@ -141,14 +147,20 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         policy.version += 1
-        totals["grad_norm"] += grad_norm
+        grad_norms += grad_norm
         applied += 1
-    tokens = max(totals["tokens"], 1.0)
+    loss, objective_sum, entropy_sum, kl_sum, tokens = all_reduce(list(totals.values()))
+    tokens = max(tokens, 1.0)
     return UpdateStats(
-        loss=totals["loss"],
-        objective_value=totals["objective"] / tokens,
-        entropy=totals["entropy"] / tokens,
-        kl_sample_train=totals["kl"] / tokens,
-        grad_norm=totals["grad_norm"] / max(applied, 1),
+        loss=loss,
+        objective_value=objective_sum / tokens,
+        entropy=entropy_sum / tokens,
+        kl_sample_train=kl_sum / tokens,
+        grad_norm=grad_norms / max(applied, 1),
         applied_substeps=applied,
     )
+
+
+def whole_norm(norm: torch.Tensor) -> float:
+    """The gradient norm over every process's shard (a sharded norm is a DTensor)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

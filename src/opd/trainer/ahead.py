@@ -1,0 +1,106 @@
+"""Collection ahead of learning (``training.max_staleness: k``): a worker thread samples and scores
+the batches of steps i+1..i+k while step i learns.
+
+The worker never reads the weights being updated: after every update the trainer publishes a
+copy of the student's sampler weights (:class:`PublishedWeights`, taken on the main thread, so
+that under FSDP the gather is a collective every process enters together), and each batch is
+sampled from the copy that was current when it was handed to the worker. Which weights a batch
+gets depends only on the step numbers, never on thread timing, so a run is reproducible: step
+j's batch comes from the weights after step ``max(start, j - k) - 1``. Its staleness (``j`` minus
+that step + 1) is at most k; a batch older than k would be dropped and collected again.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from opd.models import DTYPES
+from opd.sampling.hf_generate import HFEngine
+
+if TYPE_CHECKING:
+    from opd.trainer.loop import Batch, Trainer
+
+
+@dataclass(frozen=True)
+class PublishedWeights:
+    """The student's sampler weights after an update, as the worker samples them; never changed."""
+
+    version: int
+    """The policy version they are."""
+    step: int
+    """The first step they can sample for: the updates of steps before it are in them."""
+    weights: dict[str, torch.Tensor]
+
+    def sampler_weights(self, dtype: torch.dtype):
+        """``(name, tensor)`` in ``dtype``, as :meth:`opd.policy.Policy.sampler_weights` gives them."""
+        return ((name, tensor.to(dtype)) for name, tensor in self.weights.items())
+
+
+class AheadCollector:
+    """Hands out step ``i``'s batch, keeping the batches of steps up to ``i + max_staleness`` in
+    collection on one worker thread with its own sampling copy of the student."""
+
+    def __init__(self, trainer: Trainer, max_staleness: int, start_step: int, end_step: int):
+        self.trainer = trainer
+        self.max_staleness = max_staleness
+        self.end_step = end_step
+        student = trainer.config.student
+        self.engine = HFEngine(
+            trainer.policy,
+            trainer.tokenizer,
+            stop_token_ids=trainer.renderer.stop_token_ids,
+            stop_strings=trainer.renderer.stop_strings,
+            sampling_dtype=DTYPES.get(student.sampling_dtype),
+            copy=True,
+        )
+        self.dtype = self.engine.copy.dtype
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="opd-collect")
+        self.pending: dict[int, tuple[PublishedWeights, Future]] = {}
+        self.published = self._take(start_step)
+
+    def _take(self, step: int) -> PublishedWeights:
+        policy = self.trainer.policy
+        with torch.no_grad(), policy.gathered():
+            weights = {name: tensor.clone() for name, tensor in policy.sampler_weights(self.dtype)}
+        return PublishedWeights(policy.version, step, weights)
+
+    def publish(self, next_step: int) -> float:
+        """Publish the weights after an update, for the batches handed out from now; seconds taken."""
+        started = time.perf_counter()
+        self.published = self._take(next_step)
+        return time.perf_counter() - started
+
+    def _collect(self, step: int, weights: PublishedWeights) -> Batch:
+        self.engine.sync(weights)
+        return self.trainer.collect(step, engine=self.engine)
+
+    def _submit(self, step: int) -> None:
+        weights = self.published
+        self.pending[step] = (weights, self.executor.submit(self._collect, step, weights))
+
+    def batch(self, step: int) -> Batch:
+        """Step ``step``'s batch, with ``staleness`` and ``time/wait_for_batch`` set."""
+        for ahead in range(step, min(step + self.max_staleness + 1, self.end_step)):
+            if ahead not in self.pending:
+                self._submit(ahead)
+        weights, future = self.pending.pop(step)
+        started = time.perf_counter()
+        batch = future.result()
+        waited = time.perf_counter() - started
+        staleness = step - weights.step
+        if staleness > self.max_staleness:
+            self._submit(step)
+            weights, future = self.pending.pop(step)
+            batch, staleness = future.result(), step - weights.step
+        batch.staleness = staleness
+        batch.seconds["time/wait_for_batch"] = waited
+        return batch
+
+    def close(self) -> None:
+        """Stop the worker, dropping batches not yet started."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
