@@ -51,9 +51,8 @@ def test_completions_carry_the_version_synced_and_their_behaviour_logprobs(base_
     trainer, prompts = engine_and_prompts(base_config, sampling_dtype="bfloat16")
     trainer.train_step(0)
     assert trainer.policy.version == 1
-    assert {c.policy_version for c in trainer.engine.rollout(prompts, PARAMS, seeds=row_seeds(0, len(prompts)))} == {
-        0
-    }  # not synced yet
+    unsynced = trainer.engine.rollout(prompts, PARAMS, seeds=row_seeds(0, len(prompts)))
+    assert {c.policy_version for c in unsynced} == {0}  # not synced yet
     trainer.engine.sync(trainer.policy)
     completions = trainer.engine.rollout(prompts, PARAMS, seeds=row_seeds(0, len(prompts)))
     assert {c.policy_version for c in completions} == {1}

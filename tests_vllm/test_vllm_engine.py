@@ -133,6 +133,14 @@ def test_evaluation_decodes_with_the_synced_engine(vllm_config, vllm_models, tmp
     assert [m["step"] for m in evaluated] == [0, 2]
 
 
+def test_the_vllm_sampler_with_several_processes_is_refused_before_they_start(vllm_config):
+    from opd.trainer.components import check_processes
+
+    with pytest.raises(ConfigError, match=r"student\.sampler: 'vllm' runs in one process; with 2 processes"):
+        check_processes(config_from_dict(vllm_config), 2)
+    assert check_processes(config_from_dict(vllm_config), 1) == "none"
+
+
 def test_sampler_options_vllm_does_not_take_are_refused_by_name(vllm_config):
     vllm_config["student"]["sampler_options"] = {"max_model_length": 256}
     with pytest.raises(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -11,10 +12,38 @@ from opd.errors import USER_ERRORS
 
 
 def _train(args: argparse.Namespace) -> None:
+    if args.nproc:
+        _launch(args)
+        return
+    from opd.distributed import shutdown
     from opd.trainer.loop import train
 
     config = load_config(args.config, args.overrides)
-    train(config, progress=not args.no_progress)
+    try:
+        train(config, progress=not args.no_progress)
+    finally:
+        shutdown()
+
+
+def _launch(args: argparse.Namespace) -> None:
+    """``opd train --nproc N``: the same command under torchrun, on this node; its exit status kept."""
+    import subprocess
+
+    from opd.trainer.components import check_processes
+
+    # a bad config, or one that does not fit N processes, is refused once, before they start
+    check_processes(load_config(args.config, args.overrides), args.nproc)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc_per_node={args.nproc}", "-m", "opd", "train", args.config, *args.overrides]
+    command += ["--no-progress"] if args.no_progress else []
+    status = subprocess.call(command)
+    if status:
+        print(
+            f"opd: error: a training process failed (torchrun exit status {status}; its report is above). "
+            "Run the same command again to resume from the last checkpoint.",
+            file=sys.stderr,
+        )
+        raise SystemExit(status)
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -96,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="path to the YAML config")
     train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. training.max_steps=5")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--nproc",
+        type=_positive(int),
+        help="train with N processes on this machine (runs torchrun --standalone --nproc_per_node N)",
+    )
     train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser("eval", help="evaluate a run's student on held-out prompts")
@@ -160,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.handler(args)
     except USER_ERRORS as error:
-        print(f"opd: error: {error}", file=sys.stderr)
+        processes = int(os.environ.get("WORLD_SIZE", 1))
+        where = f" (rank {os.environ.get('RANK', 0)} of {processes})" if processes > 1 else ""
+        print(f"opd: error{where}: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -16,10 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 def apply_ddp(module: nn.Module, device: torch.device) -> nn.Module:
     """``module`` in DistributedDataParallel (buffers such as rotary tables are equal everywhere:
     not broadcast at every forward)."""
-    device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
-    return DistributedDataParallel(
-        module, device_ids=device_ids if device.type == "cuda" else None, broadcast_buffers=False
-    )
+    if device.type != "cuda":
+        return DistributedDataParallel(module, broadcast_buffers=False)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return DistributedDataParallel(module, device_ids=[index], broadcast_buffers=False)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -17,6 +17,7 @@ from opd.runs.checkpoints import latest_model_dir
 from opd.runs.evaluation import default_eval_source, evaluate, load_eval_sets
 from opd.runs.resume import CONFIG_NAME
 from opd.runs.setup import load_student, load_teachers
+from opd.runs.sharded_state import load_checkpoint_weights
 
 RESULTS_NAME = "eval.jsonl"
 
@@ -39,7 +40,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | Path | None = None, b
     model_dir = None if base else Path(checkpoint) if checkpoint else latest_model_dir(run_dir)
     student = load_student(config)
     if model_dir is not None:
-        student.policy.load_weights(model_dir)
+        load_checkpoint_weights(student.policy, model_dir)
     sampler = student.sampler_for(student.policy.model)
     teachers = load_teachers(config, student, sampler.pad_id, None)
     started = time.perf_counter()

@@ -93,3 +93,11 @@ def load_indexed_optimizer_state(policy: Policy, optimizer: torch.optim.Optimize
         )
     else:
         optimizer.load_state_dict(saved)
+
+
+def load_checkpoint_weights(policy: Policy, path: Path) -> None:
+    """Load a checkpoint's (or a model directory's) weights, sharded or not, into ``policy``."""
+    if has_sharded_state(path):
+        load_sharded_state(path, policy)
+    else:
+        policy.load_weights(path)

@@ -19,9 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from opd.models import DTYPES
-from opd.sampling.hf_generate import HFEngine
-
 if TYPE_CHECKING:
     from opd.trainer.loop import Batch, Trainer
 
@@ -43,21 +40,14 @@ class PublishedWeights:
 
 class AheadCollector:
     """Hands out step ``i``'s batch, keeping the batches of steps up to ``i + max_staleness`` in
-    collection on one worker thread with its own sampling copy of the student."""
+    collection on one worker thread with its own sampling copy of the student (the trainer's
+    ``ahead_engine``, made before the student was sharded)."""
 
     def __init__(self, trainer: Trainer, max_staleness: int, start_step: int, end_step: int):
         self.trainer = trainer
         self.max_staleness = max_staleness
         self.end_step = end_step
-        student = trainer.config.student
-        self.engine = HFEngine(
-            trainer.policy,
-            trainer.tokenizer,
-            stop_token_ids=trainer.renderer.stop_token_ids,
-            stop_strings=trainer.renderer.stop_strings,
-            sampling_dtype=DTYPES.get(student.sampling_dtype),
-            copy=True,
-        )
+        self.engine = trainer.ahead_engine
         self.dtype = self.engine.copy.dtype
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="opd-collect")
         self.pending: dict[int, tuple[PublishedWeights, Future]] = {}

@@ -15,7 +15,14 @@ import torch
 from opd.config import Config, ConfigError
 from opd.data.batching import CompositeBatches, rank_rows, rank_split_problem
 from opd.data.prompts import Prompt, load_prompts
-from opd.distributed import LAUNCH_HINT, World, init_from_env, launched_world, process_device
+from opd.distributed import (
+    LAUNCH_HINT,
+    World,
+    init_from_env,
+    launched_world,
+    process_device,
+    resolve_backend,
+)
 from opd.models import DTYPES, resolve_device, warn_if_slow_on_this_cpu
 from opd.runs.evaluation import load_eval_sets
 from opd.runs.loggers import check_loggers
@@ -23,6 +30,7 @@ from opd.runs.resume import resumed_model_dir
 from opd.runs.setup import load_student, load_teachers
 from opd.runs.sharded_state import has_sharded_state, load_sharded_state
 from opd.sampling.engines import build_rollout_engine
+from opd.sampling.hf_generate import HFEngine
 from opd.teachers.local import LocalTeacher
 from opd.trainer.optimizer import build_optimizer
 
@@ -71,6 +79,8 @@ def for_this_process(config: Config, processes: World) -> Config:
 def check_processes(config: Config, processes: int) -> str:
     """What must hold among ``processes`` processes, checked before any model loads; the parallel mode."""
     training = config.training
+    if training.dist_backend == "nccl":
+        resolve_backend("nccl", resolve_device(config.student.device))
     parallel = parallel_mode(training.parallel, processes)
     problem = rank_split_problem(step_group_sizes(config), training.num_substeps, processes)
     if problem:
@@ -94,7 +104,8 @@ class RunComponents:
     ``engine`` samples the student's rollouts (from the student, a sampling copy or vLLM);
     ``sampler`` decodes for evaluation: the engine where it serves evaluation (vLLM, or the
     copy of a sharded student), else the student; ``teacher_samplers`` write completions for
-    the off-policy data sources, one per local teacher. Under torchrun the process joins its
+    the off-policy data sources, one per local teacher; ``ahead_engine`` (``max_staleness`` > 0)
+    is the worker's sampling copy, which samples published weights only. Under torchrun the process joins its
     group first (:mod:`opd.distributed`) and each process loads its models on its own device.
     A one-process checkpoint the run resumes from (``resumed_model_dir``) has its weights loaded
     before the student is sharded; a sharded one's are loaded by :meth:`opd.trainer.loop.Trainer.run`.
@@ -124,6 +135,18 @@ class RunComponents:
         self.policy.parallel = parallel
         self.engine = build_rollout_engine(
             student_cfg, self.policy, self.tokenizer, self.renderer, seed=config.seed
+        )
+        self.ahead_engine = (
+            HFEngine(
+                self.policy,
+                self.tokenizer,
+                stop_token_ids=self.renderer.stop_token_ids,
+                stop_strings=self.renderer.stop_strings,
+                sampling_dtype=DTYPES.get(student_cfg.sampling_dtype),
+                copy=True,
+            )
+            if training.max_staleness
+            else None
         )
         self.policy.parallelize()
         if load_from is not None and self.resumed_model_dir is None and has_sharded_state(load_from):

@@ -1,0 +1,246 @@
+"""torch.distributed with real processes: torchrun, gloo, 2 CPU processes, tiny models.
+
+Two processes must make the update one process makes on the same global batch: the same
+per-step metrics and final weights within 1e-5 (they differ only in the order floats are
+summed), for DDP and FSDP2, full fine-tuning and LoRA, with collection ahead of learning; a
+sharded checkpoint resumes on one process and back; a rank killed mid-step stops the job with
+a message and the same command resumes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from opd.cli import main
+from opd.runs.checkpoints import list_checkpoints
+from opd.runs.metrics import read_jsonl
+from opd.runs.sharded_state import has_sharded_state
+from tests.conftest import tiny_llama
+
+TOLERANCE = 1e-5
+WORDS = ("abc", "hgf", "dcea", "bbad", "gah", "fed", "cab", "ggf")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, char_tokenizer) -> Path:
+    root = tmp_path_factory.mktemp("distributed")
+    for name, seed in (("student", 1), ("teacher", 2)):
+        tiny_llama(len(char_tokenizer), seed=seed).save_pretrained(root / name)
+        char_tokenizer.save_pretrained(root / name)
+    lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in WORDS]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return root
+
+
+def run_config(models: Path, log_path: Path, **training) -> dict:
+    """8 sequences a step (4 prompts x 2), two optimizer substeps, one sequence per micro-batch."""
+    return {
+        "log_path": str(log_path),
+        "seed": 0,
+        "save_every": 1,
+        "eval_every": 0,
+        "student": {"model": str(models / "student"), "lora_rank": 0},
+        "teacher": {"model": str(models / "teacher")},
+        "datasets": [
+            {"name": "rev", "source": str(models / "prompts.jsonl"), "groups_per_batch": 4, "group_size": 2}
+        ],
+        "training": {
+            "learning_rate": 1e-3,
+            "max_tokens": 6,
+            "max_steps": 3,
+            "num_substeps": 2,
+            "micro_batch_size": 1,
+        }
+        | training,
+    }
+
+
+def write(config: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def one_process(config_path: Path, *overrides: str) -> None:
+    assert main(["train", str(config_path), *overrides, "--no-progress"]) == 0
+
+
+def torchrun_command(config_path: Path, *overrides: str, nproc: int = 2) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "opd",
+        "train",
+        str(config_path),
+        *overrides,
+        "--no-progress",
+        f"--nproc={nproc}",
+    ]
+
+
+def two_processes(config_path: Path, *overrides: str) -> None:
+    done = subprocess.run(
+        torchrun_command(config_path, *overrides),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def assert_same_metrics(rows: list[dict], reference: list[dict], keys=("teacher_kl", "loss", "grad_norm")):
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    for row, expected in zip(rows, reference, strict=True):
+        for key in keys:
+            assert row[key] == pytest.approx(expected[key], abs=TOLERANCE, rel=TOLERANCE), (row["step"], key)
+        assert (
+            row["num_tokens"] == expected["num_tokens"] and row["num_sequences"] == expected["num_sequences"]
+        )
+
+
+def final_weights(run: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The last checkpoint's student, gathered by ``opd export`` when sharded."""
+    assert main(["export", str(run), str(out)]) == 0
+    (weights,) = [load_file(path) for path in out.glob("*.safetensors")]
+    return weights
+
+
+@pytest.mark.parametrize(
+    ("parallel", "lora_rank", "max_staleness"),
+    [("ddp", 0, 0), ("fsdp", 0, 0), ("ddp", 4, 0), ("fsdp", 4, 0), ("fsdp", 0, 1)],
+)
+def test_two_processes_make_the_update_one_process_makes(
+    models, tmp_path, parallel, lora_rank, max_staleness
+):
+    overrides = [f"student.lora_rank={lora_rank}", f"training.max_staleness={max_staleness}"]
+    single = write(run_config(models, tmp_path / "one"), tmp_path / "one.yaml")
+    one_process(single, *overrides)
+    double = write(run_config(models, tmp_path / "two"), tmp_path / "two.yaml")
+    two_processes(double, *overrides, f"training.parallel={parallel}")
+
+    reference, rows = (
+        read_jsonl(tmp_path / "one" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "two" / "metrics.jsonl"),
+    )
+    assert_same_metrics(rows, reference)
+    if max_staleness:
+        assert [r["staleness_mean"] for r in rows] == [0, 1, 1]
+    last = list_checkpoints(tmp_path / "two")[-1]
+    assert last.step == 3 and has_sharded_state(last.path)
+    expected, got = (
+        final_weights(tmp_path / "one", tmp_path / "out1"),
+        final_weights(tmp_path / "two", tmp_path / "out2"),
+    )
+    assert set(got) == set(expected)
+    assert max(float((got[name] - expected[name]).abs().max()) for name in expected) < TOLERANCE
+    moved = max(
+        float((expected[name] - value).abs().max())
+        for name, value in initial_weights(models, lora_rank, expected).items()
+    )
+    assert moved > 100 * TOLERANCE  # training moved the weights: the equality above is not trivial
+
+
+def initial_weights(models: Path, lora_rank: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights before training, under the names a saved checkpoint uses."""
+    if lora_rank:
+        return {name: torch.zeros_like(value) for name, value in like.items() if "lora_B" in name}
+    return load_file(models / "student" / "model.safetensors")
+
+
+def test_a_sharded_checkpoint_resumes_on_one_process_and_back(models, tmp_path):
+    reference = write(run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml")
+    one_process(reference)
+    moving = write(run_config(models, tmp_path / "moving"), tmp_path / "moving.yaml")
+    two_processes(moving, "training.max_steps=2")
+    one_process(moving, "training.max_steps=4")
+    assert not has_sharded_state(list_checkpoints(tmp_path / "moving")[-1].path)
+    two_processes(moving, "training.max_steps=6")
+
+    rows = read_jsonl(tmp_path / "moving" / "metrics.jsonl")
+    assert_same_metrics(rows, read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
+    assert [r.step for r in list_checkpoints(tmp_path / "moving")] == [1, 2, 3, 4, 5, 6]
+
+
+def rank_pid(config_path: Path, rank: int) -> int | None:
+    """The process of ``rank`` training ``config_path`` (found through /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = str(config_path).encode() in command and b"torch.distributed.run" not in command
+        if ours and f"RANK={rank}".encode() in environment:
+            return int(entry.name)
+    return None
+
+
+def test_a_rank_killed_mid_run_stops_the_job_and_the_same_command_resumes_it(models, tmp_path):
+    reference = write(run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml")
+    two_processes(reference)
+    killed = write(run_config(models, tmp_path / "killed", max_steps=6), tmp_path / "killed.yaml")
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    job = subprocess.Popen(
+        torchrun_command(killed),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (
+        metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+    ):
+        time.sleep(0.01)
+    pid = rank_pid(killed, 1)
+    assert pid is not None, "rank 1 not found"
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = job.communicate(timeout=240)
+    assert job.returncode != 0
+    assert "Run the same command again to resume from the last checkpoint" in stderr
+    steps_done = len(read_jsonl(metrics))
+    assert steps_done < 6, "the run finished before it could be killed"
+
+    two_processes(killed)
+    reference_rows = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows] == list(range(6))  # none lost, none twice
+    for row, expected in zip(rows, reference_rows, strict=True):
+        for key in ("teacher_kl", "loss", "grad_norm"):
+            assert row[key] == pytest.approx(expected[key], abs=1e-6, rel=1e-6), (row["step"], key)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "message"),
+    [
+        (["training.parallel=fsdp"], None, "training.parallel: fsdp needs several processes"),
+        (["training.parallel=none"], 2, "training.parallel: none with 2 processes"),
+        ([], 3, "into world size (3) x training.num_substeps (2) equal parts, and 8 sequences"),
+        (["datasets.0.groups_per_batch=2"], 2, "sequence 1 would split a prompt's group"),
+        (["training.dist_backend=nccl"], None, "training.dist_backend: nccl needs CUDA GPUs"),
+    ],
+)
+def test_settings_that_do_not_fit_the_processes_are_refused_before_any_start(
+    models, tmp_path, capsys, overrides, nproc, message
+):
+    if torch.cuda.is_available() and "nccl" in message:
+        pytest.skip("this machine has CUDA: nccl is allowed")
+    config = write(run_config(models, tmp_path / "run"), tmp_path / "run.yaml")
+    args = ["train", str(config), *overrides] + ([f"--nproc={nproc}"] if nproc else [])
+    assert main(args) == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error
+    assert not (tmp_path / "run").exists()
