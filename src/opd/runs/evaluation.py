@@ -11,9 +11,10 @@ from opd.config import Config
 from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
+from opd.distributed import all_reduce, world
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.runs.graders import Grader, grader_for
-from opd.sampling.base import Sampler
+from opd.sampling.base import Sampler, row_seed
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest
 
 TeacherScorer = Callable[[RolloutBatch], torch.Tensor]
@@ -69,15 +70,21 @@ def load_eval_sets(config: Config, score: TeacherScorer | None) -> list[EvalSet]
     return eval_sets
 
 
+def graded_sum(
+    renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader
+) -> float:
+    """Sum of the grades of completions (special tokens removed) against their prompts."""
+    return sum(
+        grader(renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True), p)
+        for c, p in zip(completions, prompts, strict=True)
+    )
+
+
 def graded(
     renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader
 ) -> float:
     """Mean grade of completions (special tokens removed) against their prompts."""
-    grades = [
-        grader(renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True), p)
-        for c, p in zip(completions, prompts, strict=True)
-    ]
-    return sum(grades) / len(grades)
+    return graded_sum(renderer, completions, prompts, grader) / len(prompts)
 
 
 def accuracy(
@@ -96,12 +103,6 @@ def accuracy(
     return graded(renderer, completions, prompts, grader)
 
 
-def sampled_teacher_kl(score: TeacherScorer, batch: RolloutBatch) -> float:
-    """Sampled-token reverse KL per completion token of the batch's student samples."""
-    kl = reverse_kl_per_token(batch.sampled_logprobs_BT, score(batch), batch.mask_BT)
-    return float(kl.sum() / batch.mask_BT.sum().clamp(min=1))
-
-
 def evaluate(
     sampler: Sampler,
     renderer: ChatRenderer,
@@ -112,25 +113,46 @@ def evaluate(
     seed: int,
     pad_id: int,
 ) -> dict[str, float]:
-    """``test/<name>/accuracy`` (greedy), ``test/<name>/pass@1`` and ``test/<name>/teacher_kl`` (sampled)."""
+    """``test/<name>/accuracy`` (greedy), ``test/<name>/pass@1`` and ``test/<name>/teacher_kl`` (sampled).
+
+    Among several processes each evaluates every N-th prompt (each sampled with its own row's
+    seed) and the sums are added up over processes: the figures are those one process gets.
+    """
+    processes = world()
     metrics: dict[str, float] = {}
     for eval_set in eval_sets:
         prefix = f"test/{eval_set.name}"
-        rendered = [renderer.prompt_ids(p.messages) for p in eval_set.prompts]
+        indices = list(range(processes.rank, len(eval_set.prompts), processes.size))
+        prompts = [eval_set.prompts[i] for i in indices]
+        rendered = [renderer.prompt_ids(p.messages) for p in prompts]
+        sums: dict[str, float] = {"prompts": len(prompts)}
         if eval_set.grader is not None:
-            metrics[f"{prefix}/accuracy"] = accuracy(
-                sampler, renderer, eval_set.prompts, eval_set.grader, max_tokens=max_tokens, rendered=rendered
-            )
-        sampled = sampler.sample(rendered, temperature=temperature, max_tokens=max_tokens, seed=seed)
+            greedy = sampler.sample(rendered, temperature=1.0, max_tokens=max_tokens, greedy=True)
+            sums["accuracy"] = graded_sum(renderer, greedy, prompts, eval_set.grader)
+        sampled = sampler.sample(
+            rendered,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            seed=[row_seed(seed, i) for i in indices],
+        )
         if eval_set.grader is not None:
-            metrics[f"{prefix}/pass@1"] = graded(renderer, sampled, eval_set.prompts, eval_set.grader)
+            sums["pass@1"] = graded_sum(renderer, sampled, prompts, eval_set.grader)
         if eval_set.score is not None:
-            batch = build_rollout_batch(
-                rendered,
-                sampled,
-                [eval_set.dataset_index] * len(rendered),
-                pad_id,
-                [p.messages for p in eval_set.prompts],
-            )
-            metrics[f"{prefix}/teacher_kl"] = sampled_teacher_kl(eval_set.score, batch)
+            sums["kl"], sums["tokens"] = 0.0, 0.0
+            if prompts:
+                batch = build_rollout_batch(
+                    rendered,
+                    sampled,
+                    [eval_set.dataset_index] * len(rendered),
+                    pad_id,
+                    [p.messages for p in prompts],
+                )
+                kl = reverse_kl_per_token(batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT)
+                sums["kl"], sums["tokens"] = float(kl.sum()), float(batch.mask_BT.sum())
+        totals = dict(zip(sums, all_reduce(list(sums.values())), strict=True))
+        for key in ("accuracy", "pass@1"):
+            if key in totals:
+                metrics[f"{prefix}/{key}"] = totals[key] / totals["prompts"]
+        if "kl" in totals:
+            metrics[f"{prefix}/teacher_kl"] = totals["kl"] / max(totals["tokens"], 1.0)
     return metrics
