@@ -28,7 +28,11 @@ from opd.runs.metrics import read_jsonl
 from opd.runs.sharded_state import has_sharded_state
 from tests.conftest import tiny_llama
 
-TOLERANCE = 1e-5
+DEVICE = os.environ.get("OPD_TEST_DEVICE", "cpu")
+"""``cuda`` for tests/gpu_distributed.sh: a GPU per process, NCCL."""
+DTYPE = os.environ.get("OPD_TEST_DTYPE", "float32")
+TOLERANCE = 1e-5 if DTYPE == "float32" else 2e-2
+"""float32 sums in another order differ by ~1e-6; bfloat16 keeps 8 bits of mantissa."""
 WORDS = ("abc", "hgf", "dcea", "bbad", "gah", "fed", "cab", "ggf")
 
 
@@ -50,8 +54,8 @@ def run_config(models: Path, log_path: Path, **training) -> dict:
         "seed": 0,
         "save_every": 1,
         "eval_every": 0,
-        "student": {"model": str(models / "student"), "lora_rank": 0},
-        "teacher": {"model": str(models / "teacher")},
+        "student": {"model": str(models / "student"), "lora_rank": 0, "device": DEVICE, "dtype": DTYPE},
+        "teacher": {"model": str(models / "teacher"), "device": DEVICE, "dtype": DTYPE},
         "datasets": [
             {"name": "rev", "source": str(models / "prompts.jsonl"), "groups_per_batch": 4, "group_size": 2}
         ],
@@ -143,6 +147,8 @@ def test_two_processes_make_the_update_one_process_makes(
         final_weights(tmp_path / "two", tmp_path / "out2"),
     )
     assert set(got) == set(expected)
+    if DTYPE != "float32":
+        return  # a bfloat16 weight rounds by more than 3 steps at lr 1e-3 move it
     assert max(float((got[name] - expected[name]).abs().max()) for name in expected) < TOLERANCE
     moved = max(
         float((expected[name] - value).abs().max())
