@@ -134,7 +134,7 @@ def test_evaluation_decodes_with_the_synced_engine(vllm_config, vllm_models, tmp
 
 
 def test_the_vllm_sampler_with_several_processes_is_refused_before_they_start(vllm_config):
-    from opd.trainer.components import check_processes
+    from opd.trainer.processes import check_processes
 
     with pytest.raises(ConfigError, match=r"student\.sampler: 'vllm' runs in one process; with 2 processes"):
         check_processes(config_from_dict(vllm_config), 2)

@@ -29,7 +29,7 @@ def _launch(args: argparse.Namespace) -> None:
     """``opd train --nproc N``: the same command under torchrun, on this node; its exit status kept."""
     import subprocess
 
-    from opd.trainer.components import check_processes
+    from opd.trainer.processes import check_processes
 
     # a bad config, or one that does not fit N processes, is refused once, before they start
     check_processes(load_config(args.config, args.overrides), args.nproc)

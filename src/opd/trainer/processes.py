@@ -1,0 +1,74 @@
+"""What a run of several processes needs to hold, checked before any model loads, and each
+process's own view of the config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from opd.config import Config, ConfigError
+from opd.data.batching import rank_split_problem
+from opd.distributed import LAUNCH_HINT, World, process_device, resolve_backend
+from opd.models import resolve_device
+
+
+def parallel_mode(requested: str, processes: int) -> str:
+    """``training.parallel`` resolved for this many processes; refused where it cannot apply."""
+    if requested == "auto":
+        return "none" if processes == 1 else "fsdp"
+    if requested != "none" and processes == 1:
+        raise ConfigError(
+            f"training.parallel: {requested} needs several processes and this is one; {LAUNCH_HINT}, "
+            "or set parallel: none (or auto)"
+        )
+    if requested == "none" and processes > 1:
+        raise ConfigError(
+            f"training.parallel: none with {processes} processes would train {processes} unrelated "
+            "copies; use ddp, fsdp or auto"
+        )
+    return requested
+
+
+def step_group_sizes(config: Config) -> list[int]:
+    """The sequences of each prompt's group in a step, in the order a step lists them."""
+    sizes = []
+    for dataset in config.datasets:
+        size = 1 if config.training.data_source == "dataset" else dataset.group_size
+        sizes += [size] * dataset.groups_per_batch
+    return sizes
+
+
+def for_this_process(config: Config, processes: World) -> Config:
+    """The config with each model on this process's device (a GPU per process under torchrun)."""
+    student = dataclasses.replace(config.student, device=process_device(config.student.device, processes))
+    teacher = dataclasses.replace(config.teacher, device=process_device(config.teacher.device, processes))
+    datasets = [
+        d
+        if d.teacher is None
+        else dataclasses.replace(
+            d, teacher=dataclasses.replace(d.teacher, device=process_device(d.teacher.device, processes))
+        )
+        for d in config.datasets
+    ]
+    return dataclasses.replace(config, student=student, teacher=teacher, datasets=datasets)
+
+
+def check_processes(config: Config, processes: int) -> str:
+    """What must hold among ``processes`` processes, checked before any model loads; the parallel mode."""
+    training = config.training
+    if training.dist_backend == "nccl":
+        resolve_backend("nccl", resolve_device(config.student.device))
+    parallel = parallel_mode(training.parallel, processes)
+    problem = rank_split_problem(step_group_sizes(config), training.num_substeps, processes)
+    if problem:
+        raise ConfigError(
+            f"datasets: each step's groups (groups_per_batch x group_size per dataset) are shared out "
+            f"in whole groups, into world size ({processes}) x training.num_substeps "
+            f"({training.num_substeps}) equal parts, and {problem}; change groups_per_batch or the "
+            "number of processes"
+        )
+    if processes > 1 and config.student.sampler != "hf":
+        raise ConfigError(
+            f"student.sampler: '{config.student.sampler}' runs in one process; with {processes} "
+            "processes use sampler: hf (or one process)"
+        )
+    return parallel
