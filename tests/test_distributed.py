@@ -48,7 +48,8 @@ def models(tmp_path_factory, char_tokenizer) -> Path:
 
 
 def run_config(models: Path, log_path: Path, **training) -> dict:
-    """8 sequences a step (4 prompts x 2), two optimizer substeps, one sequence per micro-batch."""
+    """8 sequences a step (4 prompts x 2), two optimizer substeps, one sequence per micro-batch,
+    two sequences per teacher forward, 5 held-out prompts evaluated every 2 steps."""
     return {
         "log_path": str(log_path),
         "seed": 0,
@@ -61,6 +62,7 @@ def run_config(models: Path, log_path: Path, **training) -> dict:
                 "name": "rev",
                 "source": str(models / "prompts.jsonl"),
                 "eval_source": str(models / "prompts.jsonl"),
+                "eval_num_prompts": 5,  # 3 and 2 a process: a sharded teacher pads its forwards
                 "groups_per_batch": 4,
                 "group_size": 2,
             }
@@ -71,6 +73,7 @@ def run_config(models: Path, log_path: Path, **training) -> dict:
             "max_steps": 3,
             "num_substeps": 2,
             "micro_batch_size": 1,
+            "teacher_batch_size": 2,
         }
         | training,
     }
@@ -267,3 +270,28 @@ def test_settings_that_do_not_fit_the_processes_are_refused_before_any_start(
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "sharded"),
+    [
+        ({}, True),
+        ({"training": {"objective": "topk_forward_kl"}}, True),
+        ({"training": {"objective": "jsd"}}, False),  # reads the teacher's lm head outside its forward
+        ({"training": {"max_staleness": 1}}, False),  # the worker thread scores
+        ({"training": {"data_source": "mixed", "objective": "jsd"}}, False),  # the teacher samples
+        ({"teacher": {"backend": "openai", "base_url": "http://127.0.0.1:1/v1"}}, False),
+    ],
+)
+def test_the_local_teacher_is_sharded_with_the_student_where_every_process_calls_it_alike(
+    models, tmp_path, change, sharded
+):
+    from opd.config import config_from_dict
+    from opd.trainer.processes import shards_its_teacher
+
+    config = run_config(models, tmp_path / "run")
+    for section, values in change.items():
+        config[section] = config[section] | values
+    resolved = config_from_dict(config)
+    assert shards_its_teacher(resolved, "fsdp") is sharded
+    assert shards_its_teacher(resolved, "ddp") is False

@@ -116,13 +116,17 @@ def evaluate(
     """``test/<name>/accuracy`` (greedy), ``test/<name>/pass@1`` and ``test/<name>/teacher_kl`` (sampled).
 
     Among several processes each evaluates every N-th prompt (each sampled with its own row's
-    seed) and the sums are added up over processes: the figures are those one process gets.
+    seed) and the sums are added up over processes: the figures are those one process gets. A
+    process left without a prompt of its own evaluates the first one and counts it for nothing,
+    so that every process makes the same calls (a sharded model's forwards are collectives).
     """
     processes = world()
     metrics: dict[str, float] = {}
     for eval_set in eval_sets:
         prefix = f"test/{eval_set.name}"
         indices = list(range(processes.rank, len(eval_set.prompts), processes.size))
+        weight = 1.0 if indices else 0.0
+        indices = indices or [0]
         prompts = [eval_set.prompts[i] for i in indices]
         rendered = [renderer.prompt_ids(p.messages) for p in prompts]
         sums: dict[str, float] = {"prompts": len(prompts)}
@@ -138,18 +142,16 @@ def evaluate(
         if eval_set.grader is not None:
             sums["pass@1"] = graded_sum(renderer, sampled, prompts, eval_set.grader)
         if eval_set.score is not None:
-            sums["kl"], sums["tokens"] = 0.0, 0.0
-            if prompts:
-                batch = build_rollout_batch(
-                    rendered,
-                    sampled,
-                    [eval_set.dataset_index] * len(rendered),
-                    pad_id,
-                    [p.messages for p in prompts],
-                )
-                kl = reverse_kl_per_token(batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT)
-                sums["kl"], sums["tokens"] = float(kl.sum()), float(batch.mask_BT.sum())
-        totals = dict(zip(sums, all_reduce(list(sums.values())), strict=True))
+            batch = build_rollout_batch(
+                rendered,
+                sampled,
+                [eval_set.dataset_index] * len(rendered),
+                pad_id,
+                [p.messages for p in prompts],
+            )
+            kl = reverse_kl_per_token(batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT)
+            sums["kl"], sums["tokens"] = float(kl.sum()), float(batch.mask_BT.sum())
+        totals = dict(zip(sums, all_reduce([weight * value for value in sums.values()]), strict=True))
         for key in ("accuracy", "pass@1"):
             if key in totals:
                 metrics[f"{prefix}/{key}"] = totals[key] / totals["prompts"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from opd.distributed import all_reduce
 from opd.logprobs import (
     ScoredRows,
     backbone_and_head,
@@ -13,6 +14,7 @@ from opd.logprobs import (
     topk_logprobs,
 )
 from opd.models import module_device
+from opd.policy.parallel import apply_fsdp
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
 
@@ -31,6 +33,15 @@ class LocalTeacher:
         self.pad_id = pad_id
         self.batch_size = batch_size
         self.chunk_size = chunk_size
+        self.sharded = False
+
+    def shard(self) -> None:
+        """Shard the teacher over the processes with FSDP2 (each holds 1/N of it, gathered a block
+        at a time while it scores). Its forwards become collectives: :meth:`score` then runs as
+        many forwards on every process (padding with one-token forwards), and every process must
+        call it as many times, in the same order."""
+        apply_fsdp(self.module, self.model)
+        self.sharded = True
 
     @property
     def lm_head(self) -> nn.Module:
@@ -69,7 +80,12 @@ class LocalTeacher:
                 )
             return logprobs_N, top, hidden_ND if request.hidden else None
 
-        for start in range(0, batch, self.batch_size):
+        starts = range(0, batch, self.batch_size)
+        if self.sharded:
+            (most,) = all_reduce([float(len(starts))], op="max")
+            for _ in range(int(most) - len(starts)):
+                self._forward_in_step(answer)
+        for start in starts:
             rows = torch.arange(start, min(start + self.batch_size, batch))
             chunk = inputs.select(rows)
             mask = chunk.score_mask_BT.clone()
@@ -91,3 +107,8 @@ class LocalTeacher:
                     scores.hidden_BTD = hidden_ND.new_zeros(batch, width, hidden_ND.shape[-1])
                 scores.hidden_BTD[start:end, 1:chunk_width][selected.to(hidden_ND.device)] = hidden_ND
         return scores
+
+    def _forward_in_step(self, answer) -> None:
+        """A one-token forward whose answer is dropped: keeps a sharded teacher's collectives in step."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        self.module(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device), answer)

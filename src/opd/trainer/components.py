@@ -25,7 +25,12 @@ from opd.sampling.engines import build_rollout_engine
 from opd.sampling.hf_generate import HFEngine
 from opd.teachers.local import LocalTeacher
 from opd.trainer.optimizer import build_optimizer
-from opd.trainer.processes import check_processes, for_this_process, step_group_sizes
+from opd.trainer.processes import (
+    check_processes,
+    for_this_process,
+    shards_its_teacher,
+    step_group_sizes,
+)
 
 
 class RunComponents:
@@ -96,6 +101,8 @@ class RunComponents:
         )
         request = self.objective.teacher_request(training.temperature)
         self.teachers = load_teachers(process_config, student, self.engine.pad_id, request)
+        if shards_its_teacher(config, parallel):
+            self.teachers.per_dataset[0].shard()
         self.teacher_samplers = {
             id(teacher): student.sampler_for(teacher.model)
             for teacher in self.teachers.per_dataset

@@ -72,3 +72,25 @@ def check_processes(config: Config, processes: int) -> str:
             "processes use sampler: hf (or one process)"
         )
     return parallel
+
+
+def shards_its_teacher(config: Config, parallel: str) -> bool:
+    """Whether the run's local teacher is sharded with the student (FSDP), not replicated.
+
+    A sharded teacher's forwards are collectives, so it is sharded only where every process
+    calls it alike: one teacher for every dataset, local, reading the student's tokens, scoring
+    on-policy batches on the main thread, and not asked for its full distribution (``jsd``
+    applies the teacher's lm head outside its forward).
+    """
+    teachers = {id(config.teacher_for(d)) for d in config.datasets}
+    teacher = config.teacher_for(config.datasets[0])
+    training = config.training
+    return (
+        parallel == "fsdp"
+        and len(teachers) == 1
+        and teacher.backend == "local"
+        and not teacher.cross_tokenizer
+        and training.objective.teacher_signal != "distribution"
+        and training.data_source == "student"
+        and training.max_staleness == 0
+    )
