@@ -206,6 +206,7 @@ class Policy:
 
 @contextmanager
 def _fsdp_sync_off(module: nn.Module) -> Iterator[None]:
+    """FSDP keeps this backward's gradients unreduced (accumulating micro-batches), then reduces again."""
     module.set_requires_gradient_sync(False)
     try:
         yield
