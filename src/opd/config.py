@@ -152,6 +152,10 @@ class TrainingConfig:
     """The torch.distributed backend under torchrun: ``auto`` is nccl on GPUs, gloo on CPUs."""
     dist_timeout_s: float = 1800.0
     """How long a process waits in a collective for the others before the job fails."""
+    stop_on_divergence: bool = False
+    """Stop the run at the first sign of it going wrong (entropy collapse, teacher KL rising for 5
+    steps, ``kl_sample_train`` or the gradient norm exploding, held-out accuracy falling), keeping
+    the last checkpoint; otherwise each sign is only warned about, once."""
     max_staleness: int = 0
     """Collect up to this many steps ahead of learning: with k >= 1, the batches of steps
     i+1..i+k are sampled and scored by a background worker (with its own copy of the weights,

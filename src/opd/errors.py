@@ -27,5 +27,17 @@ class RemoteTeacherError(RuntimeError):
     """The teacher server could not give usable log-probs; the message names it."""
 
 
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, RemoteTeacherError, FileNotFoundError)
+class DivergenceError(RuntimeError):
+    """A run stopped by ``training.stop_on_divergence``; the message names the symptom and the fix."""
+
+
+USER_ERRORS = (
+    ConfigError,
+    DataError,
+    ModelLoadError,
+    CheckpointError,
+    RemoteTeacherError,
+    DivergenceError,
+    FileNotFoundError,
+)
 """What the command line reports as one line and exit status 2 instead of a traceback."""

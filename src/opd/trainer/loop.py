@@ -11,6 +11,7 @@ checkpointing on the way; what it is built from is set up in :mod:`opd.trainer.c
 from __future__ import annotations
 
 import random
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from opd.config import Config, config_to_dict
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, barrier
-from opd.errors import CheckpointError
+from opd.errors import CheckpointError, DivergenceError
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import examples, sample_records
@@ -48,6 +49,7 @@ from opd.runs.sharded_state import (
     save_sharded_state,
 )
 from opd.runs.timing import SpanRecorder, write_chrome_trace
+from opd.runs.watchdog import Watchdog
 from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
 from opd.teachers.base import TeacherScores
 from opd.trainer.ahead import AheadCollector
@@ -374,12 +376,22 @@ class Trainer(RunComponents):
             dynamic_ncols=True,
         )
 
+        watchdog = Watchdog()
+
         def record(metrics: dict, step: int) -> None:
             if main:
                 writer.write(metrics)
                 for logger in loggers:
                     logger.log(metrics, step)
             result.metrics.append(metrics)
+            for symptom in watchdog.check(metrics):
+                if self.config.training.stop_on_divergence:
+                    raise DivergenceError(
+                        f"step {step}: {symptom.message}. Stopped (training.stop_on_divergence); the "
+                        "last checkpoint is kept: change the setting and run again to resume from it"
+                    )
+                if main:
+                    tqdm.write(f"opd: warning: step {step}: {symptom.message}", file=sys.stderr)
 
         try:
             for step in range(start.step, self.num_steps):

@@ -1,0 +1,136 @@
+"""A watch on each step's metrics for the signs that a run is going wrong.
+
+Each symptom is named once, when first seen, with its likely cause and the setting to change:
+the entropy collapsing, the teacher KL rising step after step, the sampler's log-probs parting
+from the trainer's (``kl_sample_train``), the gradient norm exploding, held-out accuracy falling.
+With ``training.stop_on_divergence`` the run stops at the first one instead of going on.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+WINDOW = 5
+"""Steps a trend must last (or a baseline must hold) before it counts."""
+ENTROPY_FLOOR = 0.1
+"""Entropy collapse: below this fraction of the first step's entropy."""
+KL_SAMPLE_TRAIN_LIMIT = 0.1
+"""Sampler and trainer disagree: more than this many nats per token between their log-probs."""
+GRAD_NORM_FACTOR = 10.0
+"""Exploding gradients: a norm this many times the median of the steps before."""
+ACCURACY_DROP = 0.1
+"""Falling accuracy: this far (absolute) below the first held-out evaluation."""
+
+
+@dataclass
+class Symptom:
+    """A sign the run is going wrong, found in the metrics of one step."""
+
+    name: str
+    message: str
+
+
+def _values(history: list[dict], key: str) -> list[float]:
+    """The finite values ``key`` took, in step order (rows without it skipped)."""
+    return [row[key] for row in history if isinstance(row.get(key), int | float) and math.isfinite(row[key])]
+
+
+def entropy_collapse(history: list[dict]) -> Symptom | None:
+    """The entropy below a tenth of the first step's, after at least WINDOW steps."""
+    entropies = _values(history, "entropy")
+    if len(entropies) > WINDOW and entropies[0] > 0 and entropies[-1] < ENTROPY_FLOOR * entropies[0]:
+        return Symptom(
+            "entropy_collapse",
+            f"entropy fell from {entropies[0]:.3g} to {entropies[-1]:.3g} nats/token: the student is "
+            "collapsing onto a few tokens (updates too large for it). Lower training.learning_rate, "
+            "or clip the policy loss (training.loss_fn: ppo or cispo)",
+        )
+    return None
+
+
+def teacher_kl_rising(history: list[dict]) -> Symptom | None:
+    """The teacher KL higher at each of the last WINDOW steps than at the step before."""
+    kls = _values(history, "teacher_kl")[-(WINDOW + 1) :]
+    if len(kls) == WINDOW + 1 and all(a < b for a, b in pairwise(kls)):
+        return Symptom(
+            "teacher_kl_rising",
+            f"teacher_kl rose for {WINDOW} steps in a row ({kls[0]:.3g} -> {kls[-1]:.3g}): the student "
+            "is moving away from the teacher. Lower training.learning_rate, or try "
+            "training.objective: jsd",
+        )
+    return None
+
+
+def sampler_apart(history: list[dict]) -> Symptom | None:
+    """This step's ``kl_sample_train`` beyond KL_SAMPLE_TRAIN_LIMIT."""
+    values = _values(history[-1:], "kl_sample_train")
+    if values and abs(values[0]) > KL_SAMPLE_TRAIN_LIMIT:
+        return Symptom(
+            "kl_sample_train",
+            f"kl_sample_train is {values[0]:.3g} nats/token: the sampler's log-probs are far from the "
+            "trainer's on the same tokens, so the importance ratios are off. Check "
+            "student.sampling_dtype (a low-precision copy), or lower training.max_staleness",
+        )
+    return None
+
+
+def grad_norm_exploding(history: list[dict]) -> Symptom | None:
+    """This step's gradient norm GRAD_NORM_FACTOR times the median of the steps before it."""
+    norms = _values(history, "grad_norm")
+    if len(norms) > WINDOW:
+        usual = statistics.median(norms[:-1])
+        if usual > 0 and norms[-1] > GRAD_NORM_FACTOR * usual:
+            return Symptom(
+                "grad_norm_exploding",
+                f"grad_norm {norms[-1]:.3g} is {norms[-1] / usual:.0f}x its median so far ({usual:.3g}): "
+                "the update is blowing up. Lower training.learning_rate, or set training.max_grad_norm",
+            )
+    return None
+
+
+def accuracy_falling(history: list[dict]) -> Symptom | None:
+    """A held-out accuracy ACCURACY_DROP below its first evaluation."""
+    keys = sorted(
+        {key for row in history for key in row if key.startswith("test/") and key.endswith("/accuracy")}
+    )
+    for key in keys:
+        accuracies = _values(history, key)
+        if len(accuracies) > 1 and accuracies[-1] < accuracies[0] - ACCURACY_DROP:
+            return Symptom(
+                "accuracy_falling",
+                f"{key} fell from {accuracies[0]:.1%} to {accuracies[-1]:.1%}: training is making the "
+                "student worse on held-out prompts. Lower training.learning_rate, or check the teacher",
+            )
+    return None
+
+
+CHECKS: list[Callable[[list[dict]], Symptom | None]] = [
+    entropy_collapse,
+    teacher_kl_rising,
+    sampler_apart,
+    grad_norm_exploding,
+    accuracy_falling,
+]
+
+
+@dataclass
+class Watchdog:
+    """Reads every step's metrics; reports each symptom the first time it shows."""
+
+    history: list[dict] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+    def check(self, metrics: dict) -> list[Symptom]:
+        """The symptoms that show for the first time with this step's ``metrics``."""
+        self.history.append(metrics)
+        found = []
+        for check in CHECKS:
+            symptom = check(self.history)
+            if symptom is not None and symptom.name not in self.seen:
+                self.seen.add(symptom.name)
+                found.append(symptom)
+        return found

@@ -1,0 +1,118 @@
+"""The watchdog on constructed metric streams: each symptom named once, healthy runs left alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from opd.cli import main
+from opd.runs.metrics import read_jsonl
+from opd.runs.watchdog import Watchdog
+
+
+def healthy(step: int) -> dict:
+    """A run that learns: KL falling with noise, entropy easing, steady gradients."""
+    wiggle = 0.05 * (-1) ** step
+    return {
+        "step": step,
+        "teacher_kl": 1.0 / (1 + 0.1 * step) + wiggle,
+        "entropy": 2.0 - 0.01 * step,
+        "kl_sample_train": 1e-4 * (-1) ** step,
+        "grad_norm": 1.0 + 0.3 * ((step * 7) % 5) / 5,
+    }
+
+
+def names(stream: list[dict]) -> list[tuple[int, str]]:
+    watchdog = Watchdog()
+    return [(row["step"], symptom.name) for row in stream for symptom in watchdog.check(row)]
+
+
+def test_a_healthy_run_raises_nothing():
+    stream = [healthy(step) for step in range(100)]
+    stream[10] |= {"test/rev/accuracy": 0.50}
+    stream[50] |= {"test/rev/accuracy": 0.45}  # a dip within noise
+    assert names(stream) == []
+
+
+def test_entropy_collapse_is_named_once_when_it_falls_below_a_tenth():
+    stream = [healthy(step) | {"entropy": 2.0 * 0.7**step} for step in range(20)]
+    # 0.7**6 = 0.118 and 0.7**7 = 0.082: step 7 is the first below a tenth of step 0's entropy
+    assert names(stream) == [(7, "entropy_collapse")]
+
+
+def test_teacher_kl_rising_five_steps_in_a_row():
+    stream = [healthy(step) for step in range(10)]
+    stream += [healthy(step) | {"teacher_kl": 0.5 + 0.1 * (step - 10)} for step in range(10, 20)]
+    # step 9's KL is 1 / 1.9 - 0.05 = 0.476 < 0.5 at step 10: steps 9..14 are the first six
+    # rising values (five rises in a row)
+    assert names(stream) == [(14, "teacher_kl_rising")]
+
+
+def test_sampler_and_trainer_apart_and_exploding_gradients():
+    stream = [healthy(step) for step in range(8)]
+    stream.append(healthy(8) | {"kl_sample_train": -0.3})
+    stream.append(healthy(9) | {"grad_norm": 50.0})
+    stream.append(healthy(10) | {"grad_norm": 80.0, "kl_sample_train": 0.5})  # already named: silent
+    assert names(stream) == [(8, "kl_sample_train"), (9, "grad_norm_exploding")]
+
+
+def test_a_gradient_spike_in_the_first_steps_has_no_baseline_yet():
+    stream = [healthy(0), healthy(1) | {"grad_norm": 100.0}] + [healthy(step) for step in range(2, 6)]
+    assert names(stream) == []
+
+
+def test_falling_held_out_accuracy_names_the_dataset():
+    stream = [healthy(0) | {"test/rev/accuracy": 0.6, "test/sum/accuracy": 0.3}]
+    stream += [healthy(step) for step in range(1, 5)]
+    stream.append({"step": 5, "test/rev/accuracy": 0.45, "test/sum/accuracy": 0.35})
+    watchdog = Watchdog()
+    found = [symptom for row in stream for symptom in watchdog.check(row)]
+    assert [s.name for s in found] == ["accuracy_falling"]
+    assert "test/rev/accuracy fell from 60.0% to 45.0%" in found[0].message
+    assert "training.learning_rate" in found[0].message
+
+
+def test_non_finite_values_are_skipped_not_read_as_symptoms():
+    stream = [healthy(step) for step in range(8)]
+    stream[3]["grad_norm"] = float("nan")
+    stream[4]["entropy"] = float("inf")
+    assert names(stream) == []
+
+
+def test_stop_on_divergence_stops_the_run_with_the_symptom_and_keeps_the_last_checkpoint(
+    base_config, tmp_path, capsys
+):
+    """A learning rate of 10 blows the tiny student up within its first steps."""
+    import yaml
+
+    base_config["training"] |= {"learning_rate": 10.0, "max_steps": 12, "max_grad_norm": None}
+    base_config["save_every"] = 1
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(base_config))
+    assert main(["train", str(config), "--no-progress"]) == 0
+    warned = capsys.readouterr().err
+    assert "opd: warning: step" in warned
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 12  # warned, not stopped
+
+    stopped = tmp_path / "stopped.yaml"
+    stopped.write_text(
+        yaml.safe_dump(base_config | {"log_path": str(tmp_path / "stopped")}).replace(
+            "max_grad_norm: null", "max_grad_norm: null\n  stop_on_divergence: true"
+        )
+    )
+    assert main(["train", str(stopped), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert "Stopped (training.stop_on_divergence)" in error and "Traceback" not in error
+    done = read_jsonl(tmp_path / "stopped" / "metrics.jsonl")
+    assert len(done) < 12
+    first = warned.split("opd: warning: step ")[1].split(":")[0]
+    assert done[-1]["step"] == int(first)
+
+
+@pytest.mark.parametrize("value", ["yes please", 3])
+def test_stop_on_divergence_takes_a_boolean(base_config, value):
+    from opd.config import ConfigError, config_from_dict
+
+    base_config["training"]["stop_on_divergence"] = value
+    with pytest.raises(ConfigError, match=r"training\.stop_on_divergence"):
+        config_from_dict(base_config)
