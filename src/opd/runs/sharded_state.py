@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from opd.distributed import world
 from opd.errors import CheckpointError
 from opd.policy.policy import Policy
 
@@ -79,7 +80,7 @@ def load_indexed_optimizer_state(policy: Policy, optimizer: torch.optim.Optimize
     Index i is the i-th trainable parameter, in the order the optimizer was given them
     (:meth:`opd.policy.Policy.trainable_parameters`).
     """
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if world().size > 1:
         names = [name for name, parameter in policy.model.named_parameters() if parameter.requires_grad]
         by_name = {
             "state": {names[index]: value for index, value in saved["state"].items()},
