@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from opd.demo.char_tokenizer import build_char_tokenizer
 
 warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
+
+# ``ci``: the same generated examples on every run, so that CI is reproducible; ``campaign``:
+# fresh random examples, many more of them (HYPOTHESIS_PROFILE=campaign, OPD_FUZZ_EXAMPLES=N)
+settings.register_profile(
+    "ci", max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "campaign",
+    max_examples=int(os.environ.get("OPD_FUZZ_EXAMPLES", "2000")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def tiny_llama(
@@ -30,13 +45,12 @@ def tiny_llama(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=256,
         pad_token_id=0,
         eos_token_id=2,
         bos_token_id=None,
         tie_word_embeddings=tie,
         initializer_range=0.3,
-        **extra,
+        **{"max_position_embeddings": 256, **extra},
     )
     return LlamaForCausalLM(config).eval()
 

@@ -83,7 +83,7 @@ def _trace(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from opd.teachers.server import serve
+    from opd.teachers.server import ServerLimits, serve
 
     serve(
         args.model,
@@ -93,6 +93,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_logprobs=args.max_logprobs,
         dtype=args.dtype,
         device=args.device,
+        limits=ServerLimits(args.max_request_bytes, args.request_timeout, args.max_connections),
     )
 
 
@@ -166,6 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="auto")
+    serve.add_argument(
+        "--max-request-bytes", type=_positive(int), default=16 * 2**20, help="larger bodies get 413 (16 MiB)"
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=_positive(float),
+        default=60.0,
+        help="seconds a client may take to send a request before it is dropped (60)",
+    )
+    serve.add_argument(
+        "--max-connections", type=_positive(int), default=64, help="connections at once; more get 503 (64)"
+    )
     serve.set_defaults(handler=_serve)
 
     demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")

@@ -524,9 +524,18 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+            "save the config as UTF-8"
+        ) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    except RecursionError:
+        raise ConfigError(f"{path}: not a config: nested too deeply for YAML to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     try:

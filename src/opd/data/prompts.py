@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,23 @@ class Prompt:
     """The generator's entry, for graders that need more than the answer (reasoning-gym)."""
 
 
+def _encodable(text: str, where: str, field: str) -> str:
+    """``text``, refused when it holds a lone surrogate (JSON allows ``"\ud800"``; tokenizers fail on it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise DataError(
+            f"{where}: '{field}' holds an unpaired surrogate {text[error.start]!r} at character {error.start}"
+        ) from None
+    return text
+
+
 def _messages_from(record: dict, where: str) -> tuple[dict[str, str], ...]:
     if "prompt" in record:
         text = record["prompt"]
         if not isinstance(text, str):
             raise DataError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
+        _encodable(text, where, "prompt")
         if not text.strip():
             raise DataError(f"{where}: empty prompt")
         return ({"role": "user", "content": text},)
@@ -40,7 +53,8 @@ def _messages_from(record: dict, where: str) -> tuple[dict[str, str], ...]:
             raise DataError(f"{where}: messages[{j}] needs a string 'content'")
         if message.get("role") not in VALID_ROLES:
             raise DataError(f"{where}: messages[{j}].role must be one of {VALID_ROLES}")
-        checked.append({"role": message["role"], "content": message["content"]})
+        content = _encodable(message["content"], where, f"messages[{j}].content")
+        checked.append({"role": message["role"], "content": content})
     if not any(m["content"].strip() for m in checked):
         raise DataError(f"{where}: empty prompt (every message is blank)")
     return tuple(checked)
@@ -51,10 +65,12 @@ def _optional_text(record: dict, key: str, where: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise DataError(f"{where}: '{key}' is {value}, not a finite number")
         return str(value)
     if not isinstance(value, str):
         raise DataError(f"{where}: '{key}' must be a string or number")
-    return value
+    return _encodable(value, where, key)
 
 
 def parse_prompt_record(record: object, where: str) -> Prompt:
@@ -80,15 +96,24 @@ def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise DataError(f"{path}: prompt file not found")
     prompts = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
+            except RecursionError:
+                raise DataError(f"{where}: JSON nested too deeply to be a prompt") from None
             prompts.append(parse_prompt_record(record, where))
     if not prompts:
         raise DataError(f"{path}: no prompts in the file")

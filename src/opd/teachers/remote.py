@@ -54,6 +54,10 @@ def refusal_hint(status: int, message: str) -> str:
     return ""
 
 
+LOGPROB_ROUNDING = 1e-4
+"""How far above 0 a server's log-prob may be (float rounding of a near-certain token)."""
+
+
 class RemoteTeacher:
     """Scores token ids through ``POST {base_url}/completions`` (openai) or ``/generate`` (sglang)."""
 
@@ -175,7 +179,15 @@ class RemoteTeacher:
                 raise RemoteTeacherError(
                     f"teacher server {self.endpoint} sent {count} choices for {len(batch)} prompts"
                 )
-            choices = sorted(choices, key=lambda c: c.get("index", 0))
+            indices = [c.get("index") if isinstance(c, dict) else None for c in choices]
+            if sorted(i for i in indices if isinstance(i, int) and not isinstance(i, bool)) != list(
+                range(len(batch))
+            ):
+                raise RemoteTeacherError(
+                    f"teacher server {self.endpoint} sent choices indexed {indices[:8]} for {len(batch)} "
+                    "prompts (each index 0..n-1 once)"
+                )
+            choices = sorted(choices, key=lambda c: c["index"])
             return [
                 self._parse_openai(ids, choice.get("prompt_logprobs"), topk)
                 for ids, choice in zip(batch, choices, strict=True)
@@ -189,7 +201,9 @@ class RemoteTeacher:
             "top_logprobs_num": topk,
         }
         answer = self._post(payload)
-        meta = answer.get("meta_info", {}) if isinstance(answer, dict) else {}
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        if not isinstance(meta, dict):
+            raise self._fail(ids, "sent no 'meta_info' object")
         return [self._parse_sglang(ids, meta, topk)]
 
     def _fail(self, ids: list[int], what: str) -> RemoteTeacherError:
@@ -207,12 +221,12 @@ class RemoteTeacher:
         for position in range(1, len(ids)):
             entry = entries[position]
             token = str(ids[position])
-            if not isinstance(entry, dict) or token not in entry:
+            if not isinstance(entry, dict) or not isinstance(entry.get(token), dict):
                 raise self._fail(ids, f"no log-prob for token id {ids[position]} at position {position}")
-            logprobs[position] = self._finite(entry[token].get("logprob"), ids, position)
+            logprobs[position] = self._logprob(entry[token].get("logprob"), ids, position)
             if topk:
                 ranked = sorted(
-                    ((v.get("rank") or math.inf, int(k), v.get("logprob")) for k, v in entry.items()),
+                    (self._ranked(key, value, ids, position) for key, value in entry.items()),
                     key=lambda r: r[0],
                 )
                 ranked = [r for r in ranked if r[0] <= topk]
@@ -224,7 +238,7 @@ class RemoteTeacher:
                     )
                 top_ids[position] = torch.tensor([r[1] for r in ranked[:topk]])
                 top_values[position] = torch.tensor(
-                    [self._finite(r[2], ids, position) for r in ranked[:topk]]
+                    [self._logprob(r[2], ids, position) for r in ranked[:topk]]
                 )
         return logprobs, top_ids, top_values
 
@@ -234,29 +248,60 @@ class RemoteTeacher:
             count = len(token_logprobs) if isinstance(token_logprobs, list) else "no"
             raise self._fail(ids, f"sent {count} input token log-probs for {len(ids)} tokens")
         top = meta.get("input_top_logprobs") or [None] * len(ids)
+        if not isinstance(top, list) or len(top) != len(ids):
+            raise self._fail(ids, "sent 'input_top_logprobs' that is not one list per token")
         logprobs = torch.zeros(len(ids))
         top_ids = torch.zeros(len(ids), max(topk, 1), dtype=torch.long)
         top_values = torch.full((len(ids), max(topk, 1)), -math.inf)
         for position in range(1, len(ids)):
-            value, token, *_ = token_logprobs[position]
+            value, token = self._pair(token_logprobs[position], ids, position)
             if token != ids[position]:
                 raise self._fail(
                     ids, f"answered for token id {token} at position {position}, not {ids[position]}"
                 )
-            logprobs[position] = self._finite(value, ids, position)
+            logprobs[position] = self._logprob(value, ids, position)
             if topk:
                 entries = top[position] or []
-                if len(entries) < topk:
+                if not isinstance(entries, list) or len(entries) < topk:
+                    count = len(entries) if isinstance(entries, list) else "no"
                     raise self._fail(
-                        ids, f"sent {len(entries)} top log-probs at position {position}, fewer than {topk}"
+                        ids, f"sent {count} top log-probs at position {position}, fewer than {topk}"
                     )
-                top_ids[position] = torch.tensor([int(e[1]) for e in entries[:topk]])
-                top_values[position] = torch.tensor(
-                    [self._finite(e[0], ids, position) for e in entries[:topk]]
-                )
+                pairs = [self._pair(e, ids, position) for e in entries[:topk]]
+                top_ids[position] = torch.tensor([token_id for _, token_id in pairs])
+                top_values[position] = torch.tensor([self._logprob(v, ids, position) for v, _ in pairs])
         return logprobs, top_ids, top_values
 
-    def _finite(self, value, ids: list[int], position: int) -> float:
-        if not isinstance(value, int | float) or not math.isfinite(value):
+    def _pair(self, entry, ids: list[int], position: int) -> tuple[object, int]:
+        """SGLang's ``[logprob, token_id, text]`` at ``position``, its id checked."""
+        if not isinstance(entry, list | tuple) or len(entry) < 2 or not self._is_id(entry[1]):
+            raise self._fail(
+                ids, f"sent {str(entry)[:80]} at position {position}, not [logprob, token_id, text]"
+            )
+        return entry[0], entry[1]
+
+    def _ranked(self, key: str, value, ids: list[int], position: int) -> tuple[float, int, object]:
+        """(rank, token id, log-prob) of one vLLM prompt-logprobs entry."""
+        token_id = int(key) if isinstance(key, str) and key.isdigit() else None
+        if token_id is None or not isinstance(value, dict):
+            raise self._fail(ids, f"sent an entry {key!r}: {str(value)[:80]} at position {position}")
+        rank = value.get("rank")
+        if rank is None:
+            rank = math.inf
+        if (not isinstance(rank, int) or isinstance(rank, bool)) and rank != math.inf:
+            raise self._fail(ids, f"sent rank {rank!r} at position {position}, not an integer")
+        return rank, token_id, value.get("logprob")
+
+    @staticmethod
+    def _is_id(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    def _logprob(self, value, ids: list[int], position: int) -> float:
+        """A finite log-probability; rounding above 0 (up to ``LOGPROB_ROUNDING``) is read as 0."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise self._fail(ids, f"log-prob {value!r} at position {position} is not a finite number")
-        return float(value)
+        if value > LOGPROB_ROUNDING:
+            raise self._fail(
+                ids, f"log-prob {value!r} at position {position} is above 0 (not a log-probability)"
+            )
+        return min(float(value), 0.0)

@@ -10,15 +10,20 @@ For CPU development and tests; a real deployment points the same client at vLLM 
   ``top_logprobs_num``; answers ``meta_info.input_token_logprobs``.
 - ``GET /v1/models``, ``GET /health``.
 
-Malformed requests get a 4xx JSON error and the server keeps serving.
+Malformed requests get a 4xx JSON error and the server keeps serving; :class:`ServerLimits` caps
+what one client may cost (body size, time to send it, connections at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import threading
 import time
+import traceback
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -85,16 +90,40 @@ class ScoringModel:
         return per_prompt
 
 
-def _token_ids(value, field: str, vocab_size: int) -> list[int]:
+def _token_ids(value, field: str, scorer: ScoringModel) -> list[int]:
     if (
         not isinstance(value, list)
         or not value
         or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     ):
         raise RequestError(f"'{field}' must be a non-empty list of token ids")
-    bad = [t for t in value if not 0 <= t < vocab_size]
+    bad = [t for t in value if not 0 <= t < scorer.vocab_size]
     if bad:
-        raise RequestError(f"Token id {bad[0]} is out of vocabulary (the model has {vocab_size} ids)")
+        raise RequestError(f"Token id {bad[0]} is out of vocabulary (the model has {scorer.vocab_size} ids)")
+    if scorer.max_model_len and len(value) > scorer.max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {scorer.max_model_len} tokens. However, you requested "
+            f"{len(value)} tokens in the prompt.",
+            param=field,
+        )
+    return value
+
+
+def _count(body: dict, field: str, default: int, most: int | None = None) -> int:
+    """A non-negative integer field of the request (``default`` when absent or null)."""
+    value = body.get(field)
+    if value is None:
+        return default
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < 0
+        or (most is not None and value > most)
+    ):
+        bound = f"[0, {most}]" if most is not None else ">= 0"
+        raise RequestError(
+            f"'{field}' must be an integer in {bound}, got {json.dumps(value)[:40]}", param=field
+        )
     return value
 
 
@@ -106,7 +135,7 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
         )
     prompt = body.get("prompt")
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
-    prompts = [_token_ids(p, "prompt", scorer.vocab_size) for p in prompts]
+    prompts = [_token_ids(p, "prompt", scorer) for p in prompts]
     k = body.get("prompt_logprobs")
     if k is None:
         raise RequestError(
@@ -170,13 +199,11 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
 
 def generate_response(scorer: ScoringModel, body: dict) -> dict:
     """The answer to SGLang's ``POST /generate`` for one prompt."""
-    ids = _token_ids(body.get("input_ids"), "input_ids", scorer.vocab_size)
-    if not body.get("return_logprob"):
+    ids = _token_ids(body.get("input_ids"), "input_ids", scorer)
+    if body.get("return_logprob") is not True:
         raise RequestError("this server only scores prompts: set 'return_logprob': true")
-    start = body.get("logprob_start_len", 0)
-    k = body.get("top_logprobs_num", 0) or 0
-    if not isinstance(k, int) or k < 0 or k > scorer.max_logprobs:
-        raise RequestError(f"'top_logprobs_num' must be an integer in [0, {scorer.max_logprobs}]")
+    start = _count(body, "logprob_start_len", 0)
+    k = _count(body, "top_logprobs_num", 0, scorer.max_logprobs)
     (positions,) = scorer.score([ids], k)
     decode = scorer.tokenizer.decode
     token_logprobs, top_logprobs = [], []
@@ -228,11 +255,24 @@ def models_response(scorer: ScoringModel) -> dict:
     return {"object": "list", "data": [model]}
 
 
-def make_handler(scorer: ScoringModel):
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may cost the server: body size, time to send it, connections held at once."""
+
+    max_request_bytes: int = 16 * 2**20
+    """Larger bodies get 413 before they are read (8 sequences of 32k tokens take about 2 MiB)."""
+    request_timeout_s: float = 60.0
+    """A client that takes longer to send its request (or sits idle on a kept-alive connection) is dropped."""
+    max_connections: int = 64
+    """Connections served at once; one more gets 503 at once (clients retry), so memory stays bounded."""
+
+
+def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
     """An HTTP handler class bound to ``scorer``."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = limits.request_timeout_s  # socket timeout: a silent client is dropped
 
         def log_message(self, format, *args):
             return
@@ -242,6 +282,8 @@ def make_handler(scorer: ScoringModel):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -256,23 +298,125 @@ def make_handler(scorer: ScoringModel):
             else:
                 self._error(404, f"no route {self.path}")
 
+        def _read_body(self) -> bytes:
+            """The request body, within the size limit and the time limit, or a RequestError."""
+            declared = self.headers.get("Content-Length")
+            if declared is None:
+                self.close_connection = True
+                raise RequestError("a Content-Length header is required", 411)
+            if not declared.strip().isdigit():
+                self.close_connection = True
+                raise RequestError(f"Content-Length {declared[:40]!r} is not a byte count")
+            length = int(declared)
+            if length > limits.max_request_bytes:
+                self.close_connection = True  # the body is left unread
+                raise RequestError(
+                    f"the request body is {length} bytes, over this server's limit of "
+                    f"{limits.max_request_bytes} (--max-request-bytes)",
+                    413,
+                )
+            deadline = time.monotonic() + limits.request_timeout_s
+            chunks, remaining = [], length
+            while remaining:
+                chunk = self.rfile.read1(min(remaining, 2**16))
+                if not chunk or time.monotonic() > deadline:
+                    self.close_connection = True
+                    raise RequestError(
+                        f"the request body ended or stalled after {length - remaining} of {length} bytes", 408
+                    )
+                chunks.append(chunk)
+                remaining -= len(chunk)
+            return b"".join(chunks)
+
         def do_POST(self):
             routes = {"/v1/completions": completions_response, "/generate": generate_response}
-            if self.path not in routes:
-                self._error(404, f"no route {self.path}")
-                return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"null")
-                if not isinstance(body, dict):
+                body = self._read_body()
+                if self.path not in routes:
+                    raise RequestError(f"no route {self.path}", 404)
+                request = json.loads(body or b"null")
+                if not isinstance(request, dict):
                     raise RequestError("the request body must be a JSON object")
-                self._send(200, routes[self.path](scorer, body))
+                self._send(200, routes[self.path](scorer, request))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 self._error(400, "the request body is not valid JSON")
+            except RecursionError:
+                self._error(400, "the request body is nested too deeply")
             except RequestError as error:
                 self._error(error.status, str(error), error.param)
+            except (TimeoutError, ConnectionError):
+                self.close_connection = True
+            except Exception as error:  # a defect of the server, not of the request: say so, keep serving
+                traceback.print_exc(file=sys.stderr)
+                self.close_connection = True
+                self._send(
+                    500, {"error": {"message": f"internal server error: {error!r}"[:300], "code": 500}}
+                )
 
     return Handler
+
+
+class LimitedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them; the next ones are answered 503.
+
+    A refused client's request is read (up to its headers and a small body) before the 503 goes
+    out, so that it sees the answer instead of a reset; as many refusals as connections may be
+    under way at once, and beyond that a connection is closed unanswered.
+    """
+
+    daemon_threads = True
+    request_queue_size = 256  # the listen backlog: socketserver's 5 makes bursts wait a second per SYN retry
+
+    def __init__(self, address, handler, limits: ServerLimits):
+        self.slots = threading.BoundedSemaphore(limits.max_connections)
+        self.refusals = threading.BoundedSemaphore(limits.max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if self.slots.acquire(blocking=False):
+            super().process_request(request, client_address)
+        elif self.refusals.acquire(blocking=False):
+            threading.Thread(target=self._refuse, args=(request,), daemon=True).start()
+        else:
+            self.shutdown_request(request)
+
+    def _refuse(self, request) -> None:
+        try:
+            request.settimeout(1.0)
+            received = b""
+            with contextlib.suppress(OSError):
+                while b"\r\n\r\n" not in received and len(received) < REFUSAL_READ_BYTES:
+                    chunk = request.recv(65536)
+                    if not chunk:
+                        break
+                    received += chunk
+            body = json.dumps(
+                error_body("the server is at its connection limit; retry shortly", 503)
+            ).encode()
+            head = (
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+            )
+            with contextlib.suppress(OSError):
+                request.sendall(head.encode() + body)
+            self.shutdown_request(request)
+        finally:
+            self.refusals.release()
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address):
+        """A client that hung up or timed out is routine; anything else is printed."""
+        if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            super().handle_error(request, client_address)
+
+
+REFUSAL_READ_BYTES = 2**16
+"""How much of a refused request is read before its 503 is sent."""
 
 
 def serve(
@@ -284,12 +428,13 @@ def serve(
     max_logprobs: int = 20,
     dtype: str = "auto",
     device: str = "auto",
+    limits: ServerLimits = ServerLimits(),
 ) -> None:
     """Load the model and answer requests until interrupted."""
     tokenizer = load_tokenizer(model_path, "model")
     model = load_causal_lm(model_path, "model", dtype=dtype, device=device)
     scorer = ScoringModel(model, tokenizer, name or model_path, max_logprobs)
-    server = ThreadingHTTPServer((host, port), make_handler(scorer))
+    server = LimitedServer((host, port), make_handler(scorer, limits), limits)
     print(f"opd serve: {scorer.name} on http://{host}:{server.server_address[1]}/v1", flush=True)
     try:
         server.serve_forever()

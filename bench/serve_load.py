@@ -1,0 +1,169 @@
+"""``opd serve`` under concurrent clients: throughput, latency, peak memory, and whether every
+answer is the one a lone client gets.
+
+The server runs as its own process (``opd serve``, default limits but ``--max-connections``)
+on SmolLM2-135M-Instruct (bench/smollm2.py). Each request is what a training step's client
+sends: ``--sequences`` token sequences of ``--tokens`` ids with ``prompt_logprobs: --topk``.
+Every distinct request is first answered with one client at a time (the reference); then, for
+each concurrency level, that many client threads send ``--requests`` requests between them
+(new connection each, as urllib does), retrying a 503 after 50 ms as the opd client retries.
+An answer counts as wrong if its log-probs differ from the reference by more than 1e-4 (batch
+composition inside the server never changes, so they should be equal); a request is lost if
+it never gets a 200. Peak memory is the server process's VmHWM.
+
+    python bench/serve_load.py --out docs/results/serve_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from provenance import write_result
+from smollm2 import converted_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.servers import free_port, wait_until_up
+
+
+def post(port: int, body: bytes) -> tuple[int, dict | None, int]:
+    """(status, answer, 503s met) of one request, retrying 503s."""
+    refused = 0
+    while True:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                return response.status, json.loads(response.read()), refused
+        except urllib.error.HTTPError as error:
+            if error.code != 503 or refused > 2000:
+                return error.code, None, refused
+            refused += 1
+            time.sleep(0.05)
+        except OSError:
+            refused += 1
+            time.sleep(0.05)
+
+
+def logprobs_of(answer: dict) -> list[list[float]]:
+    return [
+        [next(iter(entry.values()))["logprob"] if entry else 0.0 for entry in choice["prompt_logprobs"]]
+        for choice in answer["choices"]
+    ]
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64])
+    parser.add_argument("--requests", type=int, default=128, help="requests per concurrency level")
+    parser.add_argument("--distinct", type=int, default=32, help="distinct request bodies (cycled)")
+    parser.add_argument("--sequences", type=int, default=2, help="sequences per request")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--topk", type=int, default=0)
+    parser.add_argument("--max-connections", type=int, default=32)
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    args = parser.parse_args()
+
+    model = converted_dir()
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "opd",
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "teacher",
+            "--max-connections",
+            str(args.max_connections),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_until_up(port, server, timeout_s=300)
+        rng = random.Random(0)
+        bodies = [
+            json.dumps(
+                {
+                    "model": "teacher",
+                    "prompt": [
+                        [rng.randrange(100, 49000) for _ in range(args.tokens)] for _ in range(args.sequences)
+                    ],
+                    "prompt_logprobs": args.topk,
+                    "max_tokens": 1,
+                }
+            ).encode()
+            for _ in range(args.distinct)
+        ]
+        reference = []
+        for body in bodies:
+            status, answer, _ = post(port, body)
+            assert status == 200, status
+            reference.append(logprobs_of(answer))
+        idle_rss = peak_rss_mib(server.pid)
+        levels = []
+        for clients in args.concurrency:
+
+            def one(index: int) -> dict:
+                started = time.perf_counter()
+                status, answer, refused = post(port, bodies[index % len(bodies)])
+                seconds = time.perf_counter() - started
+                wrong = status == 200 and any(
+                    abs(a - b) > 1e-4
+                    for got, want in zip(logprobs_of(answer), reference[index % len(bodies)], strict=True)
+                    for a, b in zip(got, want, strict=True)
+                )
+                return {"status": status, "seconds": seconds, "refused": refused, "wrong": wrong}
+
+            started = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=clients) as pool:
+                outcomes = list(pool.map(one, range(args.requests)))
+            wall = time.perf_counter() - started
+            latencies = sorted(o["seconds"] for o in outcomes)
+            level = {
+                "clients": clients,
+                "requests": len(outcomes),
+                "answered_200": sum(o["status"] == 200 for o in outcomes),
+                "lost": sum(o["status"] != 200 for o in outcomes),
+                "wrong": sum(o["wrong"] for o in outcomes),
+                "refused_503_then_retried": sum(o["refused"] for o in outcomes),
+                "requests_per_s": len(outcomes) / wall,
+                "tokens_per_s": len(outcomes) * args.sequences * args.tokens / wall,
+                "latency_p50_s": statistics.median(latencies),
+                "latency_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                "server_peak_rss_mib": peak_rss_mib(server.pid),
+            }
+            levels.append(level)
+            print(json.dumps(level))
+        print(f"server alive after the load: {server.poll() is None}; idle peak RSS {idle_rss:.0f} MiB")
+        results = {"levels": levels, "server_alive": server.poll() is None, "idle_peak_rss_mib": idle_rss}
+    finally:
+        server.kill()
+        server.wait()
+    write_result(args.out, "bench/serve_load.py", vars(args) | {"model": str(model)}, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""``opd serve`` as a real process under load and abuse: concurrent clients get the answers a lone
+client gets, bodies are size-capped, slow clients are dropped, a connection cap answers 503 (which
+the opd client retries), and malformed bytes of any kind get a 4xx while the server stays up.
+
+Throughput, latency and memory figures come from ``bench/serve_load.py`` (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from opd.teachers.base import TeacherInput, TeacherRequest
+from opd.teachers.remote import RemoteTeacher
+from tests.servers import free_port, start_opd_serve
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    port = free_port()
+    process = start_opd_serve(
+        model_dirs["teacher"],
+        port,
+        "--max-logprobs",
+        "5",
+        "--max-request-bytes",
+        "65536",
+        "--request-timeout",
+        "1",
+        "--max-connections",
+        "8",
+    )
+    yield port, process
+    process.kill()
+    process.wait()
+
+
+def post(port: int, body: bytes, path: str = "/v1/completions", timeout: float = 30) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def raw(port: int, data: bytes, timeout: float = 10) -> bytes:
+    """Send bytes as they are; the server's whole answer (until it closes or goes quiet)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as connection:
+        connection.sendall(data)
+        connection.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := connection.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def post_retrying(port: int, body: bytes) -> tuple[int, dict]:
+    """``post``, retried after a 503 as the opd client does."""
+    for _ in range(100):
+        status, answer = post(port, body)
+        if status != 503:
+            return status, answer
+        time.sleep(0.05)
+    raise AssertionError("still refused after 100 tries")
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def healthy(port: int) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+        return response.status == 200
+
+
+def completion(ids: list[list[int]], k: int = 2) -> bytes:
+    return json.dumps({"model": "teacher", "prompt": ids, "prompt_logprobs": k, "max_tokens": 1}).encode()
+
+
+def test_concurrent_answers_equal_sequential_ones(server):
+    port, process = server
+    prompts = [[[1, *(3 + (i * 7 + j) % 90 for j in range(4 + i % 9))]] for i in range(48)]
+    sequential = [post(port, completion(p)) for p in prompts]
+    with ThreadPoolExecutor(max_workers=16) as pool:  # twice the connection cap: some are told 503
+        concurrent = list(pool.map(lambda p: post_retrying(port, completion(p)), prompts))
+    for (status_a, a), (status_b, b) in zip(sequential, concurrent, strict=True):
+        assert status_a == status_b == 200
+        assert a["choices"][0]["prompt_logprobs"] == b["choices"][0]["prompt_logprobs"]
+    assert process.poll() is None
+
+
+def test_bodies_over_the_limit_get_413_before_being_read(server):
+    port, _ = server
+    answer = raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n")
+    assert status_of(answer) == 413
+    assert b"--max-request-bytes" in answer
+    assert healthy(port)
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "expected"),
+    [
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 411),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 12abc\r\n\r\n", 400),
+        (b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 404),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 6\r\n\r\n\xff\xfe\x00{}]", 400),
+        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+    ],
+)
+def test_malformed_http_gets_a_4xx(server, request_bytes, expected):
+    port, _ = server
+    assert status_of(raw(port, request_bytes)) == expected
+    assert healthy(port)
+
+
+def test_deeply_nested_json_gets_400(server):
+    port, _ = server
+    status, body = post(port, b"[" * 30000 + b"]" * 30000)
+    assert status == 400 and "nested too deeply" in body["error"]["message"]
+    assert healthy(port)
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def test_any_bytes_as_a_body_get_a_4xx_or_an_answer(server, body):
+    port, process = server
+    status, answer = post(port, body)
+    assert status == 200 or 400 <= status < 500, (status, answer)
+    assert process.poll() is None
+
+
+def test_a_slow_client_is_dropped_and_does_not_hold_up_others(server):
+    port, _ = server
+    stalled = socket.create_connection(("127.0.0.1", port), timeout=10)
+    stalled.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"pro')
+    started = time.monotonic()
+    assert post(port, completion([[1, 5, 6]]))[0] == 200  # served while the slow one waits
+    answer = stalled.recv(65536)  # the server gives up on it after --request-timeout (1 s)
+    waited = time.monotonic() - started
+    stalled.close()
+    assert answer == b"" or status_of(answer) == 408
+    assert waited < 5
+
+
+def test_the_connection_cap_answers_503_and_the_client_retries_through_it(server):
+    port, _ = server
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]  # every slot held
+    try:
+        time.sleep(0.2)
+        answer = raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_of(answer) == 503 and b"Retry-After: 1" in answer
+    finally:
+        for connection in idle:
+            connection.close()
+    client = RemoteTeacher(
+        backend="openai",
+        base_url=f"http://127.0.0.1:{port}/v1",
+        model="teacher",
+        backoff_s=0.2,
+        max_retries=6,
+    )
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            scores = pool.submit(
+                client.score,
+                TeacherInput.from_sequences([[1, 5, 6, 7]], [[0, 1, 1, 1]], 0),
+                TeacherRequest(topk=2),
+            )
+            time.sleep(0.3)  # the first attempts meet 503
+            for connection in idle:
+                connection.close()
+            result = scores.result(timeout=30)
+    finally:
+        for connection in idle:
+            connection.close()
+    assert result.logprobs_BT[0, 1:].lt(0).all()
+    assert healthy(port)
