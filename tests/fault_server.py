@@ -2,15 +2,22 @@
 
     python tests/fault_server.py MODE PORT
 MODE: slow (answers after 5 s), few (one log-prob short), wrong_ids (log-probs for other
-tokens), badjson (not JSON), error500 (always HTTP 500), nan (a NaN log-prob).
+tokens), badjson (not JSON), error500 (always HTTP 500), nan (a NaN log-prob); and the faults a
+run survives: flaky (every other request HTTP 500), late (every third request answered after
+5 s), reorder (choices in reverse order), ok (honest answers). Honest answers give every token
+the log-prob -1 - (token id mod 7) / 10.
 """
 
+import itertools
 import json
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODE, PORT = sys.argv[1], int(sys.argv[2])
+COUNTER = itertools.count()
+LOCK = threading.Lock()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -21,8 +28,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if MODE == "slow":
+        with LOCK:
+            number = next(COUNTER)
+        if MODE == "slow" or (MODE == "late" and number % 3 == 1):
             time.sleep(5)
+        if MODE == "flaky" and number % 2 == 0:
+            self._send(500, b'{"message": "overloaded"}')
+            return
         if MODE == "error500":
             self._send(500, b'{"message": "overloaded"}')
             return
@@ -31,7 +43,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         choices = []
         for index, ids in enumerate(body["prompt"]):
-            entries = [None] + [{str(t): {"logprob": -1.0, "rank": 1}} for t in ids[1:]]
+            entries = [None] + [{str(t): {"logprob": -1.0 - (t % 7) / 10, "rank": 1}} for t in ids[1:]]
             if MODE == "few":
                 entries = entries[:-1]
             if MODE == "wrong_ids":
@@ -39,6 +51,8 @@ class Handler(BaseHTTPRequestHandler):
             if MODE == "nan":
                 entries[-1] = {str(ids[-1]): {"logprob": float("nan"), "rank": 1}}
             choices.append({"index": index, "prompt_logprobs": entries})
+        if MODE == "reorder":
+            choices.reverse()
         self._send(200, json.dumps({"choices": choices}).encode())
 
     def _send(self, status, data):

@@ -249,6 +249,37 @@ def test_a_rank_killed_mid_run_stops_the_job_and_the_same_command_resumes_it(mod
     assert_same_metrics(rows, reference_rows, tolerance=1e-6)
 
 
+def test_sigterm_stops_every_process_after_one_step_with_a_checkpoint_and_the_run_resumes(models, tmp_path):
+    """SIGTERM to ``opd train --nproc 2`` (as a scheduler sends it): forwarded to torchrun, which
+    forwards it to each worker; every worker finishes the same step and the checkpoint is taken."""
+    reference = write(run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml")
+    one_process(reference, "training.parallel=none")
+    config = run_config(models, tmp_path / "run", max_steps=6) | {"save_every": 0}
+    path = write(config, tmp_path / "run.yaml")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    job = subprocess.Popen(
+        torchrun_command(path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and job.poll() is None, "the run made no progress"
+        time.sleep(0.01)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=240)
+    assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    done = len([r for r in read_jsonl(metrics) if "loss" in r])
+    assert 2 <= done < 6
+    assert stderr.count(f"opd: stopped by SIGTERM after step {done} of 6") == 2  # each process, one step
+    assert "opd: stopped by SIGTERM (torchrun exit status" in stderr
+    assert [r.step for r in list_checkpoints(tmp_path / "run")] == [done]
+    two_processes(path)
+    assert_same_metrics(read_jsonl(metrics), read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
+
+
 @pytest.mark.parametrize(
     ("overrides", "nproc", "message"),
     [

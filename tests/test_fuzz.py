@@ -15,7 +15,7 @@ import string
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from opd.config import config_from_dict, config_to_dict, load_config
@@ -32,7 +32,11 @@ odd_text = st.one_of(
     st.text(max_size=12),
     st.sampled_from(["", " ", "\x00", "é", "ü\u200b", "🦙", "\ud7ff", "a" * 5000, "1e400", "nan", "-0", "~"]),
 )
+special_numbers = st.sampled_from(
+    [float("nan"), float("inf"), -float("inf"), 0, -1, 0.0, -0.0, 1e-320, 1e308, 2**63, -(2**63), 10**400]
+)
 scalars = st.one_of(
+    special_numbers,
     st.none(),
     st.booleans(),
     st.integers(-(2**70), 2**70),
@@ -113,6 +117,8 @@ def check_config_outcome(data) -> None:
 
 
 @given(st.sampled_from(PATHS), json_values)
+@example(("training", "learning_rate"), float("nan"))  # was accepted: found by this test
+@example(("training", "temperature"), "1e400")  # was accepted as inf
 def test_any_value_in_any_field_is_accepted_or_refused_by_name(path, value):
     data = json.loads(json.dumps(FULL))
     set_path(data, path, value)
@@ -238,6 +244,11 @@ lines = st.one_of(
 
 
 @given(st.lists(lines, min_size=0, max_size=6), st.sampled_from(["utf-8", "latin-1", "utf-16"]))
+@example(["\x80"], "latin-1")  # crashed with UnicodeDecodeError: found by this test
+@example(['{"prompt": "\\ud800"}'], "utf-8")  # a lone surrogate reached the tokenizer
+@example(['{"prompt": "x", "answer": NaN}'], "utf-8")  # became the answer "nan"
+@example([deeply_nested(100_000)], "utf-8")  # RecursionError
+@example(['{"prompt": "' + "long " * 400_000 + '"}'], "utf-8")  # a 2 MB line loads
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_any_prompt_file_is_loaded_or_refused_at_file_and_line(tmp_path, file_lines, encoding):
     path = tmp_path / "prompts.jsonl"
@@ -302,6 +313,9 @@ generate_bodies = st.one_of(
         completion_bodies.map(lambda b: ("completions", b)), generate_bodies.map(lambda b: ("generate", b))
     )
 )
+@example(("generate", {"input_ids": [0], "return_logprob": True, "logprob_start_len": None}))  # TypeError
+@example(("completions", {"prompt": [[5] * 80], "prompt_logprobs": 1}))  # past the context: IndexError
+@example(("generate", {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": True}))
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_any_request_body_is_answered_or_refused_with_a_4xx(scorer, request_body):
     route, body = request_body
@@ -370,6 +384,12 @@ def client_input() -> TeacherInput:
     st.one_of(json_values, st.sampled_from([float("nan"), float("inf"), 0.5, -1e30, "1.0", [], {}, 10**40])),
     st.booleans(),
 )
+@example("openai", 2, [0, 0, 1, 1, 0, 0], 0.5, False)  # a positive log-prob was used
+@example("openai", 2, [0, 0, 1, 1, 0], "1.0", False)  # AttributeError: 'str' has no 'get'
+@example("openai", 2, [0, 0, 1, 1, 1, 1], {}, False)  # TypeError comparing ranks
+@example("openai", 0, [0, 1, 0], 0, False)  # two choices claiming index 0
+@example("sglang", 0, [0, 0, 1], 7, False)  # TypeError unpacking a number
+@example("sglang", 0, [0], [], False)  # AttributeError: meta_info not a mapping
 def test_any_teacher_answer_is_used_or_refused_by_the_client(backend, k, path, replacement, reorder):
     if backend == "openai":
         answer = honest_openai(SEQUENCES, k)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 
 from opd.config import load_config
-from opd.errors import USER_ERRORS
+from opd.errors import USER_ERRORS, RunInterrupted
+from opd.secrets import redact
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -36,7 +38,27 @@ def _launch(args: argparse.Namespace) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc_per_node={args.nproc}", "-m", "opd", "train", args.config, *args.overrides]
     command += ["--no-progress"] if args.no_progress else []
-    status = subprocess.call(command)
+    job = subprocess.Popen(command)
+    received: list[int] = []
+
+    def forward(number: int, frame) -> None:
+        # SIGTERM is for this process alone (a scheduler's, or kill): pass it on; Ctrl-C reaches the
+        # whole process group from the terminal, so the processes already have it
+        received.append(number)
+        if number == signal.SIGTERM:
+            job.send_signal(number)
+
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, forward)
+    status = job.wait()
+    if received:
+        name = signal.Signals(received[0]).name
+        print(
+            f"opd: stopped by {name} (torchrun exit status {status}). Run the same command again to resume "
+            "from the last checkpoint",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + received[0])
     if status:
         print(
             f"opd: error: a training process failed (torchrun exit status {status}; its report is above). "
@@ -206,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += unparsed  # overrides after a flag: `opd train c.yaml --no-progress a.b=1`
     try:
         args.handler(args)
+    except RunInterrupted as stopped:
+        print(f"opd: {stopped}", file=sys.stderr)
+        return 128 + stopped.signal_number  # the shell's status for a process its signal ended
     except USER_ERRORS as error:
         processes = int(os.environ.get("WORLD_SIZE", 1))
         where = f" (rank {os.environ.get('RANK', 0)} of {processes})" if processes > 1 else ""
-        print(f"opd: error{where}: {error}", file=sys.stderr)
+        print(f"opd: error{where}: {redact(str(error))}", file=sys.stderr)
         return 2
     return 0
 

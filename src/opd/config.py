@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
 from opd.objectives.registry import default_objective, objective_names, objectives
 from opd.policy.config import StudentConfig
 from opd.sampling.vllm_settings import student_settings_problems
+from opd.secrets import redact_values
 from opd.teachers.config import TeacherConfig
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "load_config",
+    "recorded_config",
 ]
 
 
@@ -209,6 +212,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+MAX_INT = 2**63 - 1
+"""Larger integers are a typo, and would overflow where torch or numpy meet them."""
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp`` (ints widen to floats) and build dataclasses."""
     origin = typing.get_origin(tp)
@@ -246,17 +253,20 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return _build_dataclass(tp, value, path)
     if tp is Any:
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
+    if tp is float and isinstance(value, int | float | str) and not isinstance(value, bool):
         try:
-            return float(value)  # YAML 1.1 reads 3e-5 (no dot) as a string
-        except ValueError:
-            raise ConfigError(f"{path}: expected float, got str {value!r}") from None
+            number = float(value)  # YAML 1.1 reads 3e-5 (no dot) as a string
+        except (ValueError, OverflowError):
+            raise ConfigError(f"{path}: expected float, got {type(value).__name__} {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+        return number
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{path}: expected true or false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is int and abs(value) > MAX_INT:
+        raise ConfigError(f"{path}: {value} is too large (at most {MAX_INT})")
     if not isinstance(value, tp):
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     return value
@@ -542,6 +552,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         return config_from_dict(data, overrides)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from error
+
+
+def recorded_config(config: Config) -> dict:
+    """The config as a run records it (``config.yaml``, W&B, MLflow): credentials in URLs masked."""
+    return redact_values(config_to_dict(config))
 
 
 def config_to_dict(config: Config) -> dict:

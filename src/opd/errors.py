@@ -31,6 +31,18 @@ class DivergenceError(RuntimeError):
     """A run stopped by ``training.stop_on_divergence``; the message names the symptom and the fix."""
 
 
+class StorageError(OSError):
+    """A run's files could not be written (disk full, directory removed); the message says what was kept."""
+
+
+class RunInterrupted(Exception):
+    """SIGTERM or SIGINT stopped a run after a step and a checkpoint; the message says where it resumes."""
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.signal_number = signal_number
+
+
 USER_ERRORS = (
     ConfigError,
     DataError,
@@ -38,6 +50,7 @@ USER_ERRORS = (
     CheckpointError,
     RemoteTeacherError,
     DivergenceError,
+    StorageError,
     FileNotFoundError,
 )
 """What the command line reports as one line and exit status 2 instead of a traceback."""

@@ -20,6 +20,7 @@ A run of several processes writes the weights and optimizer state sharded instea
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -59,6 +60,32 @@ def _fsync_tree(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+class WholeWrites(io.RawIOBase):
+    """A file ``torch.save`` writes through, so that a full disk raises OSError (ENOSPC) in its chain.
+
+    Given a path, torch writes with C++ streams and reports a full disk as a bare RuntimeError;
+    given this, every write goes through ``os.write``, retried until whole or refused.
+    """
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self._descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(self._descriptor, view) :]
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._descriptor)
+        super().close()
 
 
 def rng_states() -> dict:
@@ -101,15 +128,20 @@ def save_checkpoint(
     main = world().is_main
     if main:
         root.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            shutil.rmtree(staging)
+        for leftover in root.glob(".tmp-*"):  # from a crash: never indexed, only taking space
+            shutil.rmtree(leftover, ignore_errors=True)
         staging.mkdir()
     barrier()
-    save_model(staging)
-    barrier()
     record = CheckpointRecord(name, step, final)
-    if main:
-        _commit(log_path, staging, record, tokenizer, trainer_state)
+    try:
+        save_model(staging)
+        barrier()
+        if main:
+            _commit(log_path, staging, record, tokenizer, trainer_state)
+    except BaseException:
+        if main:  # a save that failed (disk full, interrupted) leaves the previous checkpoints alone
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     barrier()
     return record
 
@@ -118,7 +150,8 @@ def _commit(log_path: Path, staging: Path, record: CheckpointRecord, tokenizer, 
     """Finish a staged checkpoint: tokenizer, trainer state, marker; fsync; rename; index."""
     name, step, final = record.name, record.step, record.path
     tokenizer.save_pretrained(staging / "model")
-    torch.save({**trainer_state, "step": step, "rng": rng_states()}, staging / STATE_NAME)
+    with WholeWrites(staging / STATE_NAME) as handle:
+        torch.save({**trainer_state, "step": step, "rng": rng_states()}, handle)
     (staging / MARKER_NAME).write_text(json.dumps({"name": name, "step": step}))
     _fsync_tree(staging)
     if final.exists():

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Protocol
 
-from opd.config import Config, ConfigError, config_to_dict
+from opd.config import Config, ConfigError, recorded_config
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
@@ -64,7 +64,7 @@ class WandbLogger:
             id=run_id,
             resume="allow",
             dir=str(log_path),
-            config=config_to_dict(config),
+            config=recorded_config(config),
         )
 
     def log(self, metrics: dict, step: int) -> None:
@@ -96,7 +96,7 @@ class MlflowLogger:
             mlflow.set_tracking_uri((log_path / "mlruns").as_uri())
         mlflow.set_experiment(config.run_name or log_path.name)
         self.run = mlflow.start_run(run_name=config.run_name or log_path.name)
-        flat = _flatten(config_to_dict(config))
+        flat = _flatten(recorded_config(config))
         mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
 
     def log(self, metrics: dict, step: int) -> None:

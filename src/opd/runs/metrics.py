@@ -45,5 +45,13 @@ def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise
+            # the last line of a run killed (or out of disk) mid-write: that step is redone on resume
+    return records

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from opd.config import Config, ConfigError, config_to_dict
+from opd.config import Config, ConfigError, recorded_config
 from opd.runs.checkpoints import INDEX_NAME, list_checkpoints, load_trainer_state
 
 CONFIG_NAME = "config.yaml"
@@ -60,7 +61,7 @@ def _lookup(data: dict, dotted: str):
 
 def check_resumable(saved: dict, config: Config) -> None:
     """Refuse to resume when a field that defines the run changed; name the field."""
-    current = config_to_dict(config)
+    current = recorded_config(config)
     for field in RESUME_CRITICAL:
         if _lookup(saved, field) != _lookup(current, field):
             raise ConfigError(
@@ -131,7 +132,15 @@ def keep_metrics_before(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = [line for line in kept if json.loads(line).get("step", -1) < step]
+    kept = [line for line in kept if _step_of(line) < step]
     staging = path.with_suffix(".tmp")
     staging.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     staging.replace(path)
+
+
+def _step_of(line: str) -> float:
+    """A JSONL row's step; a row torn by a crash mid-write counts as after every step (dropped, redone)."""
+    try:
+        return json.loads(line).get("step", -1)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf

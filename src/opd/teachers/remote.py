@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from opd.errors import RemoteTeacherError
+from opd.secrets import redact
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
 
@@ -92,9 +93,14 @@ class RemoteTeacher:
             self._headers["Authorization"] = f"Bearer {key}"
 
     @property
-    def endpoint(self) -> str:
+    def url(self) -> str:
         """The URL requests go to."""
         return f"{self.base_url}/completions" if self.backend == "openai" else f"{self.base_url}/generate"
+
+    @property
+    def endpoint(self) -> str:
+        """The URL as messages name it: credentials in it masked."""
+        return redact(self.url)
 
     def _post(self, payload: dict) -> dict:
         data = json.dumps(payload).encode()
@@ -102,7 +108,7 @@ class RemoteTeacher:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1) + random.uniform(0, self.backoff_s))
-            request = urllib.request.Request(self.endpoint, data=data, headers=self._headers, method="POST")
+            request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     body = response.read()

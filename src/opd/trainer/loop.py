@@ -10,7 +10,10 @@ checkpointing on the way; what it is built from is set up in :mod:`opd.trainer.c
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import random
+import signal
 import sys
 import time
 import warnings
@@ -21,11 +24,11 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from opd.config import Config, config_to_dict
+from opd.config import Config, recorded_config
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, barrier
-from opd.errors import CheckpointError, DivergenceError
+from opd.errors import CheckpointError, DivergenceError, RunInterrupted, StorageError
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import examples, sample_records
@@ -55,6 +58,7 @@ from opd.teachers.base import TeacherScores
 from opd.trainer.ahead import AheadCollector
 from opd.trainer.components import RunComponents
 from opd.trainer.sft import completion_tokens
+from opd.trainer.stopping import StopOnSignal
 from opd.trainer.update import policy_gradient, policy_update
 
 PROGRESS_KEYS = ("teacher_kl", "entropy", "kl_sample_train", "completion_len_mean")
@@ -99,6 +103,40 @@ class Batch:
         return reverse_kl_per_token(
             self.rollouts.sampled_logprobs_BT, self.teacher.logprobs_BT, self.rollouts.mask_BT
         )
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""OSErrors that mean the run's files no longer fit: out of space, over quota, over a file size limit."""
+DISK_FULL_MESSAGES = ("No space left on device", "os error 28", "Disk quota exceeded", "File too large")
+"""The same, as libraries that wrap the OSError word it (safetensors)."""
+
+
+def out_of_space(error: BaseException) -> Exception | None:
+    """The error in ``error``'s chain that says the run's files no longer fit, or None.
+
+    Libraries re-raise a failed write as their own exception (torch.save: RuntimeError) with the
+    OSError as its context, so the whole chain is searched.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen and not isinstance(current, StorageError):
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in DISK_FULL:
+            return current
+        if isinstance(current, Exception) and any(marker in str(current) for marker in DISK_FULL_MESSAGES):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def disk_full_error(log_path: Path, error: Exception, last_saved: int) -> StorageError:
+    """What a run says when its files stop fitting: where, and what it kept."""
+    kept = f"the last complete checkpoint is step {last_saved}" if last_saved else "no checkpoint was saved"
+    detail = f"{error.strerror}: {error.filename}" if isinstance(error, OSError) else str(error)[:200]
+    return StorageError(
+        f"{log_path}: no space left for the run's files ({detail}); {kept}. "
+        "Free space (or set log_path elsewhere) and run the same command again to resume"
+    )
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -350,7 +388,7 @@ class Trainer(RunComponents):
         barrier()
         self.restore(start)
         if main:
-            (log_path / CONFIG_NAME).write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
+            (log_path / CONFIG_NAME).write_text(yaml.safe_dump(recorded_config(self.config), sort_keys=False))
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
         if start.step >= self.num_steps:
             if main:
@@ -377,6 +415,12 @@ class Trainer(RunComponents):
         )
 
         watchdog = Watchdog()
+        last_saved = start.step
+        stop = StopOnSignal(
+            lambda: (
+                f"the run then resumes from step {last_saved}" if last_saved else "the run then starts over"
+            )
+        )
 
         def record(metrics: dict, step: int) -> None:
             if main:
@@ -393,6 +437,8 @@ class Trainer(RunComponents):
                 if main:
                     tqdm.write(f"opd: warning: step {step}: {symptom.message}", file=sys.stderr)
 
+        stop.install()
+        failing = False
         try:
             for step in range(start.step, self.num_steps):
                 evaluation = self.evaluate(step) if eval_every and step % eval_every == 0 else {}
@@ -417,23 +463,56 @@ class Trainer(RunComponents):
                 done = step + 1
                 if done == self.num_steps and eval_every:
                     record({"step": done} | self.evaluate(done), done)
-                if done == self.num_steps or (self.config.save_every and done % self.config.save_every == 0):
+                if main:
+                    self.check_log_path(done)
+                signal_number = stop.requested() if done < self.num_steps else None
+                if (
+                    done == self.num_steps
+                    or (self.config.save_every and done % self.config.save_every == 0)
+                    or signal_number
+                ):
                     saving = time.perf_counter()
                     with self.spans.span(step, "checkpoint"):
                         self.save_checkpoint(done)
                     checkpoint_seconds = time.perf_counter() - saving
+                    last_saved = done
+                if signal_number:
+                    raise RunInterrupted(
+                        f"stopped by {signal.Signals(signal_number).name} after step {done} of "
+                        f"{self.num_steps}; "
+                        f"checkpoint step_{done:06d} saved in {log_path / 'checkpoints'}. Run the same "
+                        f"command again to resume from step {done}",
+                        signal_number,
+                    )
+        except BaseException as error:
+            failing = True
+            if (full := out_of_space(error)) is not None:
+                raise disk_full_error(log_path, full, last_saved) from None
+            raise
         finally:
+            stop.uninstall()
             if ahead:
                 ahead.close()
             bar.close()
-            for handle in (writer, samples, *loggers):
+            # after a failure (a full disk above all), a close that fails too must not hide the first error
+            for handle in (writer, samples, *loggers, self.spans):
                 if handle is not None:
-                    handle.close()
-            self.spans.close()
+                    with contextlib.suppress(OSError) if failing else contextlib.nullcontext():
+                        handle.close()
             self.spans = SpanRecorder(None)
         if self.config.trace and main:
             write_chrome_trace(log_path / TIMING_NAME, log_path / "trace.json")
         return result
+
+    def check_log_path(self, done: int) -> None:
+        """Stop when the run's directory was removed under it: what it writes next would go nowhere."""
+        log_path = Path(self.config.log_path)
+        if not (log_path / CONFIG_NAME).is_file():
+            raise StorageError(
+                f"{log_path}: the run's directory (or its {CONFIG_NAME}) was removed during the run; stopped "
+                f"after step {done}, nothing more saved. Run the same command again: it resumes from a "
+                "surviving checkpoint, or starts over"
+            )
 
     def restore(self, start: StartPoint) -> None:
         """Put back a checkpoint's optimizer, schedule, policy version and RNG states (and its
