@@ -27,8 +27,7 @@ TESTS = [
 ]
 STATISTICS = re.compile(
     r"^(?P<test>\S+::\S+):\s*$"
-    r"|^\s+- (?P<passing>\d+) passing examples?, (?P<failing>\d+) failing examples?, "
-    r"(?P<invalid>\d+) invalid examples?"
+    r"|^\s+- (?P<passing>\d+) passing, (?P<failing>\d+) failing, and (?P<invalid>\d+) invalid test cases"
 )
 
 
@@ -63,8 +62,10 @@ def main() -> None:
             continue
         if match["test"]:
             current = match["test"]
-        elif current and current not in per_test:
-            per_test[current] = {key: int(match[key]) for key in ("passing", "failing", "invalid")}
+        elif current:  # one line per phase (reuse, generate, shrink): summed
+            counts = per_test.setdefault(current, {"passing": 0, "failing": 0, "invalid": 0})
+            for key in counts:
+                counts[key] += int(match[key])
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
     print("\n".join(f"{name}: {counts}" for name, counts in per_test.items()))
     print(summary)

@@ -119,6 +119,7 @@ def check_config_outcome(data) -> None:
 @given(st.sampled_from(PATHS), json_values)
 @example(("training", "learning_rate"), float("nan"))  # was accepted: found by this test
 @example(("training", "temperature"), "1e400")  # was accepted as inf
+@example(("training", "objective", "name"), [])  # TypeError: unhashable (found by the campaign)
 def test_any_value_in_any_field_is_accepted_or_refused_by_name(path, value):
     data = json.loads(json.dumps(FULL))
     set_path(data, path, value)

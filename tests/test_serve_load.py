@@ -133,7 +133,7 @@ def test_deeply_nested_json_gets_400(server):
 
 
 @given(st.binary(max_size=300))
-@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_any_bytes_as_a_body_get_a_4xx_or_an_answer(server, body):
     port, process = server
     status, answer = post(port, body)

@@ -318,7 +318,7 @@ def _build_objective(value: Any, path: str) -> Objective:
             f"{path}: expected an objective's name or a mapping {{name: ..., options}}, got {value!r}"
         )
     registered = objectives()
-    if name not in registered:
+    if not isinstance(name, str) or name not in registered:
         hint = difflib.get_close_matches(str(name), list(registered), n=1)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise ConfigError(f"{path}: {name!r} is not one of {list(registered)}{suggestion}")
