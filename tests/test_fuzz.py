@@ -391,6 +391,7 @@ def client_input() -> TeacherInput:
 @example("openai", 0, [0, 1, 0], 0, False)  # two choices claiming index 0
 @example("sglang", 0, [0, 0, 1], 7, False)  # TypeError unpacking a number
 @example("sglang", 0, [0], [], False)  # AttributeError: meta_info not a mapping
+@example("sglang", 1, [0, 1, 1, 0, 1], 10**40, False)  # a top id overflowed the tensor (campaign)
 def test_any_teacher_answer_is_used_or_refused_by_the_client(backend, k, path, replacement, reorder):
     if backend == "openai":
         answer = honest_openai(SEQUENCES, k)

@@ -59,6 +59,10 @@ LOGPROB_ROUNDING = 1e-4
 """How far above 0 a server's log-prob may be (float rounding of a near-certain token)."""
 
 
+MAX_TOKEN_ID = 2**31
+"""No vocabulary is larger; a bigger id in an answer is garbage (and would overflow a tensor)."""
+
+
 class RemoteTeacher:
     """Scores token ids through ``POST {base_url}/completions`` (openai) or ``/generate`` (sglang)."""
 
@@ -289,7 +293,7 @@ class RemoteTeacher:
     def _ranked(self, key: str, value, ids: list[int], position: int) -> tuple[float, int, object]:
         """(rank, token id, log-prob) of one vLLM prompt-logprobs entry."""
         token_id = int(key) if isinstance(key, str) and key.isdigit() else None
-        if token_id is None or not isinstance(value, dict):
+        if token_id is None or not self._is_id(token_id) or not isinstance(value, dict):
             raise self._fail(ids, f"sent an entry {key!r}: {str(value)[:80]} at position {position}")
         rank = value.get("rank")
         if rank is None:
@@ -300,7 +304,7 @@ class RemoteTeacher:
 
     @staticmethod
     def _is_id(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKEN_ID
 
     def _logprob(self, value, ids: list[int], position: int) -> float:
         """A finite log-probability; rounding above 0 (up to ``LOGPROB_ROUNDING``) is read as 0."""
