@@ -199,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a client may take to send a request before it is dropped (60)",
     )
     serve.add_argument(
-        "--max-connections", type=_positive(int), default=64, help="connections at once; more get 503 (64)"
+        "--max-connections",
+        type=_positive(int),
+        default=64,
+        help="connections served at once; more wait their turn (64)",
     )
     serve.set_defaults(handler=_serve)
 

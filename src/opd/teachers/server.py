@@ -16,7 +16,6 @@ what one client may cost (body size, time to send it, connections at once).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import threading
@@ -264,7 +263,7 @@ class ServerLimits:
     request_timeout_s: float = 60.0
     """A client that takes longer to send its request (or sits idle on a kept-alive connection) is dropped."""
     max_connections: int = 64
-    """Connections served at once; one more gets 503 at once (clients retry), so memory stays bounded."""
+    """Connections served at once; more wait in the listen backlog (256) until one finishes."""
 
 
 def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
@@ -357,11 +356,11 @@ def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
 
 
 class LimitedServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` of them; the next ones are answered 503.
+    """A thread per connection, at most ``max_connections`` of them; further ones wait their turn.
 
-    A refused client's request is read (up to its headers and a small body) before the 503 goes
-    out, so that it sees the answer instead of a reset; as many refusals as connections may be
-    under way at once, and beyond that a connection is closed unanswered.
+    At the cap the accept loop waits for a connection to finish before accepting the next, so
+    waiting clients queue in the kernel's listen backlog (first come, first served, bounded by
+    ``request_queue_size``) instead of being refused: a burst costs latency, not failed requests.
     """
 
     daemon_threads = True
@@ -369,39 +368,11 @@ class LimitedServer(ThreadingHTTPServer):
 
     def __init__(self, address, handler, limits: ServerLimits):
         self.slots = threading.BoundedSemaphore(limits.max_connections)
-        self.refusals = threading.BoundedSemaphore(limits.max_connections)
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
-        if self.slots.acquire(blocking=False):
-            super().process_request(request, client_address)
-        elif self.refusals.acquire(blocking=False):
-            threading.Thread(target=self._refuse, args=(request,), daemon=True).start()
-        else:
-            self.shutdown_request(request)
-
-    def _refuse(self, request) -> None:
-        try:
-            request.settimeout(1.0)
-            received = b""
-            with contextlib.suppress(OSError):
-                while b"\r\n\r\n" not in received and len(received) < REFUSAL_READ_BYTES:
-                    chunk = request.recv(65536)
-                    if not chunk:
-                        break
-                    received += chunk
-            body = json.dumps(
-                error_body("the server is at its connection limit; retry shortly", 503)
-            ).encode()
-            head = (
-                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
-            )
-            with contextlib.suppress(OSError):
-                request.sendall(head.encode() + body)
-            self.shutdown_request(request)
-        finally:
-            self.refusals.release()
+        self.slots.acquire()
+        super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
         try:
@@ -413,10 +384,6 @@ class LimitedServer(ThreadingHTTPServer):
         """A client that hung up or timed out is routine; anything else is printed."""
         if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
             super().handle_error(request, client_address)
-
-
-REFUSAL_READ_BYTES = 2**16
-"""How much of a refused request is read before its 503 is sent."""
 
 
 def serve(
