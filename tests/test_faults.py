@@ -274,3 +274,31 @@ def test_a_teacher_answering_nan_stops_the_run_before_any_update(base_config, tm
     assert "is not a finite number" in result.stderr
     assert read_jsonl(tmp_path / "nan" / "metrics.jsonl") == []  # no step was applied
     assert list_checkpoints(tmp_path / "nan") == []
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_how_to_resume(base_config, tmp_path):
+    """Ctrl-C while the teacher takes 5 s to answer, then Ctrl-C again: no waiting for the step."""
+    port, server = fault_server("slow")
+    try:
+        config = remote_config(base_config, tmp_path, port, "run")
+        config["teacher"] |= {"timeout_s": 30.0}
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(config))
+        process = start(path)
+        spans = tmp_path / "run" / "timing.jsonl"
+        deadline = time.monotonic() + 120
+        while not (spans.exists() and '"sample"' in spans.read_text()):  # sampled: now the teacher
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        server.kill()
+        server.wait()
+    assert process.returncode == 130, stderr
+    assert "SIGINT received: finishing the current step" in stderr
+    assert "opd: interrupted. Run the same command again to resume from the last checkpoint." in stderr
+    assert "Traceback" not in stderr
+    assert list_checkpoints(tmp_path / "run") == []

@@ -234,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     except RunInterrupted as stopped:
         print(f"opd: {stopped}", file=sys.stderr)
         return 128 + stopped.signal_number  # the shell's status for a process its signal ended
+    except KeyboardInterrupt:
+        resume = (
+            " Run the same command again to resume from the last checkpoint."
+            if args.command == "train"
+            else ""
+        )
+        print(f"opd: interrupted.{resume}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except USER_ERRORS as error:
         processes = int(os.environ.get("WORLD_SIZE", 1))
         where = f" (rank {os.environ.get('RANK', 0)} of {processes})" if processes > 1 else ""
