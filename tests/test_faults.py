@@ -229,7 +229,7 @@ def remote_config(base_config: dict, tmp_path: Path, port: int, name: str) -> di
             "tokenizer": base_config["teacher"]["model"],
             "timeout_s": 1.0,
             "max_retries": 3,
-            "request_batch_size": 1,
+            "request_batch_size": 2,
         },
     )
     config["training"] = dict(base_config["training"], max_steps=3)
