@@ -101,6 +101,24 @@ def torchrun_command(config_path: Path, *overrides: str, nproc: int = 2) -> list
     ]
 
 
+def start_job(config_path: Path) -> subprocess.Popen:
+    """``opd train --nproc 2`` in the background, its stderr kept."""
+    return subprocess.Popen(
+        torchrun_command(config_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+
+
+def wait_for_rows(job: subprocess.Popen, metrics: Path, rows: int) -> None:
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert time.monotonic() < deadline and job.poll() is None, "the run made no progress"
+        time.sleep(0.01)
+
+
 def two_processes(config_path: Path, *overrides: str) -> None:
     done = subprocess.run(
         torchrun_command(config_path, *overrides),
@@ -221,18 +239,8 @@ def test_a_rank_killed_mid_run_stops_the_job_and_the_same_command_resumes_it(mod
     two_processes(reference)
     killed = write(run_config(models, tmp_path / "killed", max_steps=6), tmp_path / "killed.yaml")
     metrics = tmp_path / "killed" / "metrics.jsonl"
-    job = subprocess.Popen(
-        torchrun_command(killed),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (
-        metrics.exists() and len(metrics.read_text().splitlines()) >= 3
-    ):
-        time.sleep(0.01)
+    job = start_job(killed)
+    wait_for_rows(job, metrics, 3)
     pid = rank_pid(killed, 1)
     assert pid is not None, "rank 1 not found"
     os.kill(pid, signal.SIGKILL)
@@ -257,17 +265,8 @@ def test_sigterm_stops_every_process_after_one_step_with_a_checkpoint_and_the_ru
     config = run_config(models, tmp_path / "run", max_steps=6) | {"save_every": 0}
     path = write(config, tmp_path / "run.yaml")
     metrics = tmp_path / "run" / "metrics.jsonl"
-    job = subprocess.Popen(
-        torchrun_command(path),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and job.poll() is None, "the run made no progress"
-        time.sleep(0.01)
+    job = start_job(path)
+    wait_for_rows(job, metrics, 2)
     job.send_signal(signal.SIGTERM)
     _, stderr = job.communicate(timeout=240)
     assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]

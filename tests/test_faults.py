@@ -97,19 +97,28 @@ def assert_undisturbed(log_path: Path, reference) -> None:
         torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_finishes_the_step_checkpoints_it_and_says_where_the_run_resumes(
-    base_config, tmp_path, stop_signal
-):
+def disturbed(base_config: dict, tmp_path: Path, disturb) -> tuple[Path, Path, object, int, str]:
+    """A run (no periodic checkpoints) disturbed by ``disturb(process, log_path)`` after 2 steps:
+    its log path, config, the undisturbed reference, and its exit status and stderr."""
     log_path = tmp_path / "run"
     config_path = write_config(base_config, tmp_path / "run.yaml", log_path, save_every=0)
     reference = reference_run(config_path, tmp_path)
     process = start(config_path)
     wait_for_rows(process, log_path, 2)
-    process.send_signal(stop_signal)
+    disturb(process, log_path)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + stop_signal, stderr
     assert "Traceback" not in stderr
+    return log_path, config_path, reference, process.returncode, stderr
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_step_checkpoints_it_and_says_where_the_run_resumes(
+    base_config, tmp_path, stop_signal
+):
+    log_path, config_path, reference, status, stderr = disturbed(
+        base_config, tmp_path, lambda process, _: process.send_signal(stop_signal)
+    )
+    assert status == 128 + stop_signal, stderr
     done = rows_written(log_path)
     name = signal.Signals(stop_signal).name
     assert f"{name} received: finishing the current step" in stderr
@@ -197,15 +206,10 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_clearly_and_a_rerun
 
 
 def test_the_log_directory_removed_mid_run_stops_it_with_a_clear_error(base_config, tmp_path):
-    log_path = tmp_path / "run"
-    config_path = write_config(base_config, tmp_path / "run.yaml", log_path, save_every=0)
-    reference = reference_run(config_path, tmp_path)
-    process = start(config_path)
-    wait_for_rows(process, log_path, 2)
-    shutil.rmtree(log_path)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 2, stderr
-    assert "Traceback" not in stderr
+    log_path, config_path, reference, status, stderr = disturbed(
+        base_config, tmp_path, lambda _, log_path: shutil.rmtree(log_path)
+    )
+    assert status == 2, stderr
     assert f"opd: error: {log_path}: the run's directory (or its config.yaml) was removed" in stderr
     finish(config_path)  # starts over: nothing of the first attempt survived
     assert_undisturbed(log_path, reference)
