@@ -190,9 +190,7 @@ class RemoteTeacher:
                     f"teacher server {self.endpoint} sent {count} choices for {len(batch)} prompts"
                 )
             indices = [c.get("index") if isinstance(c, dict) else None for c in choices]
-            if sorted(i for i in indices if isinstance(i, int) and not isinstance(i, bool)) != list(
-                range(len(batch))
-            ):
+            if sorted(i for i in indices if self._is_id(i)) != list(range(len(batch))):
                 raise RemoteTeacherError(
                     f"teacher server {self.endpoint} sent choices indexed {indices[:8]} for {len(batch)} "
                     "prompts (each index 0..n-1 once)"

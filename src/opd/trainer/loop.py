@@ -11,7 +11,6 @@ checkpointing on the way; what it is built from is set up in :mod:`opd.trainer.c
 from __future__ import annotations
 
 import contextlib
-import errno
 import random
 import signal
 import sys
@@ -28,7 +27,7 @@ from opd.config import Config, recorded_config
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, barrier
-from opd.errors import CheckpointError, DivergenceError, RunInterrupted, StorageError
+from opd.errors import CheckpointError, DivergenceError, RunInterrupted
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import examples, sample_records
@@ -51,6 +50,7 @@ from opd.runs.sharded_state import (
     load_sharded_state,
     save_sharded_state,
 )
+from opd.runs.storage import check_log_path, disk_full_error, out_of_space
 from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.runs.watchdog import Watchdog
 from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
@@ -103,40 +103,6 @@ class Batch:
         return reverse_kl_per_token(
             self.rollouts.sampled_logprobs_BT, self.teacher.logprobs_BT, self.rollouts.mask_BT
         )
-
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-"""OSErrors that mean the run's files no longer fit: out of space, over quota, over a file size limit."""
-DISK_FULL_MESSAGES = ("No space left on device", "os error 28", "Disk quota exceeded", "File too large")
-"""The same, as libraries that wrap the OSError word it (safetensors)."""
-
-
-def out_of_space(error: BaseException) -> Exception | None:
-    """The error in ``error``'s chain that says the run's files no longer fit, or None.
-
-    Libraries re-raise a failed write as their own exception (torch.save: RuntimeError) with the
-    OSError as its context, so the whole chain is searched.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen and not isinstance(current, StorageError):
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in DISK_FULL:
-            return current
-        if isinstance(current, Exception) and any(marker in str(current) for marker in DISK_FULL_MESSAGES):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def disk_full_error(log_path: Path, error: Exception, last_saved: int) -> StorageError:
-    """What a run says when its files stop fitting: where, and what it kept."""
-    kept = f"the last complete checkpoint is step {last_saved}" if last_saved else "no checkpoint was saved"
-    detail = f"{error.strerror}: {error.filename}" if isinstance(error, OSError) else str(error)[:200]
-    return StorageError(
-        f"{log_path}: no space left for the run's files ({detail}); {kept}. "
-        "Free space (or set log_path elsewhere) and run the same command again to resume"
-    )
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -464,7 +430,7 @@ class Trainer(RunComponents):
                 if done == self.num_steps and eval_every:
                     record({"step": done} | self.evaluate(done), done)
                 if main:
-                    self.check_log_path(done)
+                    check_log_path(log_path, done)
                 signal_number = stop.requested() if done < self.num_steps else None
                 if (
                     done == self.num_steps
@@ -503,16 +469,6 @@ class Trainer(RunComponents):
         if self.config.trace and main:
             write_chrome_trace(log_path / TIMING_NAME, log_path / "trace.json")
         return result
-
-    def check_log_path(self, done: int) -> None:
-        """Stop when the run's directory was removed under it: what it writes next would go nowhere."""
-        log_path = Path(self.config.log_path)
-        if not (log_path / CONFIG_NAME).is_file():
-            raise StorageError(
-                f"{log_path}: the run's directory (or its {CONFIG_NAME}) was removed during the run; stopped "
-                f"after step {done}, nothing more saved. Run the same command again: it resumes from a "
-                "surviving checkpoint, or starts over"
-            )
 
     def restore(self, start: StartPoint) -> None:
         """Put back a checkpoint's optimizer, schedule, policy version and RNG states (and its
