@@ -78,7 +78,8 @@ def write_task_files(task: str, spec_json: str) -> tuple[Path, Path]:
 
     def entries(split: str, size: int) -> list[dict]:
         seed = reasoning_gym_seed(0, split)
-        return reasoning_gym.create_dataset("chain_sum", size=size, seed=seed, **spec["task_config"])
+        generator = spec.get("dataset", "chain_sum")
+        return reasoning_gym.create_dataset(generator, size=size, seed=seed, **spec["task_config"])
 
     test = entries("test", EVAL_PROMPTS)
     held_out = {entry["question"] for entry in test}

@@ -11,6 +11,7 @@ checkpointing on the way; what it is built from is set up in :mod:`opd.trainer.c
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import signal
 import sys
@@ -62,6 +63,25 @@ from opd.trainer.stopping import StopOnSignal
 from opd.trainer.update import policy_gradient, policy_update
 
 PROGRESS_KEYS = ("teacher_kl", "entropy", "kl_sample_train", "completion_len_mean")
+
+
+def advantage_metrics(advantages_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
+    """Mean, spread and extremes of the per-token advantages over every process's completion
+    tokens: advantages of tens of nats mean the student writes what the teacher would not."""
+    selected = advantages_BT[mask_BT.bool()].double()
+    sums = [float(selected.sum()), float(selected.square().sum()), float(selected.numel())]
+    total, squares, count = all_reduce(sums)
+    if count == 0:
+        return {}
+    extremes = [float(-selected.min()), float(selected.max())] if selected.numel() else [-math.inf] * 2
+    negated_min, most = all_reduce(extremes, op="max")
+    mean = total / count
+    return {
+        "advantage/mean": mean,
+        "advantage/std": math.sqrt(max(squares / count - mean * mean, 0.0)),
+        "advantage/min": -negated_min,
+        "advantage/max": most,
+    }
 
 
 @dataclass
@@ -271,6 +291,8 @@ class Trainer(RunComponents):
                 rollouts.sampled_logprobs_BT, teacher, mask, policy_gradient(training)
             )
             advantages = advantages if shaped is None else shaped
+            if shaped is not None:
+                metrics |= advantage_metrics(shaped, mask)
         started = time.perf_counter()
         with self.spans.span(batch.step, "train"):
             stats = policy_update(

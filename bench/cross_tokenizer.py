@@ -1,0 +1,188 @@
+"""Does a teacher with another tokenizer teach as well as one with the student's own?
+
+The demo's task, student and training (`opd demo`: character-level tokenizer, 2 layers, width
+96, about 50% held out) learn from two teachers built by the same recipe and seed (2 layers,
+width 128, supervised on the task until nearly perfect) that differ only in their tokenizer:
+the demo's own character-level one, and a BPE tokenizer learned on the task's text (most
+answer tokens two or three letters). With the BPE teacher the run sets
+``teacher.cross_tokenizer: true``, so every completion is re-tokenized for the teacher and
+scored span by span (docs/teachers.md). Held-out greedy accuracy before and after is measured
+as the demo measures it, per seed; the figure is the BPE teacher's gain over the character
+teacher's.
+
+    python bench/cross_tokenizer.py --seeds 0 1 2 --steps 200 --out docs/results/cross_tokenizer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import string
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from provenance import write_result
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from opd.config import apply_overrides, config_from_dict
+from opd.data.builtin_tasks import generate_task_prompts
+from opd.data.render import ChatRenderer
+from opd.demo import run as demo
+from opd.demo.char_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS
+from opd.models import load_causal_lm
+from opd.runs.evaluation import accuracy
+from opd.runs.graders import exact_match
+from opd.sampling.hf_generate import HFGenerateSampler
+from opd.teachers.local import LocalTeacher
+from opd.trainer.loop import train
+from opd.trainer.sft import supervised_finetune
+
+BPE_VOCAB = 300
+"""Room for the printable characters, the specials and about 200 merges."""
+
+
+def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A BPE tokenizer learned on the task's prompts and answers, with the demo's specials and template.
+
+    Every printable character is in its alphabet, so no text is dropped; words are split at
+    whitespace before merging, so tokens never straddle a space.
+    """
+    texts = []
+    for prompt in generate_task_prompts(demo.TASK, seed=0, count=4000):
+        texts += [prompt.messages[0]["content"], prompt.answer, "user", "assistant"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+|\S+"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=list(string.printable)
+    )
+    backend.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_bpe_teacher(directory: Path) -> Path:
+    """The demo teacher's recipe (size, seed, prompts, steps, learning rate) with the BPE tokenizer."""
+    if (directory / "config.json").exists():
+        return directory
+    tokenizer = build_bpe_tokenizer()
+    spec = demo.TEACHER_SPEC
+    model = demo.build_model(spec, tokenizer, seed=0)
+    supervised_finetune(
+        model,
+        ChatRenderer(tokenizer),
+        generate_task_prompts(demo.TASK, seed=1000),
+        steps=spec.sft_steps,
+        batch_size=64,
+        learning_rate=spec.sft_learning_rate,
+        seed=0,
+    )
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def teacher_accuracy(directory: Path, eval_prompts) -> float:
+    """Greedy held-out accuracy of a teacher with its own tokenizer."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    renderer = ChatRenderer(tokenizer)
+    model = load_causal_lm(str(directory), "teacher.model", dtype="float32", device="cpu")
+    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+    return accuracy(sampler, renderer, eval_prompts, exact_match, max_tokens=demo.MAX_TOKENS)
+
+
+def answer_tokens_per_char(directory: Path, eval_prompts) -> float:
+    """Mean characters per token of the held-out answers under a teacher's tokenizer."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    chars = sum(len(p.answer) for p in eval_prompts)
+    tokens = sum(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in eval_prompts)
+    return chars / tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--set", nargs="*", default=[], metavar="DOTTED.KEY=VALUE")
+    parser.add_argument("--work-dir", default=None, help="models and runs (default: a new temp dir)")
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="opd-cross-tokenizer-"))
+    os.environ["OPD_CACHE"] = str(work / "cache")
+    torch.set_num_threads(1)
+    char_teacher = demo.ensure_model("teacher", demo.TEACHER_SPEC, seed=0, log=print)
+    student = demo.ensure_model("student", demo.STUDENT_SPEC, seed=1, log=print)
+    bpe_teacher = build_bpe_teacher(work / "bpe-teacher")
+    eval_prompts = generate_task_prompts(f"{demo.TASK}@test", seed=0, count=demo.NUM_EVAL_PROMPTS)
+    teachers = {
+        "char": {"path": char_teacher, "overrides": []},
+        "bpe": {"path": bpe_teacher, "overrides": ["teacher.cross_tokenizer=true"]},
+    }
+    for name, teacher in teachers.items():
+        teacher["accuracy"] = teacher_accuracy(teacher["path"], eval_prompts)
+        teacher["chars_per_answer_token"] = answer_tokens_per_char(teacher["path"], eval_prompts)
+        print(
+            f"{name} teacher: {teacher['accuracy']:.1%}, {teacher['chars_per_answer_token']:.2f} chars/token"
+        )
+    char_scorer = LocalTeacher(
+        load_causal_lm(str(char_teacher), "teacher.model", dtype="float32", device="cpu"),
+        vocab_size=len(demo.build_char_tokenizer()),
+        pad_id=0,
+    )
+    student_model = load_causal_lm(str(student), "student.model", dtype="float32", device="cpu")
+    before = demo.measure(student_model, char_scorer, eval_prompts, seed=0)
+    rows = []
+    for seed in args.seeds:
+        for name, teacher in teachers.items():
+            run_dir = work / f"run-{name}-seed{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            data = demo.demo_config(str(run_dir), student, teacher["path"], args.steps, seed)
+            config = config_from_dict(apply_overrides(data, teacher["overrides"] + args.set))
+            started = time.perf_counter()
+            trained = train(config, progress=False)
+            after = demo.measure(trained.student, char_scorer, eval_prompts, seed=0)
+            kls = [row["teacher_kl"] for row in trained.metrics if "teacher_kl" in row]
+            row = {
+                "seed": seed,
+                "teacher": name,
+                "before": before,
+                "after": after,
+                "gain": after["accuracy"] - before["accuracy"],
+                "train_teacher_kl_first10": sum(kls[:10]) / len(kls[:10]),
+                "train_teacher_kl_last10": sum(kls[-10:]) / len(kls[-10:]),
+                "seconds": time.perf_counter() - started,
+            }
+            rows.append(row)
+            print(
+                f"seed {seed} {name:>4} teacher: accuracy {before['accuracy']:.1%} -> {after['accuracy']:.1%}"
+                f" (char-teacher KL {before['teacher_kl']:.3f} -> {after['teacher_kl']:.3f}),"
+                f" {row['seconds']:.0f}s",
+                flush=True,
+            )
+    gains = {name: [r["gain"] for r in rows if r["teacher"] == name] for name in teachers}
+    mean_gain = {name: sum(values) / len(values) for name, values in gains.items()}
+    ratio = mean_gain["bpe"] / mean_gain["char"] if mean_gain["char"] else float("nan")
+    print(f"mean gain: char {mean_gain['char']:+.1%}, bpe {mean_gain['bpe']:+.1%}; bpe / char = {ratio:.2f}")
+    summary = {
+        "teachers": {n: {k: str(v) if k == "path" else v for k, v in t.items()} for n, t in teachers.items()},
+        "mean_gain": mean_gain,
+        "bpe_over_char": ratio,
+    }
+    write_result(
+        args.out, "bench/cross_tokenizer.py", vars(args) | {"work_dir": str(work)}, rows, summary=summary
+    )
+
+
+if __name__ == "__main__":
+    main()

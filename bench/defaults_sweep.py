@@ -1,0 +1,205 @@
+"""Do opd's defaults work on a new model pair: learning rate x mode x seed, nothing else tuned.
+
+Each run is what a new user writes: the student (untuned SmolLM2-135M-Instruct), its teacher
+(the same model fine-tuned on the task by ``bench/sample_efficiency.py``, cached), the task's
+train and held-out prompts and ``max_steps``; every other setting is opd's default (objective,
+batch, length, schedule, LoRA), but for the learning rate and the mode (LoRA at the default
+rank, or ``full``: ``student.lora_rank=0``) the sweep varies, and ``--set`` for a variant
+(``--label`` names it). Held-out greedy accuracy on the task's 48 prompts is measured at the
+start, every ``--eval-every`` steps and at the end; each step's training metrics (teacher KL,
+entropy, gradient norm, advantages) are kept to show how a run goes wrong.
+
+    python bench/defaults_sweep.py --tasks short products --modes lora full --seeds 0 1 2
+    python bench/defaults_sweep.py --tasks short --modes full --lrs 5e-5 --label no-warmup \\
+        --set training.warmup_steps=0
+    python bench/defaults_sweep.py --report-only --out docs/results/defaults
+
+Each finished run is a JSON file in ``--out`` (an interrupted sweep resumes) with its commit,
+resolved config, environment, curve and per-step metrics; ``defaults.md`` (tables) is rebuilt
+from all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+from provenance import environment, git_commit
+from sample_efficiency import EVAL_PROMPTS, SWEEP, cache_root, prepare_teacher, task_files
+from smollm2 import converted_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+KEPT_METRICS = (
+    "teacher_kl",
+    "entropy",
+    "grad_norm",
+    "kl_sample_train",
+    "completion_len_mean",
+    "lr",
+    "advantage/mean",
+    "advantage/std",
+    "advantage/min",
+    "advantage/max",
+)
+
+
+def user_config(
+    log_path: Path, student: Path, teacher: Path, task: str, spec: dict, steps: int, args
+) -> dict:
+    """The models, the task's prompts and ``max_steps``; evaluation settings; nothing else."""
+    train_file, test_file = task_files(task, spec)
+    return {
+        "log_path": str(log_path),
+        "on_existing_log_path": "overwrite",
+        "seed": args.seed,
+        "save_every": 0,
+        "eval_every": args.eval_every,
+        "student": {"model": str(student)},
+        "teacher": {"model": str(teacher)},
+        "datasets": [
+            {
+                "name": task,
+                "source": str(train_file),
+                "eval_source": str(test_file),
+                "eval_num_prompts": EVAL_PROMPTS,
+                "grader": spec["grader"],
+            }
+        ],
+        "training": {"max_steps": steps},
+    }
+
+
+def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list[str], args) -> dict:
+    """One run; its resolved config, held-out curve and per-step training metrics."""
+    from opd.config import config_from_dict, config_to_dict
+    from opd.trainer.loop import train
+
+    directory = cache_root() / "runs" / "defaults-sweep"
+    data = user_config(directory, student, teacher, task, spec, args.steps, args)
+    config = config_from_dict(data, overrides)
+    metrics = train(config, progress=True).metrics
+    shutil.rmtree(directory, ignore_errors=True)
+    key = f"test/{task}/accuracy"
+    return {
+        "config": config_to_dict(config),
+        "curve": [{"step": row["step"], "accuracy": row[key]} for row in metrics if key in row],
+        "steps": [{"step": row["step"], **{k: row[k] for k in KEPT_METRICS if k in row}} for row in metrics],
+    }
+
+
+def gap_closed(run: dict) -> float:
+    """Fraction of the student's starting gap to the teacher closed by the end."""
+    start, end = run["curve"][0]["accuracy"], run["curve"][-1]["accuracy"]
+    return (end - start) / max(run["teacher_accuracy"] - start, 1e-9)
+
+
+def report(results: list[dict]) -> str:
+    """Per task: one row per label x mode x learning rate x seed (start, end, best, gap closed)."""
+    lines = []
+    for task in sorted({r["task"] for r in results}):
+        group = sorted(
+            (r for r in results if r["task"] == task),
+            key=lambda r: (r["label"], r["mode"], r["learning_rate"], r["seed"]),
+        )
+        teacher = group[0]["teacher_accuracy"]
+        lines += [
+            f"\n### {task}: teacher {teacher:.1%}, {group[0]['steps']} steps\n",
+            "| variant | mode | learning rate | seed | start | end | best | gap closed | min entropy |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for run in group:
+            accuracies = [point["accuracy"] for point in run["curve"]]
+            entropy = min(
+                (row["entropy"] for row in run["metrics"] if "entropy" in row), default=float("nan")
+            )
+            lines.append(
+                f"| {run['label']} | {run['mode']} | {run['learning_rate']:g} | {run['seed']} "
+                f"| {accuracies[0]:.1%} | {accuracies[-1]:.1%} | {max(accuracies):.1%} "
+                f"| {gap_closed(run):+.0%} | {entropy:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    tasks = yaml.safe_load(SWEEP.read_text())["tasks"]
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tasks", nargs="*", default=["short", "products"], choices=list(tasks))
+    parser.add_argument("--modes", nargs="*", default=["lora", "full"], choices=["lora", "full"])
+    parser.add_argument(
+        "--lrs",
+        nargs="*",
+        type=float,
+        default=[None],
+        help="learning rates (default: opd's default per mode)",
+    )
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--set", nargs="*", default=[], help="overrides of the variant (after the mode's)")
+    parser.add_argument("--label", default="defaults", help="names the variant in the tables")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "defaults")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        from opd.config import config_from_dict
+
+        base = converted_dir()
+        for task in args.tasks:
+            spec = tasks[task]
+            build = SimpleNamespace(seed=0, eval_every=10, steps=40)
+            teacher, teacher_accuracy = prepare_teacher(task, spec, base, build)
+            for mode in args.modes:
+                for lr in args.lrs:
+                    for seed in args.seeds:
+                        args.seed = seed
+                        overrides = (["student.lora_rank=0"] if mode == "full" else []) + (
+                            [f"training.learning_rate={lr}"] if lr is not None else []
+                        )
+                        overrides += args.set
+                        data = user_config(Path("unused"), base, teacher, task, spec, args.steps, args)
+                        resolved_lr = config_from_dict(data, overrides).training.learning_rate
+                        name = f"{task}-{args.label}-{mode}-lr{resolved_lr:g}-seed{seed}-{args.steps}steps"
+                        result_file = args.out / f"{name}.json"
+                        if result_file.exists():
+                            continue
+                        started = time.perf_counter()
+                        run = run_one(task, spec, base, teacher, overrides, args)
+                        result = {
+                            "bench": "bench/defaults_sweep.py",
+                            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                            "commit": git_commit(ROOT),
+                            "environment": environment(),
+                            "task": task,
+                            "task_spec": spec,
+                            "label": args.label,
+                            "mode": mode,
+                            "learning_rate": resolved_lr,
+                            "overrides": overrides,
+                            "seed": seed,
+                            "steps": args.steps,
+                            "teacher": str(teacher),
+                            "teacher_accuracy": teacher_accuracy,
+                            "config": run["config"],
+                            "curve": run["curve"],
+                            "metrics": run["steps"],
+                            "wall_seconds": time.perf_counter() - started,
+                        }
+                        result_file.write_text(json.dumps(result, indent=1) + "\n")
+                        print(json.dumps({"run": name, "curve": run["curve"]}), flush=True)
+    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
+    tables = report([r for r in results if r.get("bench") == "bench/defaults_sweep.py"])
+    (args.out / "defaults.md").write_text(tables + "\n")
+    print(tables)
+
+
+if __name__ == "__main__":
+    main()
