@@ -43,6 +43,9 @@ from opd.trainer.sft import supervised_finetune
 
 BPE_VOCAB = 300
 """Room for the printable characters, the specials and about 200 merges."""
+BPE_MAX_STEPS = 4000
+BPE_CHECK_EVERY = 200
+BPE_TARGET = 0.98
 
 
 def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
@@ -73,21 +76,36 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_bpe_teacher(directory: Path) -> Path:
-    """The demo teacher's recipe (size, seed, prompts, steps, learning rate) with the BPE tokenizer."""
+    """The demo teacher's size, seed, prompts and learning rate with the BPE tokenizer, trained
+    until it is as good as the character-level one on a dev split (reversing words whose letters
+    are hidden inside multi-letter tokens takes it far longer)."""
     if (directory / "config.json").exists():
         return directory
     tokenizer = build_bpe_tokenizer()
+    renderer = ChatRenderer(tokenizer)
     spec = demo.TEACHER_SPEC
     model = demo.build_model(spec, tokenizer, seed=0)
-    supervised_finetune(
+    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+    dev_prompts = generate_task_prompts(demo.TASK, seed=2000, count=demo.NUM_DEV_PROMPTS)
+
+    def good_enough(steps_done: int) -> bool:
+        if steps_done % BPE_CHECK_EVERY:
+            return False
+        dev = accuracy(sampler, renderer, dev_prompts, exact_match, max_tokens=demo.MAX_TOKENS)
+        print(f"  BPE teacher: {dev:.1%} on the dev split after {steps_done} steps", flush=True)
+        return dev >= BPE_TARGET
+
+    steps = supervised_finetune(
         model,
-        ChatRenderer(tokenizer),
+        renderer,
         generate_task_prompts(demo.TASK, seed=1000),
-        steps=spec.sft_steps,
+        steps=BPE_MAX_STEPS,
         batch_size=64,
         learning_rate=spec.sft_learning_rate,
         seed=0,
+        should_stop=good_enough,
     )
+    print(f"  BPE teacher: {len(steps)} supervised steps", flush=True)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory

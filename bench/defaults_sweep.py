@@ -2,9 +2,9 @@
 
 Each run is what a new user writes: the student (untuned SmolLM2-135M-Instruct), its teacher
 (the same model fine-tuned on the task by ``bench/sample_efficiency.py``, cached), the task's
-train and held-out prompts and ``max_steps``; every other setting is opd's default (objective,
-batch, length, schedule, LoRA), but for the learning rate and the mode (LoRA at the default
-rank, or ``full``: ``student.lora_rank=0``) the sweep varies, and ``--set`` for a variant
+train and held-out prompts, ``max_steps`` and the task's ``max_tokens``; every other setting
+is opd's default (objective, batch, schedule, LoRA), but for the learning rate and the mode
+(LoRA at the default rank, or ``full``: ``student.lora_rank=0``) the sweep varies, and ``--set`` for a variant
 (``--label`` names it). Held-out greedy accuracy on the task's 48 prompts is measured at the
 start, every ``--eval-every`` steps and at the end; each step's training metrics (teacher KL,
 entropy, gradient norm, advantages) are kept to show how a run goes wrong.
@@ -52,7 +52,8 @@ KEPT_METRICS = (
 def user_config(
     log_path: Path, student: Path, teacher: Path, task: str, spec: dict, steps: int, args
 ) -> dict:
-    """The models, the task's prompts and ``max_steps``; evaluation settings; nothing else."""
+    """The models, the task's prompts, ``max_steps`` and the task's answer length (16 tokens for an
+    answer-only task, which keeps a 40-step run within minutes on a CPU); evaluation settings."""
     train_file, test_file = task_files(task, spec)
     return {
         "log_path": str(log_path),
@@ -71,7 +72,7 @@ def user_config(
                 "grader": spec["grader"],
             }
         ],
-        "training": {"max_steps": steps},
+        "training": {"max_steps": steps, "max_tokens": spec["max_tokens"]},
     }
 
 
@@ -122,6 +123,32 @@ def report(results: list[dict]) -> str:
                 f"| {run['label']} | {run['mode']} | {run['learning_rate']:g} | {run['seed']} "
                 f"| {accuracies[0]:.1%} | {accuracies[-1]:.1%} | {max(accuracies):.1%} "
                 f"| {gap_closed(run):+.0%} | {entropy:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def health(results: list[dict], every: int = 5) -> str:
+    """Every ``every``-th step's training metrics of each run: how a run that goes wrong does it."""
+    lines = ["\n### Training metrics every few steps\n"]
+    for run in sorted(
+        results, key=lambda r: (r["task"], r["label"], r["mode"], r["learning_rate"], r["seed"])
+    ):
+        lines += [
+            f"\n{run['task']}, {run['label']}, {run['mode']}, lr {run['learning_rate']:g}, "
+            f"seed {run['seed']}\n",
+            "| step | teacher KL | entropy | grad norm | advantage mean | std | min | completion tokens |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        trained = [row for row in run["metrics"] if "entropy" in row]
+        for row in trained:
+            if row["step"] % every and row is not trained[-1]:
+                continue
+            cells = [row.get(key, float("nan")) for key in ("teacher_kl", "entropy", "grad_norm")]
+            cells += [row.get(f"advantage/{key}", float("nan")) for key in ("mean", "std", "min")]
+            lines.append(
+                f"| {row['step']} | "
+                + " | ".join(f"{value:.3g}" for value in cells)
+                + f" | {row.get('completion_len_mean', float('nan')):.1f} |"
             )
     return "\n".join(lines)
 
@@ -196,7 +223,8 @@ def main() -> None:
                         result_file.write_text(json.dumps(result, indent=1) + "\n")
                         print(json.dumps({"run": name, "curve": run["curve"]}), flush=True)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
-    tables = report([r for r in results if r.get("bench") == "bench/defaults_sweep.py"])
+    ours = [r for r in results if r.get("bench") == "bench/defaults_sweep.py"]
+    tables = report(ours) + "\n" + health(ours)
     (args.out / "defaults.md").write_text(tables + "\n")
     print(tables)
 

@@ -5,7 +5,7 @@ import torch
 
 from opd.config import config_from_dict
 from opd.teachers.base import TeacherInput, TeacherRequest
-from opd.trainer.loop import Trainer
+from opd.trainer.loop import Trainer, advantage_metrics
 
 
 def test_learn_takes_a_finished_batch_and_fetches_nothing(base_config, monkeypatch):
@@ -86,3 +86,25 @@ def test_two_teachers_answer_into_one_batch_as_each_would_alone(base_config, mod
         width = alone.logprobs_BT.shape[1]
         torch.testing.assert_close(scores.logprobs_BT[rows, :width], alone.logprobs_BT, atol=1e-5, rtol=0)
         assert torch.equal(scores.topk_ids_BTK[rows, :width], alone.topk_ids_BTK)
+
+
+def test_advantage_metrics_are_those_of_the_completion_tokens_only():
+    """Hand-computed: tokens -3, -1, 2 and 0 (padding at 100 ignored): mean -0.5, std 1.8028."""
+    advantages = torch.tensor([[-3.0, -1.0, 100.0], [2.0, 0.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    metrics = advantage_metrics(advantages, mask)
+    assert metrics["advantage/mean"] == pytest.approx(-0.5)
+    assert metrics["advantage/std"] == pytest.approx((14 / 4 - 0.25) ** 0.5)
+    assert (metrics["advantage/min"], metrics["advantage/max"]) == (-3.0, 2.0)
+    assert advantage_metrics(advantages, torch.zeros_like(mask)) == {}
+
+
+def test_a_step_logs_the_negated_sampled_reverse_kl_as_its_advantages(base_config):
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    batch = trainer.collect(0)
+    metrics = trainer.learn(batch)
+    selected = batch.rollouts.mask_BT.bool()
+    reverse_kl = batch.rollouts.sampled_logprobs_BT[selected] - batch.teacher.logprobs_BT[selected]
+    assert metrics["advantage/mean"] == pytest.approx(-float(reverse_kl.mean()), rel=1e-5)
+    assert metrics["advantage/mean"] == pytest.approx(-metrics["teacher_kl"], rel=1e-5)
+    assert metrics["advantage/min"] == pytest.approx(-float(reverse_kl.max()), rel=1e-5)

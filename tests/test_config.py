@@ -125,6 +125,16 @@ def test_overrides_parse_yaml_values_and_reach_list_items():
     assert config.training.loss_fn_config == {"clip_high_threshold": 1.3}
 
 
+def test_an_unset_learning_rate_is_the_default_of_the_mode_and_is_recorded():
+    lora = config_from_dict(MINIMAL)
+    full = config_from_dict(MINIMAL, ["student.lora_rank=0"])
+    assert lora.training.learning_rate == 1e-4 and full.training.learning_rate == 1e-5
+    assert config_to_dict(full)["training"]["learning_rate"] == 1e-5
+    assert config_from_dict(config_to_dict(full)) == full
+    chosen = config_from_dict(MINIMAL, ["student.lora_rank=0", "training.learning_rate=3e-4"])
+    assert chosen.training.learning_rate == 3e-4
+
+
 def test_override_does_not_mutate_the_input():
     data = {"student": {"model": "s"}, "teacher": {"model": "t"}, "datasets": [{"name": "a", "source": "p"}]}
     config_from_dict(data, ["student.lora_rank=0"])

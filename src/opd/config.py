@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 
+LORA_LEARNING_RATE = 1e-4
+"""The default learning rate of a LoRA student."""
+FULL_LEARNING_RATE = 1e-5
+"""The default learning rate of a fully fine-tuned student: a tenth of LoRA's, as in the
+reference recipe's rule of thumb."""
+
+
 @dataclass
 class DatasetConfig:
     """One prompt source. Every step takes ``groups_per_batch`` prompts from each dataset."""
@@ -90,8 +97,11 @@ class TrainingConfig:
     teacher), or ``dataset`` (each prompt's ``completion``, else ``answer``; one per prompt)."""
     lmbda: float = 0.5
     """``mixed`` only: fraction of steps whose batch the student samples (GKD's lambda)."""
-    learning_rate: float = 1e-4
-    """Peak learning rate, reached after ``warmup_steps``."""
+    learning_rate: float | None = None
+    """Peak learning rate, reached after ``warmup_steps``. Unset: ``LORA_LEARNING_RATE`` (1e-4)
+    with LoRA, ``FULL_LEARNING_RATE`` (1e-5) for full fine-tuning (``student.lora_rank: 0``),
+    where a policy gradient from a far-off student collapses at rates SFT takes in its stride
+    (docs/defaults.md has the sweep behind both)."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -365,6 +375,8 @@ def validate(config: Config) -> Config:
     _positive(config.save_every, "save_every", allow_zero=True)
     _positive(config.eval_every, "eval_every", allow_zero=True)
     training = config.training
+    if training.learning_rate is None:
+        training.learning_rate = LORA_LEARNING_RATE if config.student.lora_rank else FULL_LEARNING_RATE
     _positive(training.learning_rate, "training.learning_rate")
     _positive(training.temperature, "training.temperature")
     _positive(training.max_tokens, "training.max_tokens")

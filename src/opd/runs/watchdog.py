@@ -47,7 +47,7 @@ def entropy_collapse(history: list[dict]) -> Symptom | None:
             "entropy_collapse",
             f"entropy fell from {entropies[0]:.3g} to {entropies[-1]:.3g} nats/token: the student is "
             "collapsing onto a few tokens (updates too large for it). Lower training.learning_rate, "
-            "or clip the policy loss (training.loss_fn: ppo or cispo)",
+            "or train LoRA adapters (student.lora_rank > 0) instead of every weight",
         )
     return None
 
