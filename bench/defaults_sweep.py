@@ -136,14 +136,19 @@ def health(results: list[dict], every: int = 5) -> str:
         lines += [
             f"\n{run['task']}, {run['label']}, {run['mode']}, lr {run['learning_rate']:g}, "
             f"seed {run['seed']}\n",
-            "| step | teacher KL | entropy | grad norm | advantage mean | std | min | completion tokens |",
-            "|---|---|---|---|---|---|---|---|",
+            "| step | teacher KL | per completion | entropy | grad norm | advantage mean | std | min "
+            "| completion tokens |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         trained = [row for row in run["metrics"] if "entropy" in row]
         for row in trained:
             if row["step"] % every and row is not trained[-1]:
                 continue
-            cells = [row.get(key, float("nan")) for key in ("teacher_kl", "entropy", "grad_norm")]
+            per_completion = row.get("teacher_kl", float("nan")) * row.get(
+                "completion_len_mean", float("nan")
+            )
+            cells = [row.get("teacher_kl", float("nan")), per_completion]
+            cells += [row.get(key, float("nan")) for key in ("entropy", "grad_norm")]
             cells += [row.get(f"advantage/{key}", float("nan")) for key in ("mean", "std", "min")]
             lines.append(
                 f"| {row['step']} | "

@@ -130,5 +130,10 @@ def base_config(model_dirs, prompts_file, tmp_path):
         "student": {"model": str(model_dirs["student"]), "lora_rank": 0},
         "teacher": {"model": str(model_dirs["teacher"])},
         "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}],
-        "training": {"learning_rate": 1e-3, "max_tokens": 6, "max_steps": 2},
+        "training": {
+            "objective": "sampled_reverse_kl",
+            "learning_rate": 1e-3,
+            "max_tokens": 6,
+            "max_steps": 2,
+        },
     }

@@ -89,10 +89,6 @@ def test_unknown_nested_dataset_key():
         ),
         ("training.lmbda=-0.1", r"training\.lmbda: must be in \[0, 1\]"),
         ("training.objective={name: topk_forward_kl, topk: 0}", r"training\.objective\.topk: must be > 0"),
-        (
-            "training.data_source=teacher",
-            r"training\.data_source: 'teacher' .* objective 'sampled_reverse_kl'",
-        ),
         ("training.objective=nll", r"training\.data_source: 'student' includes student samples.*'nll'"),
     ],
 )
@@ -128,11 +124,45 @@ def test_overrides_parse_yaml_values_and_reach_list_items():
 def test_an_unset_learning_rate_is_the_default_of_the_mode_and_is_recorded():
     lora = config_from_dict(MINIMAL)
     full = config_from_dict(MINIMAL, ["student.lora_rank=0"])
-    assert lora.training.learning_rate == 1e-4 and full.training.learning_rate == 1e-5
+    assert lora.training.learning_rate == 1e-3 and full.training.learning_rate == 1e-5
     assert config_to_dict(full)["training"]["learning_rate"] == 1e-5
     assert config_from_dict(config_to_dict(full)) == full
     chosen = config_from_dict(MINIMAL, ["student.lora_rank=0", "training.learning_rate=3e-4"])
     assert chosen.training.learning_rate == 3e-4
+
+
+def test_the_reverse_kl_is_refused_on_batches_the_student_did_not_sample():
+    with pytest.raises(
+        ConfigError, match=r"training\.data_source: 'teacher' .* objective 'sampled_reverse_kl'"
+    ):
+        config_from_dict(MINIMAL, ["training.objective=sampled_reverse_kl", "training.data_source=teacher"])
+
+
+def test_an_unset_objective_is_the_topk_forward_kl_where_it_can_serve():
+    default = config_from_dict(MINIMAL).training.objective
+    assert (default.name, default.topk) == ("topk_forward_kl", 20)
+    assert (
+        config_from_dict(MINIMAL, ["training.data_source=teacher"]).training.objective.name
+        == "topk_forward_kl"
+    )
+    remote = ["teacher.backend=sglang", "teacher.base_url=http://127.0.0.1:30000"]
+    assert config_from_dict(MINIMAL, remote).training.objective.name == "topk_forward_kl"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["teacher.cross_tokenizer=true"],  # top-k ids would be the teacher's vocabulary
+        ["training.loss_fn=ppo"],  # a policy-gradient setting asks for the policy gradient
+        ["training.kl_penalty_coef=0.5"],
+        ["teacher.backend=sglang", "teacher.base_url=http://127.0.0.1:30000", "training.temperature=0.7"],
+    ],
+)
+def test_an_unset_objective_is_the_reverse_kl_where_the_top_k_cannot_serve(overrides):
+    objective = config_from_dict(MINIMAL, overrides).training.objective
+    assert objective.name == "sampled_reverse_kl"
+    named = config_from_dict(MINIMAL, [*overrides, "training.objective=sampled_reverse_kl"])
+    assert named.training.objective == objective
 
 
 def test_override_does_not_mutate_the_input():

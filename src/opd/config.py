@@ -25,7 +25,7 @@ import yaml
 from opd.errors import ConfigError
 from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
-from opd.objectives.registry import default_objective, objective_names, objectives
+from opd.objectives.registry import objective_names, objectives
 from opd.policy.config import StudentConfig
 from opd.sampling.vllm_settings import student_settings_problems
 from opd.secrets import redact_values
@@ -45,11 +45,10 @@ __all__ = [
 ]
 
 
-LORA_LEARNING_RATE = 1e-4
-"""The default learning rate of a LoRA student."""
+LORA_LEARNING_RATE = 1e-3
+"""The default learning rate of a LoRA student (rank 32, alpha = rank)."""
 FULL_LEARNING_RATE = 1e-5
-"""The default learning rate of a fully fine-tuned student: a tenth of LoRA's, as in the
-reference recipe's rule of thumb."""
+"""The default learning rate of a fully fine-tuned student."""
 
 
 @dataclass
@@ -83,14 +82,19 @@ class DatasetConfig:
 class TrainingConfig:
     """The optimisation loop."""
 
-    objective: Objective = field(default_factory=default_objective)
+    objective: Objective | None = None
     """What the student minimises on each batch: a registered objective's name, or ``{name: ...,
     option: value}`` with that objective's options (each module of ``opd.objectives`` documents
     its own). ``sampled_reverse_kl``: negative per-token reverse KL as the advantage of a
     policy-gradient ``loss_fn``; ``k3``: the differentiable k3 estimate on the sampled tokens
     (``kl_direction``); ``jsd``: full-distribution generalized JSD (``beta``), teacher in process
     only; ``topk_forward_kl``: forward KL over the teacher's ``topk`` tokens plus a tail bucket;
-    ``nll``: negative log-likelihood of the tokens (SFT on teacher or dataset completions)."""
+    ``nll``: negative log-likelihood of the tokens (SFT on teacher or dataset completions).
+    Unset: ``topk_forward_kl`` with ``topk: 20`` (what a vLLM server sends by default), which
+    shows even a far-off student the token the teacher wants; ``sampled_reverse_kl`` where that
+    cannot serve: a ``cross_tokenizer`` teacher, a policy-gradient setting given
+    (``kl_penalty_coef``, ``kl_discount_factor``, ``loss_fn``, ``loss_fn_config``), or a remote
+    teacher with ``temperature`` other than 1 (docs/defaults.md)."""
     data_source: Literal["student", "teacher", "mixed", "dataset"] = "student"
     """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
     (sequence-level KD), ``mixed`` (on-policy with probability ``lmbda`` per step, else
@@ -98,10 +102,9 @@ class TrainingConfig:
     lmbda: float = 0.5
     """``mixed`` only: fraction of steps whose batch the student samples (GKD's lambda)."""
     learning_rate: float | None = None
-    """Peak learning rate, reached after ``warmup_steps``. Unset: ``LORA_LEARNING_RATE`` (1e-4)
-    with LoRA, ``FULL_LEARNING_RATE`` (1e-5) for full fine-tuning (``student.lora_rank: 0``),
-    where a policy gradient from a far-off student collapses at rates SFT takes in its stride
-    (docs/defaults.md has the sweep behind both)."""
+    """Peak learning rate, reached after ``warmup_steps``. Unset: 1e-3 with LoRA, 1e-5 for full
+    fine-tuning (``student.lora_rank: 0``), from a sweep on a 135M student (docs/defaults.md);
+    larger models usually want lower rates."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to ``learning_rate``."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -296,7 +299,9 @@ def _build_dataclass(cls: type, data: Any, path: str) -> Any:
     unknown = [key for key in data if key not in known]
     if unknown:
         key = unknown[0]
-        section = next((name for name in known if hints[name] is Objective), None)
+        section = next(
+            (name for name in known if Objective in (hints[name], *typing.get_args(hints[name]))), None
+        )
         owners = _option_owners(str(key)) if section else []
         if owners:
             raise ConfigError(
@@ -401,6 +406,8 @@ def validate(config: Config) -> Config:
         )
     if not 0.0 <= training.lmbda <= 1.0:
         raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")
+    if training.objective is None:
+        training.objective = _default_objective(config)
     _check_objective(training)
     teachers = [("teacher", config.teacher)] + [
         (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
@@ -455,6 +462,24 @@ def validate(config: Config) -> Config:
 
 POLICY_GRADIENT_KEYS = ("kl_penalty_coef", "kl_discount_factor", "loss_fn", "loss_fn_config")
 """Training settings read only by objectives that learn from advantages."""
+
+
+DEFAULT_TOPK = 20
+"""The unset objective's top-k: vLLM's default ``--max-logprobs``, so a stock server can serve it."""
+
+
+def _default_objective(config: Config) -> Objective:
+    """The objective of a config that names none: the top-k forward KL where it can serve, which
+    tells a student that is far from its teacher which token to write, where the sampled-token
+    reverse KL only says which ones not to (docs/defaults.md); otherwise the reverse KL."""
+    training = config.training
+    teachers = [config.teacher] + [dataset.teacher for dataset in config.datasets if dataset.teacher]
+    defaults = TrainingConfig()
+    policy_gradient_set = any(getattr(training, k) != getattr(defaults, k) for k in POLICY_GRADIENT_KEYS)
+    remote_off_temperature = training.temperature != 1.0 and any(t.backend != "local" for t in teachers)
+    if policy_gradient_set or remote_off_temperature or any(t.cross_tokenizer for t in teachers):
+        return objectives()["sampled_reverse_kl"]()
+    return objectives()["topk_forward_kl"](topk=DEFAULT_TOPK)
 
 
 def _check_objective(training: TrainingConfig) -> None:

@@ -171,6 +171,7 @@ def demo_config(
         "teacher": {"model": str(teacher_dir), "dtype": "float32", "device": "cpu"},
         "datasets": [{"name": TASK, "source": f"demo:{TASK}", "groups_per_batch": 16, "group_size": 4}],
         "training": {
+            "objective": "sampled_reverse_kl",
             "learning_rate": learning_rate,
             "max_tokens": MAX_TOKENS,
             "temperature": 1.0,

@@ -10,7 +10,7 @@ import opd.objectives
 from opd.objectives.base import REGISTRY, Objective
 
 DEFAULT = "sampled_reverse_kl"
-"""The objective of the reference recipe, and of a config that names none."""
+"""The objective of the reference recipe, listed first."""
 
 
 @cache
@@ -19,11 +19,6 @@ def objectives() -> dict[str, type[Objective]]:
     for module in pkgutil.iter_modules(opd.objectives.__path__):
         importlib.import_module(f"opd.objectives.{module.name}")
     return {name: REGISTRY[name] for name in sorted(REGISTRY, key=lambda name: (name != DEFAULT, name))}
-
-
-def default_objective() -> Objective:
-    """The default objective with its default options."""
-    return objectives()[DEFAULT]()
 
 
 def objective_names(**having) -> list[str]:
