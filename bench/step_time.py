@@ -4,7 +4,7 @@ Both train the same student against the same teacher on the same prompts: `--pro
 per step, one completion each, at most `--max-tokens` tokens, temperature 1, full
 fine-tuning or LoRA (rank 16, all linear layers). TRL's trainer is always on-policy with a
 full-vocabulary generalized JSD (beta 1 = reverse KL), so opd runs the same objective
-(`jsd`, beta 1); opd's default `sampled_reverse_kl` is measured too. Each (tool, mode,
+(`jsd`, beta 1); the reference recipe's `sampled_reverse_kl` is measured too. Each (tool, mode,
 repeat) runs in its own process, alternating, so peak memory (the process's high-water mark)
 is its own; the first step of each run is a warm-up and not timed.
 
