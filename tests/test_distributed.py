@@ -68,6 +68,7 @@ def run_config(models: Path, log_path: Path, **training) -> dict:
             }
         ],
         "training": {
+            "objective": "sampled_reverse_kl",
             "learning_rate": 1e-3,
             "max_tokens": 6,
             "max_steps": 3,
