@@ -47,6 +47,11 @@ def vllm_config(vllm_models, prompts_file, tmp_path):
         },
         "teacher": {"model": str(vllm_models["teacher"])},
         "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 4, "group_size": 2}],
-        "training": {"objective": "sampled_reverse_kl", "learning_rate": 1e-3, "max_tokens": 8, "max_steps": 4},
+        "training": {
+            "objective": "sampled_reverse_kl",
+            "learning_rate": 1e-3,
+            "max_tokens": 8,
+            "max_steps": 4,
+        },
         "eval_every": 0,
     }
