@@ -46,8 +46,10 @@ def entropy_collapse(history: list[dict]) -> Symptom | None:
         return Symptom(
             "entropy_collapse",
             f"entropy fell from {entropies[0]:.3g} to {entropies[-1]:.3g} nats/token: the student is "
-            "collapsing onto a few tokens (updates too large for it). Lower training.learning_rate, "
-            "or train LoRA adapters (student.lora_rank > 0) instead of every weight",
+            "settling on a few tokens. Fine if its teacher is as sure (short exact answers) and "
+            "held-out accuracy rises; if not, the updates are too large (lower "
+            "training.learning_rate) or the sampled reverse KL is pulling a far-off student onto "
+            "answers of its own (training.objective: topk_forward_kl; docs/defaults.md)",
         )
     return None
 
