@@ -32,7 +32,7 @@ from opd.config import apply_overrides, config_from_dict
 from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.render import ChatRenderer
 from opd.demo import run as demo
-from opd.demo.char_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS
+from opd.demo.char_tokenizer import SPECIAL_TOKENS, with_chat_specials
 from opd.models import load_causal_lm
 from opd.runs.evaluation import accuracy
 from opd.runs.graders import exact_match
@@ -65,15 +65,7 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
         vocab_size=BPE_VOCAB, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=list(string.printable)
     )
     backend.train_from_iterator(texts, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<|pad|>",
-        eos_token="<|im_end|>",
-        bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
-    )
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer
+    return with_chat_specials(backend)
 
 
 def build_bpe_teacher(directory: Path) -> Path:

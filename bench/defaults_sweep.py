@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import yaml
 from provenance import environment, git_commit
-from sample_efficiency import EVAL_PROMPTS, SWEEP, cache_root, prepare_teacher, task_files
+from sample_efficiency import SWEEP, cache_root, prepare_teacher, run_config
 from smollm2 import converted_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,28 +52,15 @@ KEPT_METRICS = (
 def user_config(
     log_path: Path, student: Path, teacher: Path, task: str, spec: dict, steps: int, args
 ) -> dict:
-    """The models, the task's prompts, ``max_steps`` and the task's answer length (16 tokens for an
-    answer-only task, which keeps a 40-step run within minutes on a CPU); evaluation settings."""
-    train_file, test_file = task_files(task, spec)
-    return {
-        "log_path": str(log_path),
-        "on_existing_log_path": "overwrite",
-        "seed": args.seed,
-        "save_every": 0,
-        "eval_every": args.eval_every,
-        "student": {"model": str(student)},
-        "teacher": {"model": str(teacher)},
-        "datasets": [
-            {
-                "name": task,
-                "source": str(train_file),
-                "eval_source": str(test_file),
-                "eval_num_prompts": EVAL_PROMPTS,
-                "grader": spec["grader"],
-            }
-        ],
-        "training": {"max_steps": steps, "max_tokens": spec["max_tokens"]},
-    }
+    """The sample-efficiency bench's run less what opd's defaults decide: the models, the task's
+    prompts, ``max_steps`` and the task's answer length (16 tokens for an answer-only task, which
+    keeps a 40-step run within minutes on a CPU); evaluation settings."""
+    data = run_config(log_path, student, teacher, task, spec, args)
+    del data["student"]["lora_rank"]
+    for key in ("groups_per_batch", "group_size"):
+        del data["datasets"][0][key]
+    data["training"] = {"max_steps": steps, "max_tokens": spec["max_tokens"]}
+    return data
 
 
 def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list[str], args) -> dict:

@@ -27,6 +27,11 @@ def build_char_tokenizer(alphabet: str = string.printable, chat_template: str | 
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|pad|>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    return with_chat_specials(backend, chat_template)
+
+
+def with_chat_specials(backend: Tokenizer, chat_template: str | None = CHATML_TEMPLATE):
+    """A ``tokenizers`` backend as an HF tokenizer with the specials and template above."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<|pad|>",
