@@ -468,16 +468,24 @@ DEFAULT_TOPK = 20
 """The unset objective's top-k: vLLM's default ``--max-logprobs``, so a stock server can serve it."""
 
 
+def _policy_gradient_keys_set(training: TrainingConfig) -> list[str]:
+    """The policy-gradient settings given values other than their defaults."""
+    defaults = TrainingConfig()
+    return [key for key in POLICY_GRADIENT_KEYS if getattr(training, key) != getattr(defaults, key)]
+
+
 def _default_objective(config: Config) -> Objective:
     """The objective of a config that names none: the top-k forward KL where it can serve, which
     tells a student that is far from its teacher which token to write, where the sampled-token
     reverse KL only says which ones not to (docs/defaults.md); otherwise the reverse KL."""
     training = config.training
     teachers = [config.teacher] + [dataset.teacher for dataset in config.datasets if dataset.teacher]
-    defaults = TrainingConfig()
-    policy_gradient_set = any(getattr(training, k) != getattr(defaults, k) for k in POLICY_GRADIENT_KEYS)
     remote_off_temperature = training.temperature != 1.0 and any(t.backend != "local" for t in teachers)
-    if policy_gradient_set or remote_off_temperature or any(t.cross_tokenizer for t in teachers):
+    if (
+        _policy_gradient_keys_set(training)
+        or remote_off_temperature
+        or any(t.cross_tokenizer for t in teachers)
+    ):
         return objectives()["sampled_reverse_kl"]()
     return objectives()["topk_forward_kl"](topk=DEFAULT_TOPK)
 
@@ -497,15 +505,13 @@ def _check_objective(training: TrainingConfig) -> None:
             f"training.data_source: '{source}' includes student samples, and objective '{objective.name}' "
             f"on them {objective.samples_reason}; use data_source: teacher or dataset"
         )
-    if not objective.uses_advantages:
-        defaults = TrainingConfig()
-        for key in POLICY_GRADIENT_KEYS:
-            if getattr(training, key) != getattr(defaults, key):
-                raise ConfigError(
-                    f"training.{key}: shapes the advantages of a policy-gradient objective "
-                    f"({', '.join(objective_names(uses_advantages=True))}); objective '{objective.name}' "
-                    "has none, so it would be ignored: remove it"
-                )
+    ignored = [] if objective.uses_advantages else _policy_gradient_keys_set(training)
+    if ignored:
+        raise ConfigError(
+            f"training.{ignored[0]}: shapes the advantages of a policy-gradient objective "
+            f"({', '.join(objective_names(uses_advantages=True))}); objective '{objective.name}' "
+            "has none, so it would be ignored: remove it"
+        )
 
 
 def parse_override(override: str) -> tuple[list[str], Any]:
