@@ -88,7 +88,8 @@ def gap_closed(run: dict) -> float:
 
 
 def report(results: list[dict]) -> str:
-    """Per task: one row per label x mode x learning rate x seed (start, end, best, gap closed)."""
+    """Per task: one row per label x mode x learning rate x seed (accuracy at every evaluation,
+    best, gap closed, lowest entropy)."""
     lines = []
     for task in sorted({r["task"] for r in results}):
         group = sorted(
@@ -96,20 +97,25 @@ def report(results: list[dict]) -> str:
             key=lambda r: (r["label"], r["mode"], r["learning_rate"], r["seed"]),
         )
         teacher = group[0]["teacher_accuracy"]
+        eval_steps = [point["step"] for point in group[0]["curve"]]
         lines += [
             f"\n### {task}: teacher {teacher:.1%}, {group[0]['steps']} steps\n",
-            "| variant | mode | learning rate | seed | start | end | best | gap closed | min entropy |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| variant | objective | mode | learning rate | seed | "
+            + " | ".join(f"step {step}" for step in eval_steps)
+            + " | best | gap closed | min entropy |",
+            "|---|---|---|---|---|" + "---|" * (len(eval_steps) + 3),
         ]
         for run in group:
             accuracies = [point["accuracy"] for point in run["curve"]]
+            objective = run["config"]["training"]["objective"]
+            name = objective["name"] + (f" (k {objective['topk']})" if "topk" in objective else "")
             entropy = min(
                 (row["entropy"] for row in run["metrics"] if "entropy" in row), default=float("nan")
             )
             lines.append(
-                f"| {run['label']} | {run['mode']} | {run['learning_rate']:g} | {run['seed']} "
-                f"| {accuracies[0]:.1%} | {accuracies[-1]:.1%} | {max(accuracies):.1%} "
-                f"| {gap_closed(run):+.0%} | {entropy:.3f} |"
+                f"| {run['label']} | {name} | {run['mode']} | {run['learning_rate']:g} | {run['seed']} | "
+                + " | ".join(f"{accuracy:.1%}" for accuracy in accuracies)
+                + f" | {max(accuracies):.1%} | {gap_closed(run):+.0%} | {entropy:.3f} |"
             )
     return "\n".join(lines)
 
