@@ -202,3 +202,20 @@ def test_cli_start_up_leaves_the_trainer_unimported():
     )
     output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert output.stdout.split() == ["False", "False", "True"]
+
+
+@pytest.mark.parametrize(
+    ("recorded", "message"),
+    [
+        ("training: {learning_rate: fast}\n", r"config\.yaml: training\.learning_rate: expected a number"),
+        ("training: {objective: {name: nope}}\n", r"config\.yaml: training\.objective: 'nope' is not one of"),
+        ("training: [unclosed\n", r"config\.yaml: the run to resume has an unreadable config"),
+    ],
+)
+def test_a_run_to_resume_whose_record_is_broken_is_refused_naming_the_file(tmp_path, recorded, message):
+    (tmp_path / "config.yaml").write_text(recorded)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(dict(MINIMAL, log_path=str(tmp_path)))
+    named = ["training.learning_rate=1e-4", "training.objective=sampled_reverse_kl"]
+    if "unreadable" not in message:
+        assert config_from_dict(dict(MINIMAL, log_path=str(tmp_path)), named).training.learning_rate == 1e-4

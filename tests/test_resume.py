@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -169,3 +170,37 @@ def test_load_checkpoint_path_takes_weights_with_a_fresh_optimizer(base_config, 
     assert any(not torch.equal(original[k], loaded[k]) for k in loaded)
     assert trainer.optimizer.state_dict()["state"] == {}
     assert json.loads((tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()[-1])["step"] == 2
+
+
+def test_a_resumed_run_keeps_the_objective_and_learning_rate_it_recorded_where_the_config_sets_none(
+    base_config, tmp_path
+):
+    """A run begun under other defaults continues as it began: the rows after resuming from a
+    config that names neither equal those of the same run uninterrupted."""
+    named = dict(base_config, save_every=2, log_path=str(tmp_path / "whole"))
+    named["training"] = dict(
+        base_config["training"], objective="sampled_reverse_kl", learning_rate=1e-2, max_steps=4
+    )
+    whole = train(config_from_dict(named), progress=False).metrics
+    first_half = dict(named, log_path=str(tmp_path / "split"))
+    first_half["training"] = dict(named["training"], max_steps=2)
+    train(config_from_dict(first_half), progress=False)
+    unset = dict(first_half)
+    unset["training"] = {
+        key: value for key, value in named["training"].items() if key not in ("objective", "learning_rate")
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = config_from_dict(unset)
+    said = [str(w.message) for w in caught]
+    assert any("training.learning_rate 0.01, as recorded" in m and "default is 1e-05" in m for m in said)
+    assert any("'sampled_reverse_kl'" in m and "'topk_forward_kl'" in m for m in said)
+    assert (resumed.training.objective.name, resumed.training.learning_rate) == ("sampled_reverse_kl", 1e-2)
+    train(resumed, progress=False)
+    split = read_jsonl(tmp_path / "split" / "metrics.jsonl")
+    assert [row["progress/done_frac"] for row in split] == [0.5, 1.0, 0.75, 1.0]  # of 2, then of 4 steps
+    assert_same_rows(*([dict(row, **{"progress/done_frac": 0}) for row in rows] for rows in (split, whole)))
+    recorded = yaml.safe_load((tmp_path / "split" / "config.yaml").read_text())["training"]
+    assert (recorded["objective"]["name"], recorded["learning_rate"]) == ("sampled_reverse_kl", 1e-2)
+    fresh = config_from_dict(dict(unset, on_existing_log_path="overwrite")).training
+    assert (fresh.objective.name, fresh.learning_rate) == ("topk_forward_kl", 1e-5)

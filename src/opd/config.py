@@ -16,6 +16,7 @@ import difflib
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -49,6 +50,8 @@ LORA_LEARNING_RATE = 1e-3
 """The default learning rate of a LoRA student (rank 32, alpha = rank)."""
 FULL_LEARNING_RATE = 1e-5
 """The default learning rate of a fully fine-tuned student."""
+RUN_CONFIG_NAME = "config.yaml"
+"""The resolved config a run writes in its ``log_path``."""
 
 
 @dataclass
@@ -380,8 +383,10 @@ def validate(config: Config) -> Config:
     _positive(config.save_every, "save_every", allow_zero=True)
     _positive(config.eval_every, "eval_every", allow_zero=True)
     training = config.training
+    resumed = _recorded_training(config)
     if training.learning_rate is None:
-        training.learning_rate = LORA_LEARNING_RATE if config.student.lora_rank else FULL_LEARNING_RATE
+        default = LORA_LEARNING_RATE if config.student.lora_rank else FULL_LEARNING_RATE
+        training.learning_rate = _kept_or_default(config, resumed, "learning_rate", default)
     _positive(training.learning_rate, "training.learning_rate")
     _positive(training.temperature, "training.temperature")
     _positive(training.max_tokens, "training.max_tokens")
@@ -407,7 +412,7 @@ def validate(config: Config) -> Config:
     if not 0.0 <= training.lmbda <= 1.0:
         raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")
     if training.objective is None:
-        training.objective = _default_objective(config)
+        training.objective = _kept_or_default(config, resumed, "objective", _default_objective(config))
     _check_objective(training)
     teachers = [("teacher", config.teacher)] + [
         (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
@@ -472,6 +477,46 @@ def _policy_gradient_keys_set(training: TrainingConfig) -> list[str]:
     """The policy-gradient settings given values other than their defaults."""
     defaults = TrainingConfig()
     return [key for key in POLICY_GRADIENT_KEYS if getattr(training, key) != getattr(defaults, key)]
+
+
+def _recorded_training(config: Config) -> dict:
+    """The ``training`` section recorded by the run this config resumes (empty: it resumes none)."""
+    path = Path(config.log_path) / RUN_CONFIG_NAME
+    if config.on_existing_log_path != "resume" or not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ConfigError(
+            f"{path}: the run to resume has an unreadable config ({error}); "
+            "use another log_path, or on_existing_log_path: overwrite to start over"
+        ) from None
+    training = data.get("training") if isinstance(data, dict) else None
+    return training if isinstance(training, dict) else {}
+
+
+def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> Any:
+    """An unset ``training.<key>``: what the resumed run recorded, so that a change of opd's
+    defaults does not change a run halfway (said when it differs from today's), else the default."""
+    if recorded.get(key) is None:
+        return default
+    where = f"{Path(config.log_path) / RUN_CONFIG_NAME}: training.{key}"
+    if key == "objective":
+        kept = _build_objective(recorded[key], where)
+        shown, default_shown = ({"name": o.name, **dataclasses.asdict(o)} for o in (kept, default))
+    else:
+        kept = recorded[key]
+        if isinstance(kept, bool) or not isinstance(kept, int | float):
+            raise ConfigError(f"{where}: expected a number, got {kept!r}")
+        kept, shown, default_shown = float(kept), kept, default
+    if kept != default:
+        warnings.warn(
+            f"{config.log_path}: resuming its run with training.{key} {shown}, as recorded in its "
+            f"{RUN_CONFIG_NAME}; a new run's default is {default_shown} (docs/defaults.md). "
+            f"Set training.{key} to change it",
+            stacklevel=2,
+        )
+    return kept
 
 
 def _default_objective(config: Config) -> Objective:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import yaml
 
+from opd.config import RUN_CONFIG_NAME as CONFIG_NAME
 from opd.config import Config, ConfigError, recorded_config
 from opd.runs.checkpoints import INDEX_NAME, list_checkpoints, load_trainer_state
 
-CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SAMPLES_NAME = "samples.jsonl"
 TIMING_NAME = "timing.jsonl"
