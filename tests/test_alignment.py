@@ -1,5 +1,7 @@
 """Teachers with their own chat template or tokenizer: alignment by hand and in training."""
 
+import math
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -10,19 +12,33 @@ from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.render import ChatRenderer
 from opd.demo.char_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, build_char_tokenizer
 from opd.demo.run import TEACHER_SPEC, build_model, demo_config
-from opd.teachers.alignment import TeacherFormat, align_spans, spread_span_logprobs, token_char_ends
+from opd.teachers.alignment import (
+    TeacherFormat,
+    character_logprobs,
+    student_token_logprobs,
+    token_char_ends,
+)
 from opd.trainer.loop import Trainer
 from opd.trainer.sft import supervised_finetune
 
 
-def test_spans_and_spread_by_hand():
-    # student tokens end at characters 2, 4, 7; teacher tokens at 1, 4, 7: shared boundaries 4 and 7
-    student_spans, teacher_spans = align_spans([2, 4, 7], [1, 4, 7])
-    assert student_spans == [0, 0, 1] and teacher_spans == [0, 0, 1]
-    spread = spread_span_logprobs([-1.0, -2.0, -3.0], student_spans, [-0.5, -1.0, -2.0], teacher_spans)
-    # span 0: KL = (-3) - (-1.5) = -1.5 over 2 tokens; span 1: KL = -3 - (-2) = -1
-    assert spread == pytest.approx([-1.0 + 0.75, -2.0 + 0.75, -2.0])
-    assert align_spans([3, 6], [2, 6]) == ([0, 0], [0, 0])  # one merged span
+def test_a_teacher_tokens_logprob_is_split_over_its_characters_by_hand():
+    # "abc" as the teacher's "ab" (p 0.5) and "c" (p 0.9); other tokens at "ab"'s position:
+    # "a" 0.2, "ax" 0.1, "b" 0.2. P(text goes on with "a") = 0.5 + 0.2 + 0.1 = 0.8
+    alternatives = [[("a", math.log(0.2)), ("ax", math.log(0.1)), ("b", math.log(0.2))], []]
+    chars = character_logprobs("abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], alternatives)
+    assert chars == pytest.approx([math.log(0.8), math.log(0.5 / 0.8), math.log(0.9)])
+    # a student reading "a" + "bc" gets each token's characters summed
+    assert student_token_logprobs(chars, [1, 3], [-1.0, -1.0]) == pytest.approx(
+        [math.log(0.8), math.log(0.5 / 0.8 * 0.9)]
+    )
+    # without the alternatives the characters of "ab" share its log-prob; "c" is not covered here
+    even = character_logprobs("abc", [(0, 2)], [math.log(0.5)], [None])
+    assert even == pytest.approx([math.log(0.5) / 2, math.log(0.5) / 2, -20.0])
+
+
+def test_a_student_token_without_characters_keeps_its_own_logprob():
+    assert student_token_logprobs([-1.0, -2.0], [1, 1, 2], [-0.3, -0.4, -0.5]) == [-1.0, -0.4, -2.0]
 
 
 def test_char_ends_follow_decoding():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import torch
 from hypothesis import assume, example, given
@@ -24,7 +25,7 @@ from opd.objectives.jsd_head import chunked_jsd
 from opd.objectives.k3 import k3_kl_token_estimate
 from opd.objectives.policy_losses import POLICY_LOSSES, aggregate
 from opd.objectives.topk_head import chunked_topk_forward_kl
-from opd.teachers.alignment import align_spans, spread_span_logprobs, token_char_ends
+from opd.teachers.alignment import character_logprobs, student_token_logprobs, token_char_ends
 from tests.conftest import tiny_llama
 from tests.reference import generalized_jsd, topk_forward_kl
 
@@ -246,33 +247,40 @@ _char_tokenizer = build_char_tokenizer()
 
 
 @given(
-    st.lists(st.integers(1, 4), min_size=1, max_size=12), st.lists(st.integers(1, 4), min_size=1, max_size=12)
+    st.lists(st.integers(1, 4), min_size=1, max_size=8),
+    st.lists(st.integers(1, 4), min_size=1, max_size=12),
+    st.integers(0, 2**32 - 1),
 )
-def test_span_alignment_closes_spans_only_at_shared_boundaries(student_pieces, teacher_pieces):
-    """Two segmentations of one text: spans are monotone, cover both, and close at shared ends."""
-    total = sum(student_pieces)
-    assume(sum(teacher_pieces) >= 1)
-    # rescale the teacher's pieces to the same text length
-    teacher_ends = sorted({max(1, round(e * total / sum(teacher_pieces))) for e in _running(teacher_pieces)})
-    teacher_ends[-1] = total
-    student_ends = _running(student_pieces)
-    student_spans, teacher_spans = align_spans(student_ends, teacher_ends)
-    for spans in (student_spans, teacher_spans):
-        assert spans[0] == 0
-        assert all(b - a in (0, 1) for a, b in itertools.pairwise(spans))
-    assert student_spans[-1] == teacher_spans[-1]
-    shared = set(student_ends) & set(teacher_ends)
-    for position in range(len(student_ends) - 1):
-        closes = student_spans[position + 1] != student_spans[position]
-        assert closes == (student_ends[position] in shared)
-    # the spread keeps each span's total: sum of teacher log-probs over the span
-    student_lp = [-0.1 * (i + 1) for i in range(len(student_ends))]
-    teacher_lp = [-0.2 * (i + 1) for i in range(len(teacher_ends))]
-    spread = spread_span_logprobs(student_lp, student_spans, teacher_lp, teacher_spans)
-    for span in set(student_spans):
-        got = sum(v for v, s in zip(spread, student_spans, strict=True) if s == span)
-        expected = sum(v for v, s in zip(teacher_lp, teacher_spans, strict=True) if s == span)
-        assert math.isclose(got, expected, abs_tol=1e-9)
+def test_character_logprobs_keep_each_teacher_tokens_total_and_never_reward(
+    teacher_pieces, student_pieces, seed
+):
+    """Any teacher segmentation and likely tokens: a character's log-prob is <= 0, a teacher
+    token's characters sum to its log-prob, and any student segmentation sums to the whole."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab") for _ in range(sum(teacher_pieces)))
+    offsets = list(itertools.pairwise([0, *_running(teacher_pieces)]))
+    owns = [math.log(rng.uniform(0.01, 0.5)) for _ in offsets]
+    alternatives = []
+    for own in owns:
+        spare = 1.0 - math.exp(own)  # the others share at most what the token leaves
+        weights = [rng.random() for _ in range(4)]
+        alternatives.append(
+            [
+                (
+                    "".join(rng.choice("ab") for _ in range(rng.randint(1, 3))),
+                    math.log(spare * w / (sum(weights) + 1)),
+                )
+                for w in weights
+            ]
+        )
+    chars = character_logprobs(text, offsets, owns, alternatives)
+    assert all(value <= 1e-12 for value in chars)
+    for (start, end), own in zip(offsets, owns, strict=True):
+        assert math.isclose(sum(chars[start:end]), own, abs_tol=1e-9)
+    student_ends = [min(end, len(text)) for end in _running(student_pieces)]
+    student_ends[-1] = len(text)
+    view = student_token_logprobs(chars, student_ends, [0.0] * len(student_ends))
+    assert math.isclose(sum(view), sum(owns), abs_tol=1e-9)
 
 
 def _running(pieces: list[int]) -> list[int]:

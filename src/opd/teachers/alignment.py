@@ -5,28 +5,33 @@ Two mismatches are handled:
 - **Chat template** (same tokenizer): the prompt is rendered with the teacher's template and
   the student's completion ids follow unchanged (the student's end-of-turn token becomes the
   teacher's), so completion positions map one to one.
-- **Tokenizer**: the completion *text* is tokenized by the teacher. Both token sequences are
-  cut at the character offsets where both have a token boundary; each piece between two
-  shared boundaries is a *span*. A span's teacher log-prob is the sum over its teacher
-  tokens, its student log-prob the sum over its student tokens (the probability of the
-  same text under each model, given the same preceding text). The span's reverse KL is
-  spread evenly over its student tokens, so per-span totals (and ``teacher_kl``) are exact,
-  and a span of one token on each side reduces to the direct per-token computation.
+- **Tokenizer**: the completion *text* is tokenized by the teacher, which scores it. Each
+  teacher token's log-prob is split over its characters: within a token covering ``text[a:b]``,
+  the chance that the text goes on with ``text[a:c]`` is the summed probability of the teacher's
+  likely tokens there (its own and the top ``CHARACTER_CREDIT_TOPK``) whose text starts with it;
+  a character gets the log-ratio of its prefix to the one before, and the token's last character
+  the rest, so a token's characters sum to its log-prob. A student token's teacher log-prob is
+  the sum over its characters: the per-completion total is exact, and a student letter is
+  blamed for itself, not for a neighbour that shares its teacher token.
 
-Approximation: the teacher scores the student's text under its own tokenization of it,
-which need not be the tokenization the teacher would have sampled; and a span's KL is
-shared equally by its student tokens. Characters the teacher's tokenizer cannot encode
+Approximations: the teacher scores the student's text under its own tokenization of it, which
+need not be the one it would have sampled; a prefix's probability counts only the top-k tokens
+(and misses paths through shorter tokens). Characters the teacher's tokenizer cannot encode
 (dropped, so no teacher token covers them) are text the teacher cannot produce: each costs
-``UNCOVERED_CHAR_LOGPROB`` nats in its span, so the student is never rewarded for them.
+``UNCOVERED_CHAR_LOGPROB`` nats, so the student is never rewarded for them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from opd.data.render import ChatRenderer
 
 UNCOVERED_CHAR_LOGPROB = -20.0
+CHARACTER_CREDIT_TOPK = 20
+"""Teacher tokens per position that split a token's log-prob over its characters: what a stock
+vLLM server sends (``--max-logprobs`` 20); a local teacher computes them in process."""
 
 
 def token_char_ends(tokenizer, token_ids: list[int]) -> list[int]:
@@ -39,73 +44,62 @@ def token_char_ends(tokenizer, token_ids: list[int]) -> list[int]:
     return ends
 
 
-def align_spans(student_ends: list[int], teacher_ends: list[int]) -> tuple[list[int], list[int]]:
-    """Span index of every student token and every teacher token.
-
-    Spans close where both sequences have a token ending at the same character offset; the
-    last span closes at the end of the text whatever the offsets say.
-    """
-    shared = set(student_ends) & set(teacher_ends)
-    total = max(student_ends[-1] if student_ends else 0, teacher_ends[-1] if teacher_ends else 0)
-    shared.add(total)
-
-    def spans(ends: list[int]) -> list[int]:
-        span, out = 0, []
-        for position, end in enumerate(ends):
-            out.append(span)
-            if end in shared or position == len(ends) - 1:
-                span += 1
-        return out
-
-    student, teacher = spans(student_ends), spans(teacher_ends)
-    if student and teacher and student[-1] != teacher[-1]:
-        last = min(student[-1], teacher[-1])
-        student = [min(s, last) for s in student]
-        teacher = [min(t, last) for t in teacher]
-    return student, teacher
-
-
-def spread_span_logprobs(
-    student_logprobs: list[float],
-    student_spans: list[int],
-    teacher_logprobs: list[float],
-    teacher_spans: list[int],
-    span_penalties: dict[int, float] | None = None,
+def character_logprobs(
+    text: str,
+    offsets: list[tuple[int, int]],
+    logprobs: list[float],
+    alternatives: list[list[tuple[str, float]] | None],
 ) -> list[float]:
-    """A teacher log-prob per student token: ``lp_i - KL(span) / |span|``, KL(span) = sum lp - sum lq.
+    """The teacher's log-prob of each character of ``text`` given the text before it.
 
-    ``span_penalties`` adds log-probability (negative) to a span's teacher sum.
+    ``offsets`` and ``logprobs``: each teacher token's characters and log-prob;
+    ``alternatives``: per token, the text and log-prob of the other likely tokens at its
+    position, or None where they cannot be compared with the text (the token's characters then
+    share its log-prob evenly). A token whose characters another token also covers (a character
+    split over byte tokens) adds to them; a token of no characters gives its log-prob to the
+    next character.
     """
-    span_student: dict[int, float] = {}
-    span_teacher: dict[int, float] = dict(span_penalties or {})
-    span_size: dict[int, int] = {}
-    for value, span in zip(student_logprobs, student_spans, strict=True):
-        span_student[span] = span_student.get(span, 0.0) + value
-        span_size[span] = span_size.get(span, 0) + 1
-    for value, span in zip(teacher_logprobs, teacher_spans, strict=True):
-        span_teacher[span] = span_teacher.get(span, 0.0) + value
-    return [
-        value - (span_student[span] - span_teacher.get(span, 0.0)) / span_size[span]
-        for value, span in zip(student_logprobs, student_spans, strict=True)
-    ]
+    chars: list[float | None] = [None] * len(text)
+
+    def add(position: int, value: float) -> None:
+        chars[position] = (chars[position] or 0.0) + value
+
+    for (start, end), own, others in zip(offsets, logprobs, alternatives, strict=True):
+        end = min(end, len(text))
+        if end <= start:
+            if text:
+                add(min(start, len(text) - 1), own)
+            continue
+        if others is None:
+            for position in range(start, end):
+                add(position, own / (end - start))
+            continue
+        previous = 0.0
+        for cut in range(start + 1, end):
+            prefix = text[start:cut]
+            mass = _logsumexp([own] + [lp for other, lp in others if other.startswith(prefix)])
+            add(cut - 1, mass - previous)
+            previous = mass
+        add(end - 1, own - previous)
+    return [UNCOVERED_CHAR_LOGPROB if value is None else value for value in chars]
 
 
-def uncovered_penalties(
-    text: str, student_ends: list[int], student_spans: list[int], teacher_offsets: list[tuple[int, int]]
-) -> dict[int, float]:
-    """Per span, ``UNCOVERED_CHAR_LOGPROB`` times the characters of it that no teacher token covers."""
-    covered = [False] * len(text)
-    for start, end in teacher_offsets:
-        for position in range(start, min(end, len(text))):
-            covered[position] = True
-    penalties: dict[int, float] = {}
-    start = 0
-    for end, span in zip(student_ends, student_spans, strict=True):
-        missing = sum(not c for c in covered[start:end])
-        if missing:
-            penalties[span] = penalties.get(span, 0.0) + UNCOVERED_CHAR_LOGPROB * missing
-        start = end
-    return penalties
+def _logsumexp(values: list[float]) -> float:
+    top = max(values)
+    return top + math.log(sum(math.exp(value - top) for value in values))
+
+
+def student_token_logprobs(
+    char_logprobs: list[float], student_ends: list[int], student_logprobs: list[float]
+) -> list[float]:
+    """A teacher log-prob per student token: the sum over its characters. A token of no
+    characters (a partial byte) keeps the student's own log-prob: no signal either way."""
+    out, start = [], 0
+    for end, own in zip(student_ends, student_logprobs, strict=True):
+        end = min(end, len(char_logprobs))
+        out.append(sum(char_logprobs[start:end]) if end > start else own)
+        start = max(start, end)
+    return out
 
 
 @dataclass
@@ -115,9 +109,11 @@ class TeacherInput:
     token_ids: list[int]
     score_mask: list[bool]
     completion_start: int
-    student_spans: list[int] | None = None
-    teacher_spans: list[int] | None = None
-    span_penalties: dict[int, float] | None = None
+    text: str | None = None
+    """Cross-tokenizer only: the completion's text (less the end of turn), which both tokenize."""
+    teacher_offsets: list[tuple[int, int]] | None = None
+    student_ends: list[int] | None = None
+    ends_with_stop: bool = False
 
 
 class TeacherFormat:
@@ -135,6 +131,16 @@ class TeacherFormat:
         self.student_tokenizer = student_tokenizer
         self.student_stop_ids = set(student_stop_ids)
         self.cross_tokenizer = cross_tokenizer
+        self._anchor = renderer.tokenizer("a", add_special_tokens=False)["input_ids"]
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """A teacher token's text as it reads inside a text (decoded after another token, so that
+        a tokenizer that drops a leading space at the start of a text keeps it)."""
+        if token_id not in self._token_texts:
+            decode = self.renderer.tokenizer.decode
+            self._token_texts[token_id] = decode([*self._anchor, token_id])[len(decode(self._anchor)) :]
+        return self._token_texts[token_id]
 
     def build(self, messages, completion_ids: list[int]) -> TeacherInput:
         """The teacher's token ids for prompt + completion, with the completion positions marked."""
@@ -150,19 +156,9 @@ class TeacherFormat:
         if text:
             encoded = self.renderer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             teacher_body, teacher_offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
-        student_ends = token_char_ends(self.student_tokenizer, body_ids)
-        student_spans, teacher_spans = align_spans(student_ends, [end for _, end in teacher_offsets])
-        penalties = uncovered_penalties(text, student_ends, student_spans, teacher_offsets)
-        if ends_with_stop:  # the end of turn is its own span on both sides
-            last = max(student_spans + teacher_spans, default=-1) + 1
-            student_spans, teacher_spans = [*student_spans, last], [*teacher_spans, last]
-            teacher_body = [*teacher_body, teacher_stop]
-        built = self._input(prompt_ids, teacher_body)
-        built.student_spans, built.teacher_spans, built.span_penalties = (
-            student_spans,
-            teacher_spans,
-            penalties,
-        )
+        built = self._input(prompt_ids, [*teacher_body, teacher_stop] if ends_with_stop else teacher_body)
+        built.text, built.teacher_offsets, built.ends_with_stop = text, teacher_offsets, ends_with_stop
+        built.student_ends = token_char_ends(self.student_tokenizer, body_ids)
         return built
 
     @staticmethod
@@ -172,11 +168,28 @@ class TeacherFormat:
         return TeacherInput(ids, mask, len(prompt_ids))
 
     def student_view(
-        self, built: TeacherInput, teacher_logprobs: list[float], student_logprobs: list[float]
+        self,
+        built: TeacherInput,
+        teacher_logprobs: list[float],
+        student_logprobs: list[float],
+        teacher_topk: list[list[tuple[int, float]]] | None = None,
     ) -> list[float]:
-        """Teacher log-probs per student completion token, from the teacher's per-position answer."""
-        if built.student_spans is None:
+        """Teacher log-probs per student completion token, from the teacher's per-position answer
+        (``teacher_topk``: its likely tokens and their log-probs at each completion position; without
+        them a teacher token's characters share its log-prob evenly)."""
+        if built.text is None:
             return teacher_logprobs
-        return spread_span_logprobs(
-            student_logprobs, built.student_spans, teacher_logprobs, built.teacher_spans, built.span_penalties
-        )
+        body_ids = built.token_ids[built.completion_start :]
+        alternatives = []
+        for position, (start, end) in enumerate(built.teacher_offsets):
+            own = body_ids[position]
+            if teacher_topk is None or self.token_text(own) != built.text[start:end]:
+                alternatives.append(None)
+                continue
+            others = [(self.token_text(i), lp) for i, lp in teacher_topk[position] if i != own]
+            alternatives.append(others)
+        count = len(built.teacher_offsets)
+        chars = character_logprobs(built.text, built.teacher_offsets, teacher_logprobs[:count], alternatives)
+        students = len(built.student_ends)
+        view = student_token_logprobs(chars, built.student_ends, student_logprobs[:students])
+        return [*view, teacher_logprobs[count]] if built.ends_with_stop else view

@@ -8,13 +8,14 @@ states). A teacher with its own chat template or tokenizer sees each rollout thr
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 
 from opd.data.render import ChatRenderer
 from opd.data.sequences import RolloutBatch
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
-from opd.teachers.alignment import TeacherFormat
+from opd.teachers.alignment import CHARACTER_CREDIT_TOPK, TeacherFormat
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores
 from opd.teachers.config import TeacherConfig
 from opd.teachers.local import LocalTeacher
@@ -170,18 +171,31 @@ class TeacherPanel:
         built = [
             teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :]) for r in rows
         ]
+        teacher_request = request
+        if teacher_format.cross_tokenizer:  # its likely tokens split each token's log-prob over characters
+            topk = max(request.topk, min(CHARACTER_CREDIT_TOPK, len(teacher_format.renderer.tokenizer)))
+            teacher_request = replace(request, topk=topk, temperature=1.0)
         answer = teacher.score(
             TeacherInput.from_sequences(
                 [b.token_ids for b in built], [b.score_mask for b in built], self.pad_id
             ),
-            request,
+            teacher_request,
         )
         for i, row in enumerate(rows):
             start, end = batch.prompt_lengths[row], len(sequences[row])
-            taught = answer.logprobs_BT[i, built[i].completion_start : len(built[i].token_ids)]
+            completion = slice(built[i].completion_start, len(built[i].token_ids))
+            taught = answer.logprobs_BT[i, completion]
             if teacher_format.cross_tokenizer:
                 student = batch.sampled_logprobs_BT[row, start:end].tolist()
-                taught = torch.tensor(teacher_format.student_view(built[i], taught.tolist(), student))
+                topk = [
+                    list(zip(ids, logprobs, strict=True))
+                    for ids, logprobs in zip(
+                        answer.topk_ids_BTK[i, completion].tolist(),
+                        answer.topk_logprobs_BTK[i, completion].tolist(),
+                        strict=True,
+                    )
+                ]
+                taught = torch.tensor(teacher_format.student_view(built[i], taught.tolist(), student, topk))
             scores.logprobs_BT[row, start:end] = taught
             scored = batch.mask_BT[row].bool()
             teacher_scored = torch.zeros(answer.logprobs_BT.shape[1], dtype=torch.bool)
