@@ -20,6 +20,7 @@ from opd.teachers.alignment import (
 )
 from opd.trainer.loop import Trainer
 from opd.trainer.sft import supervised_finetune
+from tests.servers import free_port, start_opd_serve
 
 
 def test_a_teacher_tokens_logprob_is_split_over_its_characters_by_hand():
@@ -102,6 +103,38 @@ def test_same_tokenizer_through_the_cross_tokenizer_path_is_exact(demo_models, t
     assert torch.equal(batch.input_ids_BT, batch_again.input_ids_BT)
     mask = batch.mask_BT.bool()
     torch.testing.assert_close(crossed[mask], direct[mask], atol=1e-5, rtol=0)
+
+
+def test_a_bpe_teachers_tokens_are_split_over_characters_the_same_locally_and_served(
+    demo_models, bpe_model, tmp_path
+):
+    """The demo's character-level student read by a BPE teacher: its likely tokens move log-prob
+    between the characters of its tokens, not in or out of a completion, and ``opd serve`` sends
+    the same ones as the local teacher computes."""
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_model), 1, 0)
+    config["teacher"].update(cross_tokenizer=True, character_topk=5)
+    _, batch, split = rollout_and_scores(config)
+    config["teacher"]["character_topk"] = 0
+    _, _, even = rollout_and_scores(config)
+    mask = batch.mask_BT.bool()
+    torch.testing.assert_close((split * mask).sum(-1), (even * mask).sum(-1), atol=1e-4, rtol=0)
+    assert float((split[mask] - even[mask]).abs().max()) > 0.1
+    port = free_port()
+    process = start_opd_serve(bpe_model, port, "--max-logprobs", "5")
+    try:
+        config["teacher"].update(
+            character_topk=5,
+            backend="openai",
+            base_url=f"http://127.0.0.1:{port}/v1",
+            model="teacher",
+            tokenizer=str(bpe_model),
+        )
+        _, batch_again, served = rollout_and_scores(config)
+    finally:
+        process.kill()
+        process.wait()
+    assert torch.equal(batch.input_ids_BT, batch_again.input_ids_BT)
+    torch.testing.assert_close(served[mask], split[mask], atol=1e-4, rtol=0)
 
 
 PLAIN_TEMPLATE = "Q: {{ messages[-1]['content'] }}\nA: "

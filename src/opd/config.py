@@ -419,6 +419,7 @@ def validate(config: Config) -> Config:
     ]
     objective = training.objective
     for where, teacher in teachers:
+        _positive(teacher.character_topk, f"{where}.character_topk", allow_zero=True)
         if teacher.cross_tokenizer:
             if objective.teacher_signal != "logprobs" or training.data_source != "student":
                 raise ConfigError(

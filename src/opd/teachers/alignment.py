@@ -8,7 +8,7 @@ Two mismatches are handled:
 - **Tokenizer**: the completion *text* is tokenized by the teacher, which scores it. Each
   teacher token's log-prob is split over its characters: within a token covering ``text[a:b]``,
   the chance that the text goes on with ``text[a:c]`` is the summed probability of the teacher's
-  likely tokens there (its own and the top ``CHARACTER_CREDIT_TOPK``) whose text starts with it;
+  likely tokens there (its own and the top ``teacher.character_topk``) whose text starts with it;
   a character gets the log-ratio of its prefix to the one before, and the token's last character
   the rest, so a token's characters sum to its log-prob. A student token's teacher log-prob is
   the sum over its characters: the per-completion total is exact, and a student letter is
@@ -29,9 +29,6 @@ from dataclasses import dataclass
 from opd.data.render import ChatRenderer
 
 UNCOVERED_CHAR_LOGPROB = -20.0
-CHARACTER_CREDIT_TOPK = 20
-"""Teacher tokens per position that split a token's log-prob over its characters: what a stock
-vLLM server sends (``--max-logprobs`` 20); a local teacher computes them in process."""
 
 
 def token_char_ends(tokenizer, token_ids: list[int]) -> list[int]:
@@ -121,13 +118,21 @@ class TeacherFormat:
 
     ``renderer`` renders prompts for the teacher (its template, its tokenizer);
     ``student_tokenizer`` decodes the student's completion; ``cross_tokenizer`` says the
-    token ids differ and the completion text must be re-tokenized.
+    token ids differ and the completion text must be re-tokenized; ``character_topk`` is how
+    many of the teacher's likely tokens to ask for to split its tokens over characters.
     """
 
     def __init__(
-        self, renderer: ChatRenderer, student_tokenizer, student_stop_ids: list[int], cross_tokenizer: bool
+        self,
+        renderer: ChatRenderer,
+        student_tokenizer,
+        student_stop_ids: list[int],
+        cross_tokenizer: bool,
+        *,
+        character_topk: int = 0,
     ):
         self.renderer = renderer
+        self.character_topk = character_topk
         self.student_tokenizer = student_tokenizer
         self.student_stop_ids = set(student_stop_ids)
         self.cross_tokenizer = cross_tokenizer

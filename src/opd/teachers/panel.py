@@ -15,7 +15,7 @@ import torch
 from opd.data.render import ChatRenderer
 from opd.data.sequences import RolloutBatch
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
-from opd.teachers.alignment import CHARACTER_CREDIT_TOPK, TeacherFormat
+from opd.teachers.alignment import TeacherFormat
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores
 from opd.teachers.config import TeacherConfig
 from opd.teachers.local import LocalTeacher
@@ -64,6 +64,7 @@ class TeacherPanel:
                 teacher_cfg.tokenizer or teacher_cfg.model,
                 teacher_cfg.chat_template,
                 teacher_cfg.cross_tokenizer,
+                teacher_cfg.character_topk,
             )
             if format_key not in formats:
                 formats[format_key] = self._teacher_format(teacher_cfg)
@@ -84,7 +85,11 @@ class TeacherPanel:
         template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
         renderer = ChatRenderer(tokenizer, template)
         return TeacherFormat(
-            renderer, self.tokenizer, self.renderer.stop_token_ids, teacher_cfg.cross_tokenizer
+            renderer,
+            self.tokenizer,
+            self.renderer.stop_token_ids,
+            teacher_cfg.cross_tokenizer,
+            character_topk=min(teacher_cfg.character_topk, len(tokenizer)),
         )
 
     def _load_teacher(
@@ -172,9 +177,9 @@ class TeacherPanel:
             teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :]) for r in rows
         ]
         teacher_request = request
-        if teacher_format.cross_tokenizer:  # its likely tokens split each token's log-prob over characters
-            topk = max(request.topk, min(CHARACTER_CREDIT_TOPK, len(teacher_format.renderer.tokenizer)))
-            teacher_request = replace(request, topk=topk, temperature=1.0)
+        if teacher_format.cross_tokenizer and teacher_format.character_topk:
+            # its likely tokens split each of its tokens' log-prob over characters
+            teacher_request = replace(request, topk=teacher_format.character_topk, temperature=1.0)
         answer = teacher.score(
             TeacherInput.from_sequences(
                 [b.token_ids for b in built], [b.score_mask for b in built], self.pad_id
@@ -187,14 +192,16 @@ class TeacherPanel:
             taught = answer.logprobs_BT[i, completion]
             if teacher_format.cross_tokenizer:
                 student = batch.sampled_logprobs_BT[row, start:end].tolist()
-                topk = [
-                    list(zip(ids, logprobs, strict=True))
-                    for ids, logprobs in zip(
-                        answer.topk_ids_BTK[i, completion].tolist(),
-                        answer.topk_logprobs_BTK[i, completion].tolist(),
-                        strict=True,
-                    )
-                ]
+                topk = None
+                if answer.topk_ids_BTK is not None:
+                    topk = [
+                        list(zip(ids, logprobs, strict=True))
+                        for ids, logprobs in zip(
+                            answer.topk_ids_BTK[i, completion].tolist(),
+                            answer.topk_logprobs_BTK[i, completion].tolist(),
+                            strict=True,
+                        )
+                    ]
                 taught = torch.tensor(teacher_format.student_view(built[i], taught.tolist(), student, topk))
             scores.logprobs_BT[row, start:end] = taught
             scored = batch.mask_BT[row].bool()
