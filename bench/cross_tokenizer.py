@@ -44,7 +44,7 @@ from opd.trainer.sft import supervised_finetune
 BPE_VOCAB = 160
 """The printable characters, the specials and about 60 merges: answers average 1.5 letters a
 token (300 gives 1.9, and a teacher of this size stalls near 50% on the task with it)."""
-BPE_MAX_STEPS = 3000
+BPE_MAX_STEPS = 10000
 BPE_CHECK_EVERY = 200
 BPE_TARGET = 0.98
 
