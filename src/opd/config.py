@@ -411,12 +411,13 @@ def validate(config: Config) -> Config:
         )
     if not 0.0 <= training.lmbda <= 1.0:
         raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")
-    if training.objective is None:
-        training.objective = _kept_or_default(config, resumed, "objective", _default_objective(config))
-    _check_objective(training)
     teachers = [("teacher", config.teacher)] + [
         (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
     ]
+    if training.objective is None:
+        default = _default_objective(training, [teacher for _, teacher in teachers])
+        training.objective = _kept_or_default(config, resumed, "objective", default)
+    _check_objective(training)
     objective = training.objective
     for where, teacher in teachers:
         _positive(teacher.character_topk, f"{where}.character_topk", allow_zero=True)
@@ -520,12 +521,10 @@ def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> 
     return kept
 
 
-def _default_objective(config: Config) -> Objective:
+def _default_objective(training: TrainingConfig, teachers: list[TeacherConfig]) -> Objective:
     """The objective of a config that names none: the top-k forward KL where it can serve, which
     tells a student that is far from its teacher which token to write, where the sampled-token
     reverse KL only says which ones not to (docs/defaults.md); otherwise the reverse KL."""
-    training = config.training
-    teachers = [config.teacher] + [dataset.teacher for dataset in config.datasets if dataset.teacher]
     remote_off_temperature = training.temperature != 1.0 and any(t.backend != "local" for t in teachers)
     if (
         _policy_gradient_keys_set(training)
