@@ -6,11 +6,13 @@ width 128, supervised on the task until nearly perfect) that differ only in thei
 the demo's own character-level one, and a BPE tokenizer learned on the task's text (most
 answer tokens two or three letters). With the BPE teacher the run sets
 ``teacher.cross_tokenizer: true``, so every completion is re-tokenized for the teacher and
-scored span by span (docs/teachers.md). Held-out greedy accuracy before and after is measured
-as the demo measures it, per seed; the figure is the BPE teacher's gain over the character
-teacher's.
+each teacher token's log-prob split over its letters (docs/teachers.md). Held-out greedy
+accuracy before and after is measured as the demo measures it, per seed; the figure is the
+BPE teacher's gain over the character teacher's.
 
     python bench/cross_tokenizer.py --seeds 0 1 2 --steps 200 --out docs/results/cross_tokenizer.json
+    python bench/cross_tokenizer.py --bpe-steps 10000 --set teacher.character_topk=0   # a longer-trained
+                                                                     # teacher; the even split
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from opd.trainer.sft import supervised_finetune
 BPE_VOCAB = 160
 """The printable characters, the specials and about 60 merges: answers average 1.5 letters a
 token (300 gives 1.9, and a teacher of this size stalls near 50% on the task with it)."""
-BPE_MAX_STEPS = 10000
 BPE_CHECK_EVERY = 200
 BPE_TARGET = 0.98
 
@@ -68,7 +69,7 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
     return with_chat_specials(backend)
 
 
-def build_bpe_teacher(directory: Path) -> Path:
+def build_bpe_teacher(directory: Path, max_steps: int) -> Path:
     """The demo teacher's size, seed, prompts and learning rate with the BPE tokenizer, trained
     until it is as good as the character-level one on a dev split (reversing words whose letters
     are hidden inside multi-letter tokens takes it far longer)."""
@@ -92,7 +93,7 @@ def build_bpe_teacher(directory: Path) -> Path:
         model,
         renderer,
         generate_task_prompts(demo.TASK, seed=1000),
-        steps=BPE_MAX_STEPS,
+        steps=max_steps,
         batch_size=64,
         learning_rate=spec.sft_learning_rate,
         seed=0,
@@ -125,6 +126,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--bpe-steps",
+        type=int,
+        default=3000,
+        help="most supervised steps of the BPE teacher (it stops at 98%% on dev)",
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="DOTTED.KEY=VALUE")
     parser.add_argument("--work-dir", default=None, help="models and runs (default: a new temp dir)")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
@@ -134,7 +141,7 @@ def main() -> None:
     torch.set_num_threads(1)
     char_teacher = demo.ensure_model("teacher", demo.TEACHER_SPEC, seed=0, log=print)
     student = demo.ensure_model("student", demo.STUDENT_SPEC, seed=1, log=print)
-    bpe_teacher = build_bpe_teacher(work / "bpe-teacher")
+    bpe_teacher = build_bpe_teacher(work / f"bpe-teacher-{args.bpe_steps}", args.bpe_steps)
     eval_prompts = generate_task_prompts(f"{demo.TASK}@test", seed=0, count=demo.NUM_EVAL_PROMPTS)
     teachers = {
         "char": {"path": char_teacher, "overrides": []},
