@@ -44,7 +44,10 @@ def refusal_hint(status: int, message: str) -> str:
     if status == 404 and "model" in lowered:
         return "; set teacher.model to the name the server serves (GET /v1/models lists it)"
     if "max allowed" in lowered or "max_logprobs" in lowered:
-        return "; start the server with a larger --max-logprobs, or ask for fewer (training.objective.topk)"
+        return (
+            "; start the server with a larger --max-logprobs, or ask for fewer (training.objective.topk; "
+            "teacher.character_topk for a cross_tokenizer teacher)"
+        )
     if "out of vocabulary" in lowered:
         return (
             "; the server's model has fewer ids than the student's tokenizer: serve a teacher that "
