@@ -115,15 +115,23 @@ def test_vllm_scores_equal_the_local_teachers(vllm_server, vllm_models, topk):
         )
 
 
-@pytest.mark.parametrize("objective", ["sampled_reverse_kl", {"name": "topk_forward_kl", "topk": 8}])
+@pytest.mark.parametrize(
+    ("objective", "teacher"),
+    [
+        ("sampled_reverse_kl", {}),
+        ({"name": "topk_forward_kl", "topk": 8}, {}),
+        # the teacher's 20 likely tokens per position, asked for to split its tokens over characters
+        ("sampled_reverse_kl", {"cross_tokenizer": True}),
+    ],
+)
 def test_a_run_against_vllm_reproduces_the_local_teachers_run(
-    vllm_server, vllm_models, prompts_file, tmp_path, objective
+    vllm_server, vllm_models, prompts_file, tmp_path, objective, teacher
 ):
     config = {
         "log_path": str(tmp_path / "local"),
         "seed": 0,
         "student": {"model": str(vllm_models["untied"]), "lora_rank": 0},
-        "teacher": {"model": str(vllm_models["teacher"])},
+        "teacher": {"model": str(vllm_models["teacher"]), **teacher},
         "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}],
         "training": {"learning_rate": 1e-3, "max_tokens": 6, "max_steps": 3, "objective": objective},
         "eval_every": 0,
@@ -136,6 +144,7 @@ def test_a_run_against_vllm_reproduces_the_local_teachers_run(
         "backend": "openai",
         "base_url": vllm_server,
         "tokenizer": str(vllm_models["teacher"]),
+        **teacher,
     }
     remote = train(config_from_dict(remote_config), progress=False)
     assert len(local.metrics) == len(remote.metrics) == 3
