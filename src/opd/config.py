@@ -505,7 +505,7 @@ def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> 
     where = f"{Path(config.log_path) / RUN_CONFIG_NAME}: training.{key}"
     if key == "objective":
         kept = _build_objective(recorded[key], where)
-        shown, default_shown = ({"name": o.name, **dataclasses.asdict(o)} for o in (kept, default))
+        shown, default_shown = objective_mapping(kept), objective_mapping(default)
     else:
         kept = recorded[key]
         if isinstance(kept, bool) or not isinstance(kept, int | float):
@@ -647,9 +647,13 @@ def recorded_config(config: Config) -> dict:
     return redact_values(config_to_dict(config))
 
 
+def objective_mapping(objective: Objective) -> dict:
+    """An objective as a config writes it: ``{name: ..., option: value, ...}``."""
+    return {"name": objective.name, **dataclasses.asdict(objective)}
+
+
 def config_to_dict(config: Config) -> dict:
     """A plain mapping that :func:`config_from_dict` turns back into an equal config."""
     data = dataclasses.asdict(config)
-    objective = config.training.objective
-    data["training"]["objective"] = {"name": objective.name, **dataclasses.asdict(objective)}
+    data["training"]["objective"] = objective_mapping(config.training.objective)
     return data

@@ -137,14 +137,15 @@ class TeacherFormat:
         self.student_stop_ids = set(student_stop_ids)
         self.cross_tokenizer = cross_tokenizer
         self._anchor = renderer.tokenizer("a", add_special_tokens=False)["input_ids"]
+        self._anchor_length = len(renderer.tokenizer.decode(self._anchor))
         self._token_texts: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str:
         """A teacher token's text as it reads inside a text (decoded after another token, so that
         a tokenizer that drops a leading space at the start of a text keeps it)."""
         if token_id not in self._token_texts:
-            decode = self.renderer.tokenizer.decode
-            self._token_texts[token_id] = decode([*self._anchor, token_id])[len(decode(self._anchor)) :]
+            text = self.renderer.tokenizer.decode([*self._anchor, token_id])
+            self._token_texts[token_id] = text[self._anchor_length :]
         return self._token_texts[token_id]
 
     def build(self, messages, completion_ids: list[int]) -> TeacherInput:
