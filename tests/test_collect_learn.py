@@ -108,3 +108,18 @@ def test_a_step_logs_the_negated_sampled_reverse_kl_as_its_advantages(base_confi
     assert metrics["advantage/mean"] == pytest.approx(-float(reverse_kl.mean()), rel=1e-5)
     assert metrics["advantage/mean"] == pytest.approx(-metrics["teacher_kl"], rel=1e-5)
     assert metrics["advantage/min"] == pytest.approx(-float(reverse_kl.max()), rel=1e-5)
+
+
+def test_advantage_clip_bounds_the_advantages_a_step_learns_from(base_config):
+    """The clip reaches the loop: a step's advantages are its reverse KL, clamped at 0.05 nats."""
+    base_config["training"]["advantage_clip"] = 0.05
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    batch = trainer.collect(0)
+    metrics = trainer.learn(batch)
+    selected = batch.rollouts.mask_BT.bool()
+    reverse_kl = batch.rollouts.sampled_logprobs_BT[selected] - batch.teacher.logprobs_BT[selected]
+    expected = (-reverse_kl).clamp(-0.05, 0.05)
+    assert float(reverse_kl.abs().max()) > 0.05  # the clip engages on this batch
+    assert metrics["advantage/mean"] == pytest.approx(float(expected.mean()), rel=1e-5)
+    assert metrics["advantage/min"] == pytest.approx(float(expected.min()), rel=1e-5)
+    assert metrics["advantage/max"] == pytest.approx(float(expected.max()), rel=1e-5)

@@ -72,6 +72,7 @@ def test_unknown_nested_dataset_key():
         ("datasets.0.groups_per_batch=-1", r"datasets\[0\]\.groups_per_batch: must be >= 1"),
         ("training.temperature=0", r"training\.temperature: must be > 0"),
         ("training.kl_discount_factor=1.0", r"training\.kl_discount_factor: must be in \[0, 1\)"),
+        ("training.advantage_clip=0", r"training\.advantage_clip: must be > 0"),
         (
             "training.loss_fn_config.beta=0.1",
             r"training\.loss_fn_config\.beta: not a knob of loss_fn 'importance_sampling'",

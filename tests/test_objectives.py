@@ -28,6 +28,11 @@ def test_kl_advantages_by_hand_and_masking():
     discounted = kl_advantages(sampled, teacher, mask, kl_penalty_coef=2.0, kl_discount_factor=0.5)
     # t2 = -2; t1 = 1 + 0.5 * -2 = 0; masked positions stay 0
     torch.testing.assert_close(discounted, torch.tensor([[0.0, 0.0, -2.0, 0.0]]))
+    clipped = kl_advantages(sampled, teacher, mask, kl_penalty_coef=2.0, clip=1.5)
+    torch.testing.assert_close(clipped, torch.tensor([[0.0, 1.0, -1.5, 0.0]]))
+    # the clip applies after the discount: t1 = 1 + 0.5 * -2 = 0 stays, t2 = -2 -> -1.5
+    both = kl_advantages(sampled, teacher, mask, kl_penalty_coef=2.0, kl_discount_factor=0.5, clip=1.5)
+    torch.testing.assert_close(both, torch.tensor([[0.0, 0.0, -1.5, 0.0]]))
 
 
 def test_identical_teacher_gives_zero_advantages():

@@ -96,7 +96,8 @@ class TrainingConfig:
     Unset: ``topk_forward_kl`` with ``topk: 20`` (what a vLLM server sends by default), which
     shows even a far-off student the token the teacher wants; ``sampled_reverse_kl`` where that
     cannot serve: a ``cross_tokenizer`` teacher, a policy-gradient setting given
-    (``kl_penalty_coef``, ``kl_discount_factor``, ``loss_fn``, ``loss_fn_config``), or a remote
+    (``kl_penalty_coef``, ``kl_discount_factor``, ``advantage_clip``, ``loss_fn``,
+    ``loss_fn_config``), or a remote
     teacher with ``temperature`` other than 1 (docs/defaults.md)."""
     data_source: Literal["student", "teacher", "mixed", "dataset"] = "student"
     """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
@@ -123,6 +124,10 @@ class TrainingConfig:
     kl_discount_factor: float = 0.0
     """Objectives with advantages: when > 0, each token's advantage becomes the discounted sum of
     the advantages after it."""
+    advantage_clip: float | None = None
+    """Objectives with advantages: clamp each token's advantage (after any discount) to
+    ``[-advantage_clip, advantage_clip]``, so tokens the teacher rules out (tens of nats) do not
+    outweigh the rest of the batch; None leaves them as they are."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
     """Objectives with advantages: the policy loss on the sampled tokens (formulas in
     ``opd.objectives.policy_losses``)."""
@@ -402,6 +407,7 @@ def validate(config: Config) -> Config:
         raise ConfigError(
             f"training.kl_discount_factor: must be in [0, 1), got {training.kl_discount_factor}"
         )
+    _positive(training.advantage_clip, "training.advantage_clip")
     _positive(training.max_staleness, "training.max_staleness", allow_zero=True)
     _positive(training.dist_timeout_s, "training.dist_timeout_s")
     if training.max_staleness and config.student.sampler != "hf":
@@ -467,7 +473,13 @@ def validate(config: Config) -> Config:
     return config
 
 
-POLICY_GRADIENT_KEYS = ("kl_penalty_coef", "kl_discount_factor", "loss_fn", "loss_fn_config")
+POLICY_GRADIENT_KEYS = (
+    "kl_penalty_coef",
+    "kl_discount_factor",
+    "advantage_clip",
+    "loss_fn",
+    "loss_fn_config",
+)
 """Training settings read only by objectives that learn from advantages."""
 
 

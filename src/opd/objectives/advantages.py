@@ -33,8 +33,10 @@ def kl_advantages(
     *,
     kl_penalty_coef: float,
     kl_discount_factor: float = 0.0,
+    clip: float | None = None,
 ) -> torch.Tensor:
-    """``-coef * mask * reverse_kl``, replaced by its discounted future sum when the factor is > 0.
+    """``-coef * mask * reverse_kl``, replaced by its discounted future sum when the factor is > 0,
+    then clamped to ``[-clip, clip]`` when ``clip`` is set.
 
     With a discount, a token is also charged for the divergence of what it led to; the sum
     runs over completion positions only because the advantages are already masked.
@@ -44,4 +46,6 @@ def kl_advantages(
     )
     if kl_discount_factor > 0:
         advantages_BT = discounted_future_sum(advantages_BT, kl_discount_factor) * mask_BT
+    if clip is not None:
+        advantages_BT = advantages_BT.clamp(-clip, clip)
     return advantages_BT

@@ -58,12 +58,14 @@ LOSS_FN_CONFIG_KEYS = {
 class PolicyGradient:
     """How per-token advantages are shaped and turned into a loss: the reference recipe's settings
     (``training.loss_fn``, ``training.loss_fn_config``, ``training.kl_penalty_coef``,
-    ``training.kl_discount_factor``), for objectives that learn from advantages."""
+    ``training.kl_discount_factor``, ``training.advantage_clip``), for objectives that learn
+    from advantages."""
 
     loss_fn: str = "importance_sampling"
     loss_fn_config: Mapping[str, float] = field(default_factory=dict)
     kl_penalty_coef: float = 1.0
     kl_discount_factor: float = 0.0
+    advantage_clip: float | None = None
 
     def loss(self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """The per-token policy loss of ``loss_fn`` (any shape; elementwise)."""

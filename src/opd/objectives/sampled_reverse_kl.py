@@ -35,13 +35,15 @@ class SampledReverseKL(Objective):
         mask_BT: torch.Tensor,
         policy_gradient: PolicyGradient,
     ) -> torch.Tensor:
-        """``-coef * reverse KL`` per token, discounted when ``kl_discount_factor > 0``."""
+        """``-coef * reverse KL`` per token, discounted when ``kl_discount_factor > 0``, clamped
+        when ``advantage_clip`` is set."""
         return kl_advantages(
             sampled_logprobs_BT,
             teacher.logprobs_BT,
             mask_BT,
             kl_penalty_coef=policy_gradient.kl_penalty_coef,
             kl_discount_factor=policy_gradient.kl_discount_factor,
+            clip=policy_gradient.advantage_clip,
         )
 
     def token_losses(self, student: StudentRows, targets: TargetRows) -> TokenLosses:

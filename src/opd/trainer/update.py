@@ -35,7 +35,11 @@ class UpdateStats:
 def policy_gradient(training: TrainingConfig) -> PolicyGradient:
     """The policy-gradient settings of the run, as objectives with advantages read them."""
     return PolicyGradient(
-        training.loss_fn, training.loss_fn_config, training.kl_penalty_coef, training.kl_discount_factor
+        training.loss_fn,
+        training.loss_fn_config,
+        training.kl_penalty_coef,
+        training.kl_discount_factor,
+        training.advantage_clip,
     )
 
 
