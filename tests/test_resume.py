@@ -204,3 +204,22 @@ def test_a_resumed_run_keeps_the_objective_and_learning_rate_it_recorded_where_t
     assert (recorded["objective"]["name"], recorded["learning_rate"]) == ("sampled_reverse_kl", 1e-2)
     fresh = config_from_dict(dict(unset, on_existing_log_path="overwrite")).training
     assert (fresh.objective.name, fresh.learning_rate) == ("topk_forward_kl", 1e-5)
+
+
+def test_only_the_first_torchrun_worker_says_a_resumed_run_keeps_its_recorded_settings(
+    base_config, tmp_path, monkeypatch
+):
+    first = dict(base_config, log_path=str(tmp_path / "run"))
+    first["training"] = dict(base_config["training"], learning_rate=1e-2, max_steps=1)
+    train(config_from_dict(first), progress=False)
+    unset = dict(first)
+    unset["training"] = {k: v for k, v in first["training"].items() if k != "learning_rate"}
+    said = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kept = config_from_dict(unset).training.learning_rate
+        assert kept == 1e-2  # every worker keeps the recorded rate
+        said[rank] = [str(w.message) for w in caught if "as recorded" in str(w.message)]
+    assert len(said["0"]) == 1 and said["1"] == []

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
+from opd.distributed import launched_world
 from opd.errors import ConfigError
 from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
@@ -511,7 +512,8 @@ def _recorded_training(config: Config) -> dict:
 
 def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> Any:
     """An unset ``training.<key>``: what the resumed run recorded, so that a change of opd's
-    defaults does not change a run halfway (said when it differs from today's), else the default."""
+    defaults does not change a run halfway (said when it differs from today's, by the first
+    process only: every ``torchrun`` worker loads the config), else the default."""
     if recorded.get(key) is None:
         return default
     where = f"{Path(config.log_path) / RUN_CONFIG_NAME}: training.{key}"
@@ -523,7 +525,7 @@ def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> 
         if isinstance(kept, bool) or not isinstance(kept, int | float):
             raise ConfigError(f"{where}: expected a number, got {kept!r}")
         kept, shown, default_shown = float(kept), kept, default
-    if kept != default:
+    if kept != default and launched_world().is_main:
         warnings.warn(
             f"{config.log_path}: resuming its run with training.{key} {shown}, as recorded in its "
             f"{RUN_CONFIG_NAME}; a new run's default is {default_shown} (docs/defaults.md). "
