@@ -146,6 +146,13 @@ def main() -> None:
         default=None,
         help="also a character teacher whose supervised training stops at this dev accuracy",
     )
+    parser.add_argument(
+        "--teachers",
+        nargs="+",
+        default=["char", "bpe", "char-matched"],
+        choices=["char", "bpe", "char-matched"],
+        help="which teachers' runs to make (char-matched only with --char-target)",
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="DOTTED.KEY=VALUE")
     parser.add_argument("--work-dir", default=None, help="models and runs (default: a new temp dir)")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
@@ -165,6 +172,7 @@ def main() -> None:
         spec = replace(demo.TEACHER_SPEC, target_accuracy=args.char_target)
         name = f"teacher-dev{args.char_target:g}"
         teachers["char-matched"] = {"path": demo.ensure_model(name, spec, seed=0, log=print), "overrides": []}
+    teachers = {name: teacher for name, teacher in teachers.items() if name in args.teachers}
     for name, teacher in teachers.items():
         teacher["accuracy"] = teacher_accuracy(teacher["path"], eval_prompts)
         teacher["chars_per_answer_token"] = answer_tokens_per_char(teacher["path"], eval_prompts)
@@ -208,20 +216,15 @@ def main() -> None:
             )
     gains = {name: [r["gain"] for r in rows if r["teacher"] == name] for name in teachers}
     mean_gain = {name: sum(values) / len(values) for name, values in gains.items()}
-    ratio = mean_gain["bpe"] / mean_gain["char"] if mean_gain["char"] else float("nan")
-    print(f"mean gain: char {mean_gain['char']:+.1%}, bpe {mean_gain['bpe']:+.1%}; bpe / char = {ratio:.2f}")
+    print("mean gain: " + ", ".join(f"{name} {gain:+.1%}" for name, gain in mean_gain.items()))
     summary = {
         "teachers": {n: {k: str(v) if k == "path" else v for k, v in t.items()} for n, t in teachers.items()},
         "mean_gain": mean_gain,
-        "bpe_over_char": ratio,
     }
-    if "char-matched" in mean_gain:
-        matched = mean_gain["char-matched"]
-        summary["bpe_over_char_matched"] = mean_gain["bpe"] / matched if matched else float("nan")
-        print(
-            f"char teacher stopped at {args.char_target:.0%} dev: {matched:+.1%};"
-            f" bpe / it = {summary['bpe_over_char_matched']:.2f}"
-        )
+    for reference in ("char", "char-matched"):
+        if "bpe" in mean_gain and mean_gain.get(reference):
+            summary[f"bpe_over_{reference.replace('-', '_')}"] = mean_gain["bpe"] / mean_gain[reference]
+            print(f"bpe / {reference} = {mean_gain['bpe'] / mean_gain[reference]:.2f}")
     write_result(
         args.out, "bench/cross_tokenizer.py", vars(args) | {"work_dir": str(work)}, rows, summary=summary
     )

@@ -251,11 +251,13 @@ _char_tokenizer = build_char_tokenizer()
     st.lists(st.integers(1, 4), min_size=1, max_size=12),
     st.integers(0, 2**32 - 1),
 )
-def test_character_logprobs_keep_each_teacher_tokens_total_and_never_reward(
+def test_character_logprobs_sum_to_each_teacher_tokens_text_and_never_reward(
     teacher_pieces, student_pieces, seed
 ):
     """Any teacher segmentation and likely tokens: a character's log-prob is <= 0, a teacher
-    token's characters sum to its log-prob, and any student segmentation sums to the whole."""
+    token's characters sum to the log-prob of the text going on with the token's text (its own
+    and the likely tokens that start with it: at least its own), and any student segmentation
+    sums to the whole."""
     rng = random.Random(seed)
     text = "".join(rng.choice("ab") for _ in range(sum(teacher_pieces)))
     offsets = list(itertools.pairwise([0, *_running(teacher_pieces)]))
@@ -275,12 +277,18 @@ def test_character_logprobs_keep_each_teacher_tokens_total_and_never_reward(
         )
     chars = character_logprobs(text, offsets, owns, alternatives)
     assert all(value <= 1e-12 for value in chars)
-    for (start, end), own in zip(offsets, owns, strict=True):
-        assert math.isclose(sum(chars[start:end]), own, abs_tol=1e-9)
+    token_texts = []
+    for (start, end), own, others in zip(offsets, owns, alternatives, strict=True):
+        going_on = math.exp(own) + sum(
+            math.exp(lp) for other, lp in others if other.startswith(text[start:end])
+        )
+        token_texts.append(math.log(going_on))
+        assert math.isclose(sum(chars[start:end]), token_texts[-1], abs_tol=1e-9)
+        assert token_texts[-1] >= own
     student_ends = [min(end, len(text)) for end in _running(student_pieces)]
     student_ends[-1] = len(text)
     view = student_token_logprobs(chars, student_ends, [0.0] * len(student_ends))
-    assert math.isclose(sum(view), sum(owns), abs_tol=1e-9)
+    assert math.isclose(sum(view), sum(token_texts), abs_tol=1e-9)
 
 
 def _running(pieces: list[int]) -> list[int]:

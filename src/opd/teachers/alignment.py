@@ -6,19 +6,22 @@ Two mismatches are handled:
   the student's completion ids follow unchanged (the student's end-of-turn token becomes the
   teacher's), so completion positions map one to one.
 - **Tokenizer**: the completion *text* is tokenized by the teacher, which scores it. Each
-  teacher token's log-prob is split over its characters: within a token covering ``text[a:b]``,
-  the chance that the text goes on with ``text[a:c]`` is the summed probability of the teacher's
-  likely tokens there (its own and the top ``teacher.character_topk``) whose text starts with it;
-  a character gets the log-ratio of its prefix to the one before, and the token's last character
-  the rest, so a token's characters sum to its log-prob. A student token's teacher log-prob is
-  the sum over its characters: the per-completion total is exact, and a student letter is
+  teacher token's log-prob is read per character: within a token covering ``text[a:b]``, the
+  chance that the text goes on with ``text[a:c]`` is the summed probability of the teacher's
+  likely tokens there (its own and the top ``teacher.character_topk``) whose text starts with
+  it, and a character gets the log-ratio of its prefix to the one before. What is left of the
+  token's log-prob, the chance that the teacher's token *ends* at ``b`` rather than going on in
+  a longer token, is a fact of its tokenizer, not of the text, and is not charged: a right
+  letter is not blamed because a wrong one after it changed how the teacher tokenizes the word.
+  A student token's teacher log-prob is the sum over its characters, so a student letter is
   blamed for itself, not for a neighbour that shares its teacher token.
 
 Approximations: the teacher scores the student's text under its own tokenization of it, which
 need not be the one it would have sampled; a prefix's probability counts only the top-k tokens
-(and misses paths through shorter tokens). Characters the teacher's tokenizer cannot encode
-(dropped, so no teacher token covers them) are text the teacher cannot produce: each costs
-``UNCOVERED_CHAR_LOGPROB`` nats, so the student is never rewarded for them.
+(and misses paths through shorter tokens); a completion's total is the log-prob of the
+teacher's tokens plus the token ends not charged. Characters the teacher's tokenizer cannot
+encode (dropped, so no teacher token covers them) are text the teacher cannot produce: each
+costs ``UNCOVERED_CHAR_LOGPROB`` nats, so the student is never rewarded for them.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ def character_logprobs(
     ``offsets`` and ``logprobs``: each teacher token's characters and log-prob;
     ``alternatives``: per token, the text and log-prob of the other likely tokens at its
     position, or None where they cannot be compared with the text (the token's characters then
-    share its log-prob evenly). A token whose characters another token also covers (a character
-    split over byte tokens) adds to them; a token of no characters gives its log-prob to the
-    next character.
+    share its whole log-prob evenly). A token whose characters another token also covers (a
+    character split over byte tokens) adds to them; a token of no characters gives its log-prob
+    to the next character.
     """
     chars: list[float | None] = [None] * len(text)
 
@@ -72,12 +75,11 @@ def character_logprobs(
                 add(position, own / (end - start))
             continue
         previous = 0.0
-        for cut in range(start + 1, end):
+        for cut in range(start + 1, end + 1):
             prefix = text[start:cut]
             mass = _logsumexp([own] + [lp for other, lp in others if other.startswith(prefix)])
             add(cut - 1, mass - previous)
             previous = mass
-        add(end - 1, own - previous)
     return [UNCOVERED_CHAR_LOGPROB if value is None else value for value in chars]
 
 
