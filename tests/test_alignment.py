@@ -25,22 +25,27 @@ from tests.servers import free_port, start_opd_serve
 
 def test_a_teacher_tokens_logprob_is_read_per_character_by_hand():
     # "abc" as the teacher's "ab" (p 0.5) and "c" (p 0.9); other tokens at "ab"'s position:
-    # "a" 0.1, "ax" 0.1, "abd" 0.1, "b" 0.2. P(text goes on with "a") = 0.5 + 0.1 + 0.1 + 0.1
-    # = 0.8; with "ab": 0.5 + 0.1 ("ab" itself, or "abd") = 0.6. That the token ends after "b"
-    # (0.5 of the 0.6) is the tokenizer's business: not charged
-    alternatives = [
-        [("a", math.log(0.1)), ("ax", math.log(0.1)), ("abd", math.log(0.1)), ("b", math.log(0.2))],
-        [],
-    ]
-    chars = character_logprobs("abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], alternatives)
-    assert chars == pytest.approx([math.log(0.8), math.log(0.6 / 0.8), math.log(0.9)])
+    # "a" 0.1, "ax" 0.1, "abd" 0.1, "abc" 0.05, "b" 0.1; at "c"'s: "cd" 0.05.
+    # P(text goes on with "a") = 0.5 + 0.1 + 0.1 + 0.1 + 0.05 = 0.85; with "ab": 0.65.
+    # "c" after "ab": the teacher ends "ab" and its next token starts with "c" (0.5 x 0.95),
+    # or writes "abc" (0.05): 0.525 of the 0.65. Ending after "c": 0.9 of the 0.95 going on
+    first = [("a", 0.1), ("ax", 0.1), ("abd", 0.1), ("abc", 0.05), ("b", 0.1)]
+    alternatives = [[(text, math.log(p)) for text, p in first], [("cd", math.log(0.05))]]
+    chars, end = character_logprobs("abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], alternatives)
+    assert chars == pytest.approx([math.log(0.85), math.log(0.65 / 0.85), math.log(0.525 / 0.65)])
+    assert end == pytest.approx(math.log(0.9 / 0.95))
     # a student reading "a" + "bc" gets each token's characters summed
     assert student_token_logprobs(chars, [1, 3], [-1.0, -1.0]) == pytest.approx(
-        [math.log(0.8), math.log(0.6 / 0.8 * 0.9)]
+        [math.log(0.85), math.log(0.525 / 0.85)]
     )
+    # without "abc" and "cd" the total is the teacher's own: log(0.5 x 0.9)
+    plain = [alternatives[0][:3] + alternatives[0][4:], []]
+    chars, end = character_logprobs("abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], plain)
+    assert sum(chars) + end == pytest.approx(math.log(0.5 * 0.9))
     # without the alternatives the characters of "ab" share its log-prob; "c" is not covered here
-    even = character_logprobs("abc", [(0, 2)], [math.log(0.5)], [None])
+    even, end = character_logprobs("abc", [(0, 2)], [math.log(0.5)], [None])
     assert even == pytest.approx([math.log(0.5) / 2, math.log(0.5) / 2, -20.0])
+    assert end == 0.0
 
 
 def test_a_student_token_without_characters_keeps_its_own_logprob():
@@ -114,8 +119,8 @@ def test_a_bpe_teachers_tokens_are_split_over_characters_the_same_locally_and_se
     demo_models, bpe_model, tmp_path
 ):
     """The demo's character-level student read by a BPE teacher: its likely tokens give each
-    character its own log-prob (never above 0; a completion's total is at least its tokens'),
-    and ``opd serve`` sends the same ones as the local teacher computes."""
+    character its own log-prob (never above 0; a completion's total at least its tokens'), and
+    ``opd serve`` sends the same ones as the local teacher computes."""
     config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_model), 1, 0)
     config["teacher"].update(cross_tokenizer=True, character_topk=5)
     _, batch, split = rollout_and_scores(config)

@@ -251,13 +251,11 @@ _char_tokenizer = build_char_tokenizer()
     st.lists(st.integers(1, 4), min_size=1, max_size=12),
     st.integers(0, 2**32 - 1),
 )
-def test_character_logprobs_sum_to_each_teacher_tokens_text_and_never_reward(
-    teacher_pieces, student_pieces, seed
-):
-    """Any teacher segmentation and likely tokens: a character's log-prob is <= 0, a teacher
-    token's characters sum to the log-prob of the text going on with the token's text (its own
-    and the likely tokens that start with it: at least its own), and any student segmentation
-    sums to the whole."""
+def test_character_logprobs_never_reward_and_sum_to_the_teachers_paths(teacher_pieces, student_pieces, seed):
+    """Any teacher segmentation and likely tokens: a character's log-prob is <= 0, and a
+    completion's total is the teacher's tokens' log-prob plus, at each token end, the log of
+    (ending there and going on with the next character + a longer token going on with it) over
+    (ending there and going on with it); any student segmentation sums to the same."""
     rng = random.Random(seed)
     text = "".join(rng.choice("ab") for _ in range(sum(teacher_pieces)))
     offsets = list(itertools.pairwise([0, *_running(teacher_pieces)]))
@@ -275,20 +273,21 @@ def test_character_logprobs_sum_to_each_teacher_tokens_text_and_never_reward(
                 for w in weights
             ]
         )
-    chars = character_logprobs(text, offsets, owns, alternatives)
-    assert all(value <= 1e-12 for value in chars)
-    token_texts = []
-    for (start, end), own, others in zip(offsets, owns, alternatives, strict=True):
-        going_on = math.exp(own) + sum(
-            math.exp(lp) for other, lp in others if other.startswith(text[start:end])
-        )
-        token_texts.append(math.log(going_on))
-        assert math.isclose(sum(chars[start:end]), token_texts[-1], abs_tol=1e-9)
-        assert token_texts[-1] >= own
-    student_ends = [min(end, len(text)) for end in _running(student_pieces)]
+    chars, end = character_logprobs(text, offsets, owns, alternatives)
+    assert all(value <= 1e-12 for value in [*chars, end])
+    expected = sum(owns)
+    for t in range(1, len(offsets)):
+        a, b = offsets[t - 1]
+        nxt = text[b]
+        first = math.exp(owns[t]) + sum(math.exp(lp) for o, lp in alternatives[t] if o.startswith(nxt))
+        ending = math.exp(owns[t - 1]) * first
+        longer = sum(math.exp(lp) for o, lp in alternatives[t - 1] if o.startswith(text[a:b] + nxt))
+        expected += math.log((ending + longer) / ending)
+    assert math.isclose(sum(chars) + end, expected, abs_tol=1e-9)
+    student_ends = [min(e, len(text)) for e in _running(student_pieces)]
     student_ends[-1] = len(text)
     view = student_token_logprobs(chars, student_ends, [0.0] * len(student_ends))
-    assert math.isclose(sum(view), sum(token_texts), abs_tol=1e-9)
+    assert math.isclose(sum(view), sum(chars), abs_tol=1e-9)
 
 
 def _running(pieces: list[int]) -> list[int]:

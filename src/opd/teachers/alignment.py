@@ -5,23 +5,25 @@ Two mismatches are handled:
 - **Chat template** (same tokenizer): the prompt is rendered with the teacher's template and
   the student's completion ids follow unchanged (the student's end-of-turn token becomes the
   teacher's), so completion positions map one to one.
-- **Tokenizer**: the completion *text* is tokenized by the teacher, which scores it. Each
-  teacher token's log-prob is read per character: within a token covering ``text[a:b]``, the
-  chance that the text goes on with ``text[a:c]`` is the summed probability of the teacher's
-  likely tokens there (its own and the top ``teacher.character_topk``) whose text starts with
-  it, and a character gets the log-ratio of its prefix to the one before. What is left of the
-  token's log-prob, the chance that the teacher's token *ends* at ``b`` rather than going on in
-  a longer token, is a fact of its tokenizer, not of the text, and is not charged: a right
-  letter is not blamed because a wrong one after it changed how the teacher tokenizes the word.
-  A student token's teacher log-prob is the sum over its characters, so a student letter is
-  blamed for itself, not for a neighbour that shares its teacher token.
+- **Tokenizer**: the completion *text* is tokenized by the teacher, which scores it, and its
+  answer is read per character: within a token covering ``text[a:b]``, the chance that the text
+  goes on with ``text[a:c]`` is the summed probability of the teacher's likely tokens there (its
+  own and the top ``teacher.character_topk``) whose text starts with it, and a character gets
+  the log-ratio of its prefix to the one before. That the teacher's token *ends* at ``b`` is
+  not the last letter's doing: the character after it gets the chance that the teacher ends its
+  token and writes that character next, or writes a longer token going on with it (the
+  end-of-turn token, the chance of ending there). So a right letter is not blamed because a
+  wrong one after it changed how the teacher tokenizes the word, and where no likely token goes
+  on past a token's end the per-completion total is exactly the teacher's log-prob. A student
+  token's teacher log-prob is the sum over its characters: a student letter is blamed for
+  itself, not for a neighbour that shares its teacher token.
 
 Approximations: the teacher scores the student's text under its own tokenization of it, which
 need not be the one it would have sampled; a prefix's probability counts only the top-k tokens
-(and misses paths through shorter tokens); a completion's total is the log-prob of the
-teacher's tokens plus the token ends not charged. Characters the teacher's tokenizer cannot
-encode (dropped, so no teacher token covers them) are text the teacher cannot produce: each
-costs ``UNCOVERED_CHAR_LOGPROB`` nats, so the student is never rewarded for them.
+at one position (a longer token's path stops at the character after the token's end).
+Characters the teacher's tokenizer cannot encode (dropped, so no teacher token covers them) are
+text the teacher cannot produce: each costs ``UNCOVERED_CHAR_LOGPROB`` nats, so the student is
+never rewarded for them.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def character_logprobs(
     offsets: list[tuple[int, int]],
     logprobs: list[float],
     alternatives: list[list[tuple[str, float]] | None],
-) -> list[float]:
-    """The teacher's log-prob of each character of ``text`` given the text before it.
+) -> tuple[list[float], float]:
+    """The teacher's log-prob of each character of ``text`` given the text before it, and of the
+    text ending after its last character (to add to the end-of-turn token's).
 
     ``offsets`` and ``logprobs``: each teacher token's characters and log-prob;
     ``alternatives``: per token, the text and log-prob of the other likely tokens at its
@@ -64,23 +67,39 @@ def character_logprobs(
     def add(position: int, value: float) -> None:
         chars[position] = (chars[position] or 0.0) + value
 
+    ending: tuple[int, str, float, list[tuple[str, float]], float] | None = None
     for (start, end), own, others in zip(offsets, logprobs, alternatives, strict=True):
         end = min(end, len(text))
         if end <= start:
             if text:
                 add(min(start, len(text) - 1), own)
+            ending = None
             continue
         if others is None:
-            for position in range(start, end):
-                add(position, own / (end - start))
-            continue
-        previous = 0.0
-        for cut in range(start + 1, end + 1):
-            prefix = text[start:cut]
-            mass = _logsumexp([own] + [lp for other, lp in others if other.startswith(prefix)])
-            add(cut - 1, mass - previous)
-            previous = mass
-    return [UNCOVERED_CHAR_LOGPROB if value is None else value for value in chars]
+            piece = [own / (end - start)] * (end - start)
+        else:
+            masses = [
+                _logsumexp([own] + [lp for other, lp in others if other.startswith(text[start:cut])])
+                for cut in range(start + 1, end + 1)
+            ]
+            piece = [mass - previous for mass, previous in zip(masses, [0.0, *masses[:-1]], strict=True)]
+        if ending is not None and ending[0] == start:
+            piece[0] = _after_token_end(text[start], piece[0], *ending[1:])
+        for position, value in enumerate(piece, start):
+            add(position, value)
+        ending = None if others is None else (end, text[start:end], own, others, masses[-1])
+    end_logprob = 0.0 if ending is None else ending[2] - ending[4]
+    return [UNCOVERED_CHAR_LOGPROB if value is None else value for value in chars], end_logprob
+
+
+def _after_token_end(
+    char: str, first: float, token: str, own: float, others: list[tuple[str, float]], going_on: float
+) -> float:
+    """The log-prob of the character after a teacher token: the teacher either ends its token
+    there and writes the next one (``own`` + ``first``), or writes a longer token that goes on with
+    that character; both given that the text goes on with the token's text (``going_on``)."""
+    longer = [lp for other, lp in others if other.startswith(token + char)]
+    return _logsumexp([own + first, *longer]) - going_on
 
 
 def _logsumexp(values: list[float]) -> float:
@@ -197,7 +216,9 @@ class TeacherFormat:
             others = [(self.token_text(i), lp) for i, lp in teacher_topk[position] if i != own]
             alternatives.append(others)
         count = len(built.teacher_offsets)
-        chars = character_logprobs(built.text, built.teacher_offsets, teacher_logprobs[:count], alternatives)
+        chars, end_logprob = character_logprobs(
+            built.text, built.teacher_offsets, teacher_logprobs[:count], alternatives
+        )
         students = len(built.student_ends)
         view = student_token_logprobs(chars, built.student_ends, student_logprobs[:students])
-        return [*view, teacher_logprobs[count]] if built.ends_with_stop else view
+        return [*view, end_logprob + teacher_logprobs[count]] if built.ends_with_stop else view
