@@ -29,10 +29,10 @@ class TeacherConfig:
     """The teacher's tokenizer differs from the student's: completions are re-tokenized for it
     and aligned on character offsets (``sampled_reverse_kl`` and ``k3`` on student samples only)."""
     character_topk: int = 20
-    """Cross-tokenizer only: the teacher's likely tokens per position that split each of its
-    tokens' log-prob over the characters it covers, so each student token is credited for its
-    own characters (0: a token's characters share it evenly). A remote server must send this
-    many (vLLM ``--max-logprobs``, 20 by default)."""
+    """Cross-tokenizer only: the teacher's likely tokens per position, from which its answer is
+    read per character, so each student token is credited for its own characters (0: a token's
+    characters share its log-prob evenly). A remote server must send this many (vLLM
+    ``--max-logprobs``, 20 by default)."""
     timeout_s: float = 60.0
     """Remote: seconds to wait for one answer before retrying."""
     max_retries: int = 4
