@@ -168,7 +168,7 @@ def main() -> None:
         "char": {"path": char_teacher, "overrides": []},
         "bpe": {"path": bpe_teacher, "overrides": ["teacher.cross_tokenizer=true"]},
     }
-    if args.char_target is not None:
+    if args.char_target is not None and "char-matched" in args.teachers:
         spec = replace(demo.TEACHER_SPEC, target_accuracy=args.char_target)
         name = f"teacher-dev{args.char_target:g}"
         teachers["char-matched"] = {"path": demo.ensure_model(name, spec, seed=0, log=print), "overrides": []}

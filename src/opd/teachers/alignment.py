@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from opd.data.render import ChatRenderer
 
@@ -67,7 +68,7 @@ def character_logprobs(
     def add(position: int, value: float) -> None:
         chars[position] = (chars[position] or 0.0) + value
 
-    ending: tuple[int, str, float, list[tuple[str, float]], float] | None = None
+    ending: _TokenEnd | None = None
     for (start, end), own, others in zip(offsets, logprobs, alternatives, strict=True):
         end = min(end, len(text))
         if end <= start:
@@ -83,23 +84,36 @@ def character_logprobs(
                 for cut in range(start + 1, end + 1)
             ]
             piece = [mass - previous for mass, previous in zip(masses, [0.0, *masses[:-1]], strict=True)]
-        if ending is not None and ending[0] == start:
-            piece[0] = _after_token_end(text[start], piece[0], *ending[1:])
+        if ending is not None and ending.at == start:
+            piece[0] = ending.next_character(text[start], piece[0])
         for position, value in enumerate(piece, start):
             add(position, value)
-        ending = None if others is None else (end, text[start:end], own, others, masses[-1])
-    end_logprob = 0.0 if ending is None else ending[2] - ending[4]
+        ending = None if others is None else _TokenEnd(end, text[start:end], own, others, masses[-1])
+    end_logprob = 0.0 if ending is None else ending.ends_here
     return [UNCOVERED_CHAR_LOGPROB if value is None else value for value in chars], end_logprob
 
 
-def _after_token_end(
-    char: str, first: float, token: str, own: float, others: list[tuple[str, float]], going_on: float
-) -> float:
-    """The log-prob of the character after a teacher token: the teacher either ends its token
-    there and writes the next one (``own`` + ``first``), or writes a longer token that goes on with
-    that character; both given that the text goes on with the token's text (``going_on``)."""
-    longer = [lp for other, lp in others if other.startswith(token + char)]
-    return _logsumexp([own + first, *longer]) - going_on
+class _TokenEnd(NamedTuple):
+    """Where a teacher token read per character ends, and what the character after it needs."""
+
+    at: int
+    token: str
+    own: float
+    others: list[tuple[str, float]]
+    going_on: float
+    """log P(the text goes on with ``token``): the token and its likely longer alternatives."""
+
+    @property
+    def ends_here(self) -> float:
+        """log P(the teacher's token ends here | the text goes on with ``token``)."""
+        return self.own - self.going_on
+
+    def next_character(self, char: str, first: float) -> float:
+        """The log-prob of ``char`` after the token: the teacher either ends its token here and
+        starts the next with it (``first``: that token's log-prob of ``char``), or writes a longer
+        token going on with it."""
+        longer = [lp for other, lp in self.others if other.startswith(self.token + char)]
+        return _logsumexp([self.own + first, *longer]) - self.going_on
 
 
 def _logsumexp(values: list[float]) -> float:
