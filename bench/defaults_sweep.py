@@ -12,8 +12,11 @@ entropy, gradient norm, advantages) are kept to show how a run goes wrong.
     python bench/defaults_sweep.py --tasks short products --modes lora full --seeds 0 1 2
     python bench/defaults_sweep.py --tasks short --modes full --lrs 5e-5 --label no-warmup \\
         --set training.warmup_steps=0
+    python bench/defaults_sweep.py --tasks products --modes lora --sft-steps 20 --label sft20
     python bench/defaults_sweep.py --report-only --out docs/results/defaults
 
+``--sft-steps`` runs the published pipeline: that many steps of NLL on the teacher's samples
+first (same mode and rate), then ``--steps`` on-policy from the merged result, one curve.
 Each finished run is a JSON file in ``--out`` (an interrupted sweep resumes) with its commit,
 resolved config, environment, curve and per-step metrics; ``defaults.md`` (tables) is rebuilt
 from all of them.
@@ -63,21 +66,61 @@ def user_config(
     return data
 
 
-def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list[str], args) -> dict:
-    """One run; its resolved config, held-out curve and per-step training metrics."""
+SFT_OVERRIDES = ["training.objective=nll", "training.data_source=teacher"]
+"""Stage one of the published pipeline: the student learns the teacher's own samples (NLL)."""
+
+
+def train_stage(
+    task: str,
+    spec: dict,
+    student: Path,
+    teacher: Path,
+    overrides: list[str],
+    steps: int,
+    args,
+    export: Path | None,
+) -> dict:
+    """One ``opd`` run of ``steps`` steps; its resolved config, held-out curve and per-step
+    training metrics; its final student merged into ``export`` when one is given."""
     from opd.config import config_from_dict, config_to_dict
+    from opd.runs.export import export_student
     from opd.trainer.loop import train
 
     directory = cache_root() / "runs" / "defaults-sweep"
-    data = user_config(directory, student, teacher, task, spec, args.steps, args)
+    data = user_config(directory, student, teacher, task, spec, steps, args)
     config = config_from_dict(data, overrides)
     metrics = train(config, progress=True).metrics
+    if export is not None:
+        shutil.rmtree(export, ignore_errors=True)
+        export_student(directory, export, merge_lora=True)
     shutil.rmtree(directory, ignore_errors=True)
     key = f"test/{task}/accuracy"
     return {
         "config": config_to_dict(config),
         "curve": [{"step": row["step"], "accuracy": row[key]} for row in metrics if key in row],
         "steps": [{"step": row["step"], **{k: row[k] for k in KEPT_METRICS if k in row}} for row in metrics],
+    }
+
+
+def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list[str], args) -> dict:
+    """One run, after ``--sft-steps`` of stage one when asked: the stages' curves and metrics
+    joined on one step axis (stage two's steps follow stage one's), each stage's config kept."""
+    if not args.sft_steps:
+        return train_stage(task, spec, student, teacher, overrides, args.steps, args, None)
+    merged = cache_root() / "runs" / "defaults-sweep-sft-student"
+    first = train_stage(task, spec, student, teacher, overrides + SFT_OVERRIDES, args.sft_steps, args, merged)
+    second = train_stage(task, spec, merged, teacher, overrides, args.steps, args, None)
+    shutil.rmtree(merged, ignore_errors=True)
+
+    def shifted(rows: list[dict]) -> list[dict]:
+        return [row | {"step": row["step"] + args.sft_steps} for row in rows]
+
+    return {
+        "config": second["config"],
+        "sft_config": first["config"],
+        # stage two's first evaluation is of the merged stage-one student: it stands for stage one's last
+        "curve": [p for p in first["curve"] if p["step"] < args.sft_steps] + shifted(second["curve"]),
+        "steps": first["steps"] + shifted(second["steps"]),
     }
 
 
@@ -97,9 +140,9 @@ def report(results: list[dict]) -> str:
             key=lambda r: (r["label"], r["mode"], r["learning_rate"], r["seed"]),
         )
         teacher = group[0]["teacher_accuracy"]
-        eval_steps = [point["step"] for point in group[0]["curve"]]
+        eval_steps = sorted({point["step"] for run in group for point in run["curve"]})
         lines += [
-            f"\n### {task}: teacher {teacher:.1%}, {group[0]['steps']} steps\n",
+            f"\n### {task}: teacher {teacher:.1%}\n",
             "| variant | objective | mode | learning rate | seed | "
             + " | ".join(f"step {step}" for step in eval_steps)
             + " | best | gap closed | min entropy |",
@@ -107,6 +150,7 @@ def report(results: list[dict]) -> str:
         ]
         for run in group:
             accuracies = [point["accuracy"] for point in run["curve"]]
+            by_step = {point["step"]: f"{point['accuracy']:.1%}" for point in run["curve"]}
             objective = run["config"]["training"]["objective"]
             name = objective["name"] + (f" (k {objective['topk']})" if "topk" in objective else "")
             entropy = min(
@@ -114,7 +158,7 @@ def report(results: list[dict]) -> str:
             )
             lines.append(
                 f"| {run['label']} | {name} | {run['mode']} | {run['learning_rate']:g} | {run['seed']} | "
-                + " | ".join(f"{accuracy:.1%}" for accuracy in accuracies)
+                + " | ".join(by_step.get(step, "-") for step in eval_steps)
                 + f" | {max(accuracies):.1%} | {gap_closed(run):+.0%} | {entropy:.3f} |"
             )
     return "\n".join(lines)
@@ -168,6 +212,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=0,
+        help="first train this many steps on the teacher's samples (NLL, same mode and rate), then"
+        " --steps on-policy from the merged result: the published pipeline",
+    )
     parser.add_argument("--set", nargs="*", default=[], help="overrides of the variant (after the mode's)")
     parser.add_argument("--label", default="defaults", help="names the variant in the tables")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "defaults")
@@ -192,7 +243,8 @@ def main() -> None:
                         overrides += args.set
                         data = user_config(Path("unused"), base, teacher, task, spec, args.steps, args)
                         resolved_lr = config_from_dict(data, overrides).training.learning_rate
-                        name = f"{task}-{args.label}-{mode}-lr{resolved_lr:g}-seed{seed}-{args.steps}steps"
+                        steps = args.sft_steps + args.steps
+                        name = f"{task}-{args.label}-{mode}-lr{resolved_lr:g}-seed{seed}-{steps}steps"
                         result_file = args.out / f"{name}.json"
                         if result_file.exists():
                             continue
@@ -210,10 +262,12 @@ def main() -> None:
                             "learning_rate": resolved_lr,
                             "overrides": overrides,
                             "seed": seed,
-                            "steps": args.steps,
+                            "steps": steps,
+                            "sft_steps": args.sft_steps,
                             "teacher": str(teacher),
                             "teacher_accuracy": teacher_accuracy,
                             "config": run["config"],
+                            **({"sft_config": run["sft_config"]} if "sft_config" in run else {}),
                             "curve": run["curve"],
                             "metrics": run["steps"],
                             "wall_seconds": time.perf_counter() - started,

@@ -5,6 +5,7 @@ import torch
 
 from opd.config import config_from_dict
 from opd.teachers.base import TeacherInput, TeacherRequest
+from opd.trainer import loop
 from opd.trainer.loop import Trainer, advantage_metrics
 
 
@@ -108,6 +109,27 @@ def test_a_step_logs_the_negated_sampled_reverse_kl_as_its_advantages(base_confi
     assert metrics["advantage/mean"] == pytest.approx(-float(reverse_kl.mean()), rel=1e-5)
     assert metrics["advantage/mean"] == pytest.approx(-metrics["teacher_kl"], rel=1e-5)
     assert metrics["advantage/min"] == pytest.approx(-float(reverse_kl.max()), rel=1e-5)
+
+
+def test_normalized_advantages_are_what_a_step_learns_from(base_config, monkeypatch):
+    """The update gets the clipped reverse KL less its batch mean over its batch spread; the
+    logged advantages stay in nats; on-policy the importance-sampling loss is then about 0."""
+    base_config["training"] |= {"normalize_advantages": True, "advantage_clip": 0.05}
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    received = []
+    update = loop.policy_update
+    monkeypatch.setattr(loop, "policy_update", lambda *a: received.append(a[6]) or update(*a))
+    batch = trainer.collect(0)
+    metrics = trainer.learn(batch)
+    selected = batch.rollouts.mask_BT.bool()
+    reverse_kl = batch.rollouts.sampled_logprobs_BT[selected] - batch.teacher.logprobs_BT[selected]
+    nats = (-reverse_kl).clamp(-0.05, 0.05)
+    (advantages_BT,) = received
+    expected = (nats - nats.mean()) / nats.std(unbiased=False)
+    torch.testing.assert_close(advantages_BT[selected], expected, rtol=1e-4, atol=1e-5)
+    assert float(advantages_BT[~selected].abs().max()) == 0
+    assert metrics["advantage/mean"] == pytest.approx(float(nats.mean()), rel=1e-5)
+    assert abs(metrics["loss"]) < 1e-3 < abs(float(nats.mean()))
 
 
 def test_advantage_clip_bounds_the_advantages_a_step_learns_from(base_config):

@@ -103,7 +103,14 @@ def test_misplaced_and_unknown_options_are_named(override, message):
 
 
 @pytest.mark.parametrize(
-    "key", ["kl_penalty_coef=2.0", "kl_discount_factor=0.5", "advantage_clip=5", "loss_fn=ppo"]
+    "key",
+    [
+        "kl_penalty_coef=2.0",
+        "kl_discount_factor=0.5",
+        "advantage_clip=5",
+        "normalize_advantages=true",
+        "loss_fn=ppo",
+    ],
 )
 def test_policy_gradient_settings_are_refused_where_the_objective_has_no_advantages(key):
     with pytest.raises(

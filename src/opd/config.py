@@ -97,8 +97,8 @@ class TrainingConfig:
     Unset: ``topk_forward_kl`` with ``topk: 20`` (what a vLLM server sends by default), which
     shows even a far-off student the token the teacher wants; ``sampled_reverse_kl`` where that
     cannot serve: a ``cross_tokenizer`` teacher, a policy-gradient setting given
-    (``kl_penalty_coef``, ``kl_discount_factor``, ``advantage_clip``, ``loss_fn``,
-    ``loss_fn_config``), or a remote
+    (``kl_penalty_coef``, ``kl_discount_factor``, ``advantage_clip``, ``normalize_advantages``,
+    ``loss_fn``, ``loss_fn_config``), or a remote
     teacher with ``temperature`` other than 1 (docs/defaults.md)."""
     data_source: Literal["student", "teacher", "mixed", "dataset"] = "student"
     """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
@@ -129,6 +129,11 @@ class TrainingConfig:
     """Objectives with advantages: clamp each token's advantage (after any discount) to
     ``[-advantage_clip, advantage_clip]``, so tokens the teacher rules out (tens of nats) do not
     outweigh the rest of the batch; None leaves them as they are."""
+    normalize_advantages: bool = False
+    """Objectives with advantages: subtract the batch's mean advantage and divide by its standard
+    deviation (over every completion token of the whole batch, on every process; after any
+    discount and clip), so the step sees a baseline and a scale that do not depend on how far
+    the student is from the teacher. The logged ``advantage/*`` stay the unnormalised nats."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
     """Objectives with advantages: the policy loss on the sampled tokens (formulas in
     ``opd.objectives.policy_losses``)."""
@@ -478,6 +483,7 @@ POLICY_GRADIENT_KEYS = (
     "kl_penalty_coef",
     "kl_discount_factor",
     "advantage_clip",
+    "normalize_advantages",
     "loss_fn",
     "loss_fn_config",
 )

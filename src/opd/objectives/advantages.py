@@ -49,3 +49,9 @@ def kl_advantages(
     if clip is not None:
         advantages_BT = advantages_BT.clamp(-clip, clip)
     return advantages_BT
+
+
+def standardized(advantages_BT: torch.Tensor, mask_BT: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """``(A - mean) / std`` on completion tokens, 0 elsewhere; ``mean`` and ``std`` are the whole
+    batch's (every process's tokens), so how the batch is split does not change a token's value."""
+    return (advantages_BT - mean) / max(std, 1e-8) * mask_BT

@@ -29,7 +29,7 @@ from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, barrier
 from opd.errors import CheckpointError, DivergenceError, RunInterrupted
-from opd.objectives.advantages import reverse_kl_per_token
+from opd.objectives.advantages import reverse_kl_per_token, standardized
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import examples, sample_records
 from opd.runs.evaluation import evaluate
@@ -290,9 +290,14 @@ class Trainer(RunComponents):
             shaped = self.objective.advantages(
                 rollouts.sampled_logprobs_BT, teacher, mask, policy_gradient(training)
             )
-            advantages = advantages if shaped is None else shaped
             if shaped is not None:
-                metrics |= advantage_metrics(shaped, mask)
+                spread = advantage_metrics(shaped, mask)
+                metrics |= spread
+                advantages = (
+                    standardized(shaped, mask, spread["advantage/mean"], spread["advantage/std"])
+                    if training.normalize_advantages and spread
+                    else shaped
+                )
         started = time.perf_counter()
         with self.spans.span(batch.step, "train"):
             stats = policy_update(
