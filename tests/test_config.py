@@ -125,8 +125,8 @@ def test_overrides_parse_yaml_values_and_reach_list_items():
 def test_an_unset_learning_rate_is_the_default_of_the_mode_and_is_recorded():
     lora = config_from_dict(MINIMAL)
     full = config_from_dict(MINIMAL, ["student.lora_rank=0"])
-    assert lora.training.learning_rate == 1e-3 and full.training.learning_rate == 1e-5
-    assert config_to_dict(full)["training"]["learning_rate"] == 1e-5
+    assert lora.training.learning_rate == 1e-3 and full.training.learning_rate == 3e-5
+    assert config_to_dict(full)["training"]["learning_rate"] == 3e-5
     assert config_from_dict(config_to_dict(full)) == full
     chosen = config_from_dict(MINIMAL, ["student.lora_rank=0", "training.learning_rate=3e-4"])
     assert chosen.training.learning_rate == 3e-4

@@ -193,7 +193,7 @@ def test_a_resumed_run_keeps_the_objective_and_learning_rate_it_recorded_where_t
         warnings.simplefilter("always")
         resumed = config_from_dict(unset)
     said = [str(w.message) for w in caught]
-    assert any("training.learning_rate 0.01, as recorded" in m and "default is 1e-05" in m for m in said)
+    assert any("training.learning_rate 0.01, as recorded" in m and "default is 3e-05" in m for m in said)
     assert any("'sampled_reverse_kl'" in m and "'topk_forward_kl'" in m for m in said)
     assert (resumed.training.objective.name, resumed.training.learning_rate) == ("sampled_reverse_kl", 1e-2)
     train(resumed, progress=False)
@@ -203,7 +203,7 @@ def test_a_resumed_run_keeps_the_objective_and_learning_rate_it_recorded_where_t
     recorded = yaml.safe_load((tmp_path / "split" / "config.yaml").read_text())["training"]
     assert (recorded["objective"]["name"], recorded["learning_rate"]) == ("sampled_reverse_kl", 1e-2)
     fresh = config_from_dict(dict(unset, on_existing_log_path="overwrite")).training
-    assert (fresh.objective.name, fresh.learning_rate) == ("topk_forward_kl", 1e-5)
+    assert (fresh.objective.name, fresh.learning_rate) == ("topk_forward_kl", 3e-5)
 
 
 def test_only_the_first_torchrun_worker_says_a_resumed_run_keeps_its_recorded_settings(

@@ -49,7 +49,7 @@ __all__ = [
 
 LORA_LEARNING_RATE = 1e-3
 """The default learning rate of a LoRA student (rank 32, alpha = rank)."""
-FULL_LEARNING_RATE = 1e-5
+FULL_LEARNING_RATE = 3e-5
 """The default learning rate of a fully fine-tuned student."""
 RUN_CONFIG_NAME = "config.yaml"
 """The resolved config a run writes in its ``log_path``."""
@@ -107,7 +107,7 @@ class TrainingConfig:
     lmbda: float = 0.5
     """``mixed`` only: fraction of steps whose batch the student samples (GKD's lambda)."""
     learning_rate: float | None = None
-    """Peak learning rate, reached after ``warmup_steps``. Unset: 1e-3 with LoRA, 1e-5 for full
+    """Peak learning rate, reached after ``warmup_steps``. Unset: 1e-3 with LoRA, 3e-5 for full
     fine-tuning (``student.lora_rank: 0``), from a sweep on a 135M student (docs/defaults.md);
     larger models usually want lower rates."""
     warmup_steps: int = 0
