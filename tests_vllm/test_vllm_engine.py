@@ -133,14 +133,6 @@ def test_evaluation_decodes_with_the_synced_engine(vllm_config, vllm_models, tmp
     assert [m["step"] for m in evaluated] == [0, 2]
 
 
-def test_the_vllm_sampler_with_several_processes_is_refused_before_they_start(vllm_config):
-    from opd.trainer.processes import check_processes
-
-    with pytest.raises(ConfigError, match=r"student\.sampler: 'vllm' runs in one process; with 2 processes"):
-        check_processes(config_from_dict(vllm_config), 2)
-    assert check_processes(config_from_dict(vllm_config), 1) == "none"
-
-
 def test_sampler_options_vllm_does_not_take_are_refused_by_name(vllm_config):
     vllm_config["student"]["sampler_options"] = {"max_model_length": 256}
     with pytest.raises(
@@ -215,3 +207,28 @@ def test_sleep_mode_on_a_cpu_is_refused_with_vllms_reason(vllm_config):
         r"ModelConfig Value error, Sleep mode is not supported on current platform\.$",
     ):
         Trainer(config_from_dict(vllm_config), progress=False)
+
+
+def test_collection_ahead_with_an_adapter_sync_is_refused(vllm_config):
+    vllm_config["student"] |= {"lora_rank": 8, "lora_sync": "adapter"}
+    vllm_config["training"] |= {"max_staleness": 1}
+    with pytest.raises(
+        ConfigError, match=r"training\.max_staleness: .*student\.lora_sync: adapter reads the adapter being"
+    ):
+        config_from_dict(vllm_config)
+
+
+def test_the_eight_gpu_recipe_resolves_for_8_processes_and_its_tensor_parallel_variant_for_pairs():
+    from pathlib import Path
+
+    from opd.config import load_config
+    from opd.trainer.processes import check_processes
+
+    recipe = str(Path(__file__).parents[1] / "examples" / "vllm_fsdp_8gpu.yaml")
+    config = load_config(recipe, [])
+    assert config.student.sampler == "vllm" and config.training.max_tokens == 4096
+    assert check_processes(config, 8) == "fsdp"
+    paired = load_config(recipe, ["student.sampler_options.tensor_parallel_size=2"])
+    assert check_processes(paired, 8) == "fsdp"
+    with pytest.raises(ConfigError, match="3 does not divide the 8 training processes"):
+        check_processes(load_config(recipe, ["student.sampler_options.tensor_parallel_size=3"]), 8)

@@ -416,10 +416,11 @@ def validate(config: Config) -> Config:
     _positive(training.advantage_clip, "training.advantage_clip")
     _positive(training.max_staleness, "training.max_staleness", allow_zero=True)
     _positive(training.dist_timeout_s, "training.dist_timeout_s")
-    if training.max_staleness and config.student.sampler != "hf":
+    if training.max_staleness and config.student.lora_rank and config.student.lora_sync == "adapter":
         raise ConfigError(
-            f"training.max_staleness: collection ahead of learning runs on student.sampler: hf; "
-            f"with '{config.student.sampler}' set max_staleness: 0"
+            "training.max_staleness: collection ahead samples weights published after each update, "
+            "and student.lora_sync: adapter reads the adapter being trained; use lora_sync: merged "
+            "or max_staleness: 0"
         )
     if not 0.0 <= training.lmbda <= 1.0:
         raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")

@@ -111,13 +111,34 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     return tensor.tolist()
 
 
-def all_gather_objects(value: object) -> list[object]:
-    """Every process's ``value``, in rank order (picklable Python objects; for small records)."""
-    if world().size == 1:
+def all_gather_objects(value: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every process's ``value`` (of ``group``, default all), in rank order (picklable Python
+    objects; for small records)."""
+    size = world().size if group is None else dist.get_world_size(group)
+    if size == 1:
         return [value]
-    gathered: list[object] = [None] * world().size
-    dist.all_gather_object(gathered, value)
+    gathered: list[object] = [None] * size
+    dist.all_gather_object(gathered, value, group=group)
     return gathered
+
+
+def rank_in(group: dist.ProcessGroup) -> int:
+    """This process's rank within ``group``."""
+    return dist.get_rank(group)
+
+
+def consecutive_groups(size: int) -> dist.ProcessGroup | None:
+    """This process's group among the world split into groups of ``size`` consecutive ranks
+    (ranks 0..size-1, size..2*size-1, ...); None when each process is a group of its own.
+
+    A collective: every process must call it together (each group is created on all of them).
+    """
+    if size == 1:
+        return None
+    processes = world()
+    groups = [list(range(start, start + size)) for start in range(0, processes.size, size)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine
 
 
 def broadcast_object(value: object) -> object:

@@ -41,7 +41,13 @@ class StudentConfig:
     """``sampler: vllm`` only: further ``vllm.LLM`` arguments, e.g. ``{gpu_memory_utilization: 0.3,
     max_model_len: 2048, tensor_parallel_size: 1, enable_sleep_mode: true}``. ``enforce_eager``
     defaults to true; with ``enable_sleep_mode`` the engine sleeps (weights and KV cache freed)
-    between rollouts so the update has the device to itself."""
+    between rollouts so the update has the device to itself. Under torchrun each process holds
+    an engine; ``tensor_parallel_size: t`` (t dividing the number of processes) shards one engine
+    over each t consecutive processes, which then sample their rows together."""
+    sync_bucket_mb: float = 512
+    """``sampler: vllm`` under FSDP: the full weights gathered at a time to push into the engine
+    after an update (whole sharded units, at least one transformer block), so a process never
+    holds more of the gathered model than this beside the engine's own copy."""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """``sampler: vllm`` with LoRA: push the merged weights ``W + scale * B @ A`` after every update
     (``merged``), or save the adapter and have vLLM hot-load it in place (``adapter``, which also

@@ -51,16 +51,19 @@ def _is_plain_lora_layer(module: nn.Module) -> bool:
     return bool(adapters) and not any(special) and not module.merged_adapters and not module.disable_adapters
 
 
-def mergeable_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+def mergeable_lora_layers(model: nn.Module, only: set[str] | None = None) -> dict[str, nn.Module]:
     """The PEFT LoRA layers (by module name) whose adapters fold into their base weight.
 
     A layer is left as it is when its base weight is shared with another module (a LoRA'd
     embedding tied to the lm head: merging would change the head too), when an adapter is
     already merged or disabled, or when it uses DoRA or a LoRA bias (not a plain weight sum).
+    ``only``: look only at layers whose base weight's name is in it (the rest may be sharded).
     """
     use_count = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
     layers = {}
     for name, module in model.named_modules():
+        if only is not None and f"{name}.base_layer.weight" not in only:
+            continue
         if _is_plain_lora_layer(module) and use_count[id(module.base_layer.weight)] == 1:
             with torch.no_grad():
                 if adapter_delta(module).shape == module.base_layer.weight.shape:
@@ -83,16 +86,24 @@ def sampling_view_name(name: str, merged: dict[str, nn.Module]) -> str | None:
 
 
 @torch.no_grad()
-def sampler_weights(model: nn.Module, dtype: torch.dtype, merged: dict[str, nn.Module] | None = None):
+def sampler_weights(
+    model: nn.Module,
+    dtype: torch.dtype,
+    merged: dict[str, nn.Module] | None = None,
+    only: set[str] | None = None,
+):
     """``(name, tensor)`` for every floating-point weight a sampler of ``model`` needs, in ``dtype``.
 
     Names are those of the model without PEFT's wrapper, with the ``merged`` layers (default: every
     mergeable one) folded: their weight is ``W + scale * B @ A``. Other weights are cast, which
-    shares their storage when they already are in ``dtype``. Tied weights come once.
+    shares their storage when they already are in ``dtype``. Tied weights come once. ``only``
+    limits them to these parameter names (of the unwrapped model, before folding).
     """
     base = unwrap_peft(model)
-    merged = mergeable_lora_layers(base) if merged is None else merged
+    merged = mergeable_lora_layers(base, only) if merged is None else merged
     for name, parameter in base.named_parameters():
+        if only is not None and name not in only:
+            continue
         view_name = sampling_view_name(name, merged)
         if view_name is None or not parameter.is_floating_point():
             continue

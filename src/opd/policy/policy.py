@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from opd.logprobs import (
     LogitTransform,
@@ -195,13 +197,86 @@ class Policy:
         """
         return sampler_weights(self.model, dtype)
 
+    def streamed_sampler_weights(
+        self, dtype: torch.dtype, bucket_bytes: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`sampler_weights`, gathered a bucket at a time when sharded.
+
+        Under FSDP the sharded units (each transformer block, then the rest) are taken in
+        buckets of consecutive units holding up to ``bucket_bytes`` of full weights (at least one
+        unit): a bucket is gathered on every process (a collective each enters together, in the
+        same order), copied out and freed before any of its weights is handed out (a loader may
+        keep a tensor past the next gather), so at most one bucket, and its copy while it is
+        made, is ever whole. Unsharded students give their weights as they are.
+        """
+        if not self.sharded:
+            yield from self.sampler_weights(dtype)
+            return
+        base = self.base_model
+        names = {id(parameter): name for name, parameter in base.named_parameters()}
+        for bucket in _buckets(fsdp_units(self.module, names), bucket_bytes, dtype.itemsize):
+            with torch.no_grad():
+                for module, _, _ in bucket:
+                    module.unshard()
+            try:
+                only = set().union(*(unit_names for _, unit_names, _ in bucket))
+                weights = sampler_weights(self.model, dtype, only=only)
+                gathered = [(name, tensor.clone()) for name, tensor in weights]
+            finally:
+                for module, _, _ in bucket:
+                    module.reshard()
+            yield from gathered
+
     def save(self, directory: Path) -> None:
         """The weights as safetensors: a PEFT adapter under LoRA, a full Hugging Face model otherwise."""
         self.model.save_pretrained(directory, safe_serialization=True)
 
+    def save_adapter(self, directory: Path) -> None:
+        """The LoRA adapter as PEFT saves it, its shards gathered first under FSDP (a collective:
+        every process calls it together, each writing its own ``directory``)."""
+        if not self.sharded:
+            self.save(directory)
+            return
+        with torch.no_grad():
+            state = {
+                name: parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+                for name, parameter in self.model.named_parameters()
+                if parameter.requires_grad
+            }
+        self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+
     def load_weights(self, model_dir: Path) -> None:
         """Load a saved adapter or full model (:func:`opd.policy.weights.load_weights`)."""
         load_weights(self.model, model_dir)
+
+
+def fsdp_units(module: nn.Module, names: dict[int, str]) -> list[tuple[nn.Module, set[str], int]]:
+    """Each module ``fully_shard`` wrapped, outer first, with the names (from ``names``: parameter
+    id to name) of the parameters it manages itself (not those of the units inside it) and their
+    full element count."""
+    units = []
+    for unit in fsdp_modules(module)[::-1]:
+        nested = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
+        inner = {id(p) for m in nested for p in m.parameters()}
+        own = [p for p in unit.parameters() if id(p) not in inner and id(p) in names]
+        units.append((unit, {names[id(p)] for p in own}, sum(p.numel() for p in own)))
+    return units
+
+
+def _buckets(units: list, bucket_bytes: int, itemsize: int) -> list[list]:
+    """Consecutive ``units`` grouped so each group's full weights fit in ``bucket_bytes`` (a unit
+    larger than that is a group of its own)."""
+    buckets: list[list] = []
+    size = 0
+    for unit in units:
+        unit_bytes = unit[2] * itemsize
+        if buckets and size + unit_bytes <= bucket_bytes:
+            buckets[-1].append(unit)
+            size += unit_bytes
+        else:
+            buckets.append([unit])
+            size = unit_bytes
+    return buckets
 
 
 @contextmanager

@@ -274,6 +274,11 @@ class HFEngine:
         self.version = policy.version
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it samples in (weights published to it are taken in this dtype)."""
+        return self.copy.dtype if self.copy else self.policy.dtype
+
+    @property
     def serves_evaluation(self) -> bool:
         """Whether evaluation should decode with this engine: under FSDP the student itself is
         sharded, and generating from it would need every process in lock step."""

@@ -13,6 +13,13 @@ top-p, none of the checkpoint's generation defaults (``generation_config="vllm"`
 log-probs vLLM records are the processed ones (temperature applied), so they are the
 behaviour policy's. Each row draws from a seed derived from the rollout's seed and its row,
 so a resumed run samples the same completions.
+
+Under torchrun every process builds its own engine with vLLM's external launcher
+(``distributed_executor_backend: external_launcher``): vLLM joins the processes torchrun started
+instead of starting workers of its own. With ``tensor_parallel_size: t`` each t consecutive
+processes hold one engine sharded t ways (vLLM's tensor-parallel groups are consecutive ranks):
+they gather their rows, generate them all in lock step, and each keeps its own. Rows keep their
+seeds, so which tokens a row draws does not depend on the number of processes or on t.
 """
 
 from __future__ import annotations
@@ -27,11 +34,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opd.data.sequences import Completion
+from opd.distributed import all_gather_objects, consecutive_groups, rank_in, world
 from opd.errors import ConfigError
 from opd.models import DTYPES
 from opd.policy.config import StudentConfig
 from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
-from opd.sampling.vllm_settings import lora_rank_for_engine, student_settings_problems
+from opd.sampling.vllm_settings import (
+    attention_head_problem,
+    lora_rank_for_engine,
+    student_settings_problems,
+)
 
 if TYPE_CHECKING:
     from opd.policy.policy import Policy
@@ -67,6 +79,9 @@ class VLLMEngine:
         self.adapter_sync = policy.has_adapters and student.lora_sync == "adapter"
         self.version: int | None = None
         self.sleeping = False
+        self.bucket_bytes = int(student.sync_bucket_mb * 2**20)
+        self.tensor_parallel_size = int(student.sampler_options.get("tensor_parallel_size", 1))
+        self.group = consecutive_groups(self.tensor_parallel_size) if world().size > 1 else None
         self.llm = self._build(student, seed)
         self.sleep_mode = bool(student.sampler_options.get("enable_sleep_mode"))
         model_vocab = self.llm.llm_engine.model_config.get_vocab_size()
@@ -80,11 +95,17 @@ class VLLMEngine:
     def _build(self, student: StudentConfig, seed: int):
         for key, problem in student_settings_problems(student):
             raise ConfigError(f"student.{key}: {problem}")
+        config = self.policy.base_model.config
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if problem := attention_head_problem(head_size):
+            raise ConfigError(f"student.sampler: '{student.model}': {problem}")
         # The engine core must live in this process: a sync hands it the trainer's tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         options: dict[str, Any] = engine_defaults(self.policy.device) | dict(student.sampler_options)
+        if world().size > 1:
+            options["distributed_executor_backend"] = "external_launcher"
         if self.adapter_sync:
             options.setdefault("max_lora_rank", lora_rank_for_engine(student.lora_rank))
             options |= {"enable_lora": True, "max_loras": 1}
@@ -105,28 +126,37 @@ class VLLMEngine:
                 f"sampler_options {student.sampler_options}: {type(error).__name__}: {vllm_message(error)}"
             ) from error
 
-    def sync(self, policy: Policy) -> None:
-        """Push ``policy``'s weights into the engine if they changed since the last push."""
-        if policy is not self.policy:
-            raise ValueError("a VLLMEngine samples the policy it was built for")
-        if self.version == policy.version and not self.sleeping:
+    def sync(self, source) -> None:
+        """Push ``source``'s weights into the engine if their version is not the engine's.
+
+        ``source``: the policy (gathered a bucket at a time when sharded: a collective every
+        process enters together), or weights published for a worker collecting ahead (anything
+        with a ``version`` and ``sampler_weights(dtype)``).
+        """
+        if self.version == source.version and not self.sleeping:
             return
         if self.sleeping:
             self.llm.wake_up(tags=["weights"])
         if self.adapter_sync:
-            policy.save(self.adapter_dir)
+            if source is not self.policy:
+                raise ValueError("an adapter sync saves the policy's own adapter")
+            self.policy.save_adapter(self.adapter_dir)
             from vllm.lora.request import LoRARequest
 
             self.lora_request = LoRARequest("opd-student", 1, str(self.adapter_dir), load_inplace=True)
         else:
-            weights = policy.sampler_weights(self.dtype)
+            weights = (
+                self.policy.streamed_sampler_weights(self.dtype, self.bucket_bytes)
+                if source is self.policy
+                else source.sampler_weights(self.dtype)
+            )
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.apply_model(refresh_shared_weight_layers)
         if self.sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
         self.llm.reset_prefix_cache()
-        self.version = policy.version
+        self.version = source.version
 
     def rollout(
         self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]
@@ -162,6 +192,14 @@ class VLLMEngine:
         if self.version is None:
             raise RuntimeError("VLLMEngine.sample before the first sync: call sync(policy) first")
         seeds = [None] * len(prompts) if seed is None else row_seeds(seed, len(prompts))
+        share = (0, len(prompts))
+        if self.group is not None:
+            # the processes of a tensor-parallel group run one engine: each asks for every row
+            shares = all_gather_objects((list(prompts), seeds), self.group)
+            start = sum(len(rows) for rows, _ in shares[: rank_in(self.group)])
+            share = (start, start + len(prompts))
+            prompts = [row for rows, _ in shares for row in rows]
+            seeds = [row for _, rows in shares for row in rows]
         params = [
             VLLMSamplingParams(
                 n=1,
@@ -186,7 +224,7 @@ class VLLMEngine:
             use_tqdm=False,
             lora_request=self.lora_request,
         )
-        return [self._completion(output.outputs[0]) for output in outputs]
+        return [self._completion(output.outputs[0]) for output in outputs[share[0] : share[1]]]
 
     def _completion(self, output) -> Completion:
         token_ids = list(output.token_ids)

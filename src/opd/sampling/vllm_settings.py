@@ -27,6 +27,8 @@ ENGINE_OPTIONS_SET_BY_OPD = {
     "logprobs_mode": "(opd records the processed log-probs the sampler drew from)",
     "generation_config": "(opd samples from softmax(logits / temperature) only)",
     "enable_lora": "student.lora_sync",
+    "distributed_executor_backend": "(under torchrun: vLLM's external launcher, an engine a process)",
+    "data_parallel_size": "(the training processes are the engines' data-parallel ranks)",
 }
 """``vllm.LLM`` arguments opd sets itself, and the setting that decides each."""
 
@@ -58,9 +60,15 @@ def student_settings_problems(student: StudentConfig) -> list[tuple[str, str]]:
     if student.sampler != "vllm":
         return [
             (key, f"applies to sampler: vllm only (student.sampler is {student.sampler!r})")
-            for key, default in (("sampler_options", {}), ("lora_sync", "merged"))
+            for key, default in (("sampler_options", {}), ("lora_sync", "merged"), ("sync_bucket_mb", 512))
             if getattr(student, key) != default
         ]
+    if not student.sync_bucket_mb > 0:
+        return [("sync_bucket_mb", f"must be above 0, got {student.sync_bucket_mb}")]
+    tensor_parallel = student.sampler_options.get("tensor_parallel_size", 1)
+    if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+        problem = f"must be a whole number >= 1, got {tensor_parallel!r}"
+        return [("sampler_options.tensor_parallel_size", problem)]
     if not vllm_available():
         return [("sampler", f"'vllm' needs the vllm package, which is not installed; {VLLM_INSTALL_HINT}")]
     problems = [
@@ -87,3 +95,40 @@ def student_settings_problems(student: StudentConfig) -> list[tuple[str, str]]:
 def lora_rank_for_engine(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
     return next((r for r in LORA_RANKS if r >= rank), rank)
+
+
+def tensor_parallel_problem(student: StudentConfig, processes: int) -> str | None:
+    """Why ``student.sampler_options.tensor_parallel_size`` cannot shard engines over ``processes``
+    training processes (None when it can, or the sampler is not vLLM)."""
+    size = student.sampler_options.get("tensor_parallel_size", 1)
+    if student.sampler != "vllm" or size == 1:
+        return None
+    if processes == 1:
+        return (
+            f"{size} shards one engine over {size} training processes and this run is one; launch "
+            f"with torchrun --nproc_per_node {size} (or a multiple), or set it to 1"
+        )
+    if processes % size:
+        return (
+            f"{size} does not divide the {processes} training processes: each {size} consecutive "
+            "processes share one engine; choose a divisor of the number of processes"
+        )
+    return None
+
+
+def attention_head_problem(head_size: int) -> str | None:
+    """Why vLLM's attention cannot run heads of ``head_size`` on this machine (None: it can, or only
+    a GPU backend, chosen at build time, decides)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend = AttentionBackendEnum.CPU_ATTN.get_class()
+    if backend.supports_head_size(head_size):
+        return None
+    return (
+        f"the student's attention heads have {head_size} dimensions and vLLM's CPU attention runs "
+        f"{', '.join(map(str, backend.get_supported_head_sizes()))} only; use sampler: hf for this model"
+    )

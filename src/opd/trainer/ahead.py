@@ -13,14 +13,17 @@ that step + 1) is at most k; a batch older than k would be dropped and collected
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
     from opd.trainer.loop import Batch, Trainer
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,19 @@ class AheadCollector:
         self.max_staleness = max_staleness
         self.end_step = end_step
         self.engine = trainer.ahead_engine
-        self.dtype = self.engine.copy.dtype
+        self.dtype = self.engine.dtype
+        self.bucket_bytes = int(trainer.config.student.sync_bucket_mb * 2**20)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="opd-collect")
         self.pending: dict[int, tuple[PublishedWeights, Future]] = {}
         self.published = self._take(start_step)
 
     def _take(self, step: int) -> PublishedWeights:
         policy = self.trainer.policy
-        with torch.no_grad(), policy.gathered():
-            weights = {name: tensor.clone() for name, tensor in policy.sampler_weights(self.dtype)}
+        with torch.no_grad():
+            weights = {
+                name: tensor.clone()
+                for name, tensor in policy.streamed_sampler_weights(self.dtype, self.bucket_bytes)
+            }
         return PublishedWeights(policy.version, step, weights)
 
     def publish(self, next_step: int) -> float:
@@ -90,6 +97,11 @@ class AheadCollector:
         batch.staleness = staleness
         batch.seconds["time/wait_for_batch"] = waited
         return batch
+
+    def on_worker(self, task: Callable[[PublishedWeights], T]) -> T:
+        """``task(published weights)`` run on the worker thread, after the batches handed to it
+        (evaluation with an engine the worker samples with: one thread drives it)."""
+        return self.executor.submit(task, self.published).result()
 
     def close(self) -> None:
         """Stop the worker, dropping batches not yet started."""

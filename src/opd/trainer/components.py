@@ -71,18 +71,21 @@ class RunComponents:
         self.engine = build_rollout_engine(
             student_cfg, self.policy, self.tokenizer, self.renderer, seed=config.seed
         )
-        self.ahead_engine = (
-            HFEngine(
-                self.policy,
-                self.tokenizer,
-                stop_token_ids=self.renderer.stop_token_ids,
-                stop_strings=self.renderer.stop_strings,
-                sampling_dtype=DTYPES.get(student_cfg.sampling_dtype),
-                copy=True,
+        self.ahead_engine = None
+        if training.max_staleness:
+            # vLLM's engine takes published weights pushed into it; HF needs a copy to hold them
+            self.ahead_engine = (
+                HFEngine(
+                    self.policy,
+                    self.tokenizer,
+                    stop_token_ids=self.renderer.stop_token_ids,
+                    stop_strings=self.renderer.stop_strings,
+                    sampling_dtype=DTYPES.get(student_cfg.sampling_dtype),
+                    copy=True,
+                )
+                if isinstance(self.engine, HFEngine)
+                else self.engine
             )
-            if training.max_staleness
-            else None
-        )
         self.policy.parallelize()
         if load_from is not None and self.resumed_model_dir is None and has_sharded_state(load_from):
             load_sharded_state(load_from, self.policy)

@@ -138,6 +138,8 @@ class Trainer(RunComponents):
         self.progress = progress
         self.spans = SpanRecorder(None)
         self.sync_seconds = 0.0
+        self.ahead: AheadCollector | None = None
+        """The worker collecting ahead, while :meth:`run` runs with ``max_staleness`` > 0."""
 
     def data_source_at(self, step: int) -> str:
         """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""
@@ -348,21 +350,32 @@ class Trainer(RunComponents):
         return kl / max(tokens, 1.0)
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
-        """``test/*`` metrics of the current student on every dataset's held-out prompts."""
+        """``test/*`` metrics of the current student on every dataset's held-out prompts.
+
+        An engine that a worker collecting ahead samples with is driven by that worker alone:
+        evaluation runs there, on the weights published after the last update (the current ones).
+        """
         started = time.perf_counter()
         with self.spans.span(step if step is not None else -1, "eval"):
-            if self.sampler is self.engine:
-                self.engine.sync(self.policy)
-            metrics = evaluate(
-                self.sampler,
-                self.renderer,
-                self.eval_sets,
-                temperature=self.config.training.temperature,
-                max_tokens=self.config.training.max_tokens,
-                seed=self.config.seed,
-                pad_id=self.sampler.pad_id,
-            )
+            if self.ahead is not None and self.sampler is self.ahead.engine:
+                metrics = self.ahead.on_worker(self._evaluate_synced)
+            else:
+                metrics = self._evaluate_synced(self.policy)
         return metrics | {"time/eval": time.perf_counter() - started}
+
+    def _evaluate_synced(self, weights) -> dict[str, float]:
+        """:func:`opd.runs.evaluation.evaluate` with the sampler, an engine synced to ``weights`` first."""
+        if self.sampler is self.engine:
+            self.engine.sync(weights)
+        return evaluate(
+            self.sampler,
+            self.renderer,
+            self.eval_sets,
+            temperature=self.config.training.temperature,
+            max_tokens=self.config.training.max_tokens,
+            seed=self.config.seed,
+            pad_id=self.sampler.pad_id,
+        )
 
     def run(self) -> TrainResult:
         """Train from the start point ``log_path`` dictates up to ``num_steps``, checkpointing on the way.
@@ -398,6 +411,7 @@ class Trainer(RunComponents):
         self.spans = SpanRecorder(log_path / TIMING_NAME if main else None)
         staleness = self.config.training.max_staleness
         ahead = AheadCollector(self, staleness, start.step, self.num_steps) if staleness else None
+        self.ahead = ahead
         checkpoint_seconds = None
         bar = tqdm(
             total=self.num_steps,
@@ -486,6 +500,7 @@ class Trainer(RunComponents):
             stop.uninstall()
             if ahead:
                 ahead.close()
+                self.ahead = None
             bar.close()
             # after a failure (a full disk above all), a close that fails too must not hide the first error
             for handle in (writer, samples, *loggers, self.spans):

