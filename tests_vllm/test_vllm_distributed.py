@@ -212,6 +212,11 @@ def test_a_process_killed_mid_run_resumes_to_the_uninterrupted_run(vllm_models, 
             "and this run is one; launch with torchrun --nproc_per_node 2",
         ),
         (
+            ["student.sampler_options.max_model_len=100000"],
+            2,
+            "student.sampler_options: vLLM refuses the engines of 2 processes for '",
+        ),
+        (
             ["student.sampler_options.distributed_executor_backend=mp"],
             2,
             "student.sampler_options.distributed_executor_backend: set by opd",

@@ -218,17 +218,28 @@ def test_collection_ahead_with_an_adapter_sync_is_refused(vllm_config):
         config_from_dict(vllm_config)
 
 
-def test_the_eight_gpu_recipe_resolves_for_8_processes_and_its_tensor_parallel_variant_for_pairs():
+def test_the_eight_gpu_recipe_resolves_for_8_processes_and_its_tensor_parallel_variant_for_pairs(
+    vllm_models,
+):
+    """Every key of the recipe is valid and its engine layout fits 8 processes (vLLM checks it
+    from the model's config file: a local tiny model stands in for the hub's Qwen3 here, with the
+    settings vLLM's CPU platform or the tiny model cannot take overridden: sleep mode, 5120 tokens)."""
     from pathlib import Path
 
     from opd.config import load_config
     from opd.trainer.processes import check_processes
 
     recipe = str(Path(__file__).parents[1] / "examples" / "vllm_fsdp_8gpu.yaml")
-    config = load_config(recipe, [])
+    local = [
+        f"student.model={vllm_models['untied']}",
+        f"teacher.model={vllm_models['teacher']}",
+        "student.sampler_options.enable_sleep_mode=false",
+        "student.sampler_options.max_model_len=256",
+    ]
+    config = load_config(recipe, local)
     assert config.student.sampler == "vllm" and config.training.max_tokens == 4096
     assert check_processes(config, 8) == "fsdp"
-    paired = load_config(recipe, ["student.sampler_options.tensor_parallel_size=2"])
+    paired = load_config(recipe, [*local, "student.sampler_options.tensor_parallel_size=2"])
     assert check_processes(paired, 8) == "fsdp"
     with pytest.raises(ConfigError, match="3 does not divide the 8 training processes"):
-        check_processes(load_config(recipe, ["student.sampler_options.tensor_parallel_size=3"]), 8)
+        check_processes(load_config(recipe, [*local, "student.sampler_options.tensor_parallel_size=3"]), 8)

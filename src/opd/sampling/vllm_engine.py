@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import tempfile
 import weakref
@@ -43,6 +42,7 @@ from opd.sampling.vllm_settings import (
     attention_head_problem,
     lora_rank_for_engine,
     student_settings_problems,
+    vllm_message,
 )
 
 if TYPE_CHECKING:
@@ -232,15 +232,6 @@ class VLLMEngine:
             float(step[token].logprob) for step, token in zip(output.logprobs, token_ids, strict=True)
         ]
         return Completion(token_ids, logprobs, finished=output.finish_reason == "stop")
-
-
-def vllm_message(error: Exception) -> str:
-    """vLLM's error on one line, without pydantic's echo of every argument and its help link
-    (a rejected option's reason sits on the second line of a pydantic ValidationError)."""
-    text = " ".join(str(error).split())
-    text = re.sub(r"\s*\[type=[^\]]*\]", "", text)
-    text = re.sub(r"\s*For further information visit \S+", "", text)
-    return text[:500] or type(error).__name__
 
 
 def refresh_shared_weight_layers(model) -> None:

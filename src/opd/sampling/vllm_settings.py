@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import re
+from pathlib import Path
 from typing import Any
 
 from opd.policy.config import StudentConfig
@@ -132,3 +134,39 @@ def attention_head_problem(head_size: int) -> str | None:
         f"the student's attention heads have {head_size} dimensions and vLLM's CPU attention runs "
         f"{', '.join(map(str, backend.get_supported_head_sizes()))} only; use sampler: hf for this model"
     )
+
+
+def vllm_message(error: Exception) -> str:
+    """vLLM's error on one line, without pydantic's echo of every argument and its help link
+    (a rejected option's reason sits on the second line of a pydantic ValidationError)."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"\s*\[type=[^\]]*\]", "", text)
+    text = re.sub(r"\s*For further information visit \S+", "", text)
+    return text[:500] or type(error).__name__
+
+
+def engine_layout_problem(student: StudentConfig, processes: int) -> str | None:
+    """vLLM's own verdict on the engines a run of ``processes`` processes would build, asked before
+    any process or model starts: the engine's config is resolved from the model's config file,
+    not its weights (under a second once vLLM is imported)."""
+    if student.sampler != "vllm" or processes == 1:
+        return None
+    from vllm.engine.arg_utils import EngineArgs
+
+    options = dict(student.sampler_options) | {"distributed_executor_backend": "external_launcher"}
+    if student.lora_rank and student.lora_sync == "adapter":
+        options.setdefault("max_lora_rank", lora_rank_for_engine(student.lora_rank))
+        options |= {"enable_lora": True, "max_loras": 1}
+    dtype = student.sampling_dtype or student.dtype
+    try:
+        EngineArgs(
+            model=str(Path(student.model).expanduser()),
+            tokenizer=student.tokenizer,
+            dtype=dtype,
+            trust_remote_code=student.trust_remote_code,
+            **options,
+        ).create_engine_config()
+    except Exception as error:  # vLLM raises ValueError, TypeError, pydantic and OS errors
+        reason = f"{type(error).__name__}: {vllm_message(error)}"
+        return f"vLLM refuses the engines of {processes} processes for '{student.model}': {reason}"
+    return None

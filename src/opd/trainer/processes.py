@@ -9,7 +9,7 @@ from opd.config import Config, ConfigError
 from opd.data.batching import rank_split_problem
 from opd.distributed import LAUNCH_HINT, World, process_device, resolve_backend
 from opd.models import resolve_device
-from opd.sampling.vllm_settings import tensor_parallel_problem
+from opd.sampling.vllm_settings import engine_layout_problem, tensor_parallel_problem
 
 
 def parallel_mode(requested: str, processes: int) -> str:
@@ -69,6 +69,8 @@ def check_processes(config: Config, processes: int) -> str:
         )
     if problem := tensor_parallel_problem(config.student, processes):
         raise ConfigError(f"student.sampler_options.tensor_parallel_size: {problem}")
+    if problem := engine_layout_problem(config.student, processes):
+        raise ConfigError(f"student.sampler_options: {problem}")
     return parallel
 
 
