@@ -268,7 +268,15 @@ def test_a_batch_collected_ahead_is_sampled_by_the_weights_published_before_it(
     trainer = Trainer(config_from_dict(config), progress=False)
     assert trainer.ahead_engine is trainer.engine
     before = {name: value.clone() for name, value in trainer.student.state_dict().items()}
-    ahead = AheadCollector(trainer, 1, 0, 3)
+    ahead = AheadCollector(
+        trainer.collect,
+        trainer.policy,
+        trainer.ahead_engine,
+        max_staleness=1,
+        start_step=0,
+        end_step=3,
+        bucket_bytes=2**30,
+    )
     try:
         trainer.learn(ahead.batch(0))
         ahead.publish(1)

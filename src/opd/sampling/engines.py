@@ -37,7 +37,25 @@ def _vllm_engine(student: StudentConfig, policy: Policy, tokenizer, renderer: Ch
     )
 
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf_engine, "vllm": _vllm_engine}
+def _vllm_server_engine(
+    student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer, seed: int
+):
+    from opd.sampling.vllm_server import VLLMServerEngine
+
+    return VLLMServerEngine(
+        student,
+        policy,
+        tokenizer,
+        stop_token_ids=renderer.stop_token_ids,
+        stop_strings=renderer.stop_strings,
+    )
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "hf": _hf_engine,
+    "vllm": _vllm_engine,
+    "vllm_server": _vllm_server_engine,
+}
 """Each value of ``student.sampler`` and how its engine is built."""
 
 

@@ -57,16 +57,32 @@ def engine_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
+SETTINGS_OF_SAMPLERS = {
+    "sampler_options": ({}, ("vllm",)),
+    "lora_sync": ("merged", ("vllm",)),
+    "sync_bucket_mb": (512, ("vllm", "vllm_server")),
+    "rollout_servers": ([], ("vllm_server",)),
+    "rollout_timeout_s": (300, ("vllm_server",)),
+    "rollout_weights_dir": (None, ("vllm_server",)),
+}
+"""Each sampler setting's default and the samplers it applies to."""
+
+
 def student_settings_problems(student: StudentConfig) -> list[tuple[str, str]]:
     """``(field, problem)`` for the student's sampler settings, found before anything is loaded."""
-    if student.sampler != "vllm":
-        return [
-            (key, f"applies to sampler: vllm only (student.sampler is {student.sampler!r})")
-            for key, default in (("sampler_options", {}), ("lora_sync", "merged"), ("sync_bucket_mb", 512))
-            if getattr(student, key) != default
-        ]
+    misplaced = [
+        (key, f"applies to sampler: {' or '.join(samplers)} only (student.sampler is {student.sampler!r})")
+        for key, (default, samplers) in SETTINGS_OF_SAMPLERS.items()
+        if student.sampler not in samplers and getattr(student, key) != default
+    ]
+    if misplaced:
+        return misplaced
+    if student.sampler == "hf":
+        return []
     if not student.sync_bucket_mb > 0:
         return [("sync_bucket_mb", f"must be above 0, got {student.sync_bucket_mb}")]
+    if student.sampler == "vllm_server":
+        return server_settings_problems(student)
     tensor_parallel = student.sampler_options.get("tensor_parallel_size", 1)
     if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
         problem = f"must be a whole number >= 1, got {tensor_parallel!r}"
@@ -170,3 +186,19 @@ def engine_layout_problem(student: StudentConfig, processes: int) -> str | None:
         reason = f"{type(error).__name__}: {vllm_message(error)}"
         return f"vLLM refuses the engines of {processes} processes for '{student.model}': {reason}"
     return None
+
+
+def server_settings_problems(student: StudentConfig) -> list[tuple[str, str]]:
+    """``(field, problem)`` for ``sampler: vllm_server``: servers named, reachable by URL, a sane timeout."""
+    if not student.rollout_servers:
+        return [("rollout_servers", "sampler: vllm_server needs at least one server URL (http://host:port)")]
+    problems = [
+        (f"rollout_servers[{index}]", f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+        for index, url in enumerate(student.rollout_servers)
+        if not (isinstance(url, str) and re.fullmatch(r"https?://[^\s/]+(/\S*)?", url))
+    ]
+    if len(set(student.rollout_servers)) != len(student.rollout_servers):
+        problems.append(("rollout_servers", "a server is listed twice"))
+    if not student.rollout_timeout_s > 0:
+        problems.append(("rollout_timeout_s", f"must be above 0, got {student.rollout_timeout_s}"))
+    return problems

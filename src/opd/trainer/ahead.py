@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from opd.sampling.base import RolloutEngine
+from opd.trainer.batch import Batch
+
 if TYPE_CHECKING:
-    from opd.trainer.loop import Batch, Trainer
+    from opd.policy.policy import Policy
 
 T = TypeVar("T")
 
@@ -41,30 +44,45 @@ class PublishedWeights:
         return ((name, tensor.to(dtype)) for name, tensor in self.weights.items())
 
 
+Collect = Callable[[int, RolloutEngine], Batch]
+"""Collects step ``i``'s batch with the given engine, already synced (the loop's ``collect``)."""
+
+
 class AheadCollector:
     """Hands out step ``i``'s batch, keeping the batches of steps up to ``i + max_staleness`` in
-    collection on one worker thread with its own sampling copy of the student (the trainer's
-    ``ahead_engine``, made before the student was sharded)."""
+    collection on one worker thread, which drives ``engine`` (a sampling copy of the student made
+    before it was sharded, or a vLLM engine or servers that take published weights) and calls
+    ``collect`` with it: the collector knows the policy and the engine, never the loop."""
 
-    def __init__(self, trainer: Trainer, max_staleness: int, start_step: int, end_step: int):
-        self.trainer = trainer
+    def __init__(
+        self,
+        collect: Collect,
+        policy: Policy,
+        engine: RolloutEngine,
+        *,
+        max_staleness: int,
+        start_step: int,
+        end_step: int,
+        bucket_bytes: int,
+    ):
+        self.collect = collect
+        self.policy = policy
         self.max_staleness = max_staleness
         self.end_step = end_step
-        self.engine = trainer.ahead_engine
-        self.dtype = self.engine.dtype
-        self.bucket_bytes = int(trainer.config.student.sync_bucket_mb * 2**20)
+        self.engine = engine
+        self.dtype = engine.dtype
+        self.bucket_bytes = bucket_bytes
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="opd-collect")
         self.pending: dict[int, tuple[PublishedWeights, Future]] = {}
         self.published = self._take(start_step)
 
     def _take(self, step: int) -> PublishedWeights:
-        policy = self.trainer.policy
         with torch.no_grad():
             weights = {
                 name: tensor.clone()
-                for name, tensor in policy.streamed_sampler_weights(self.dtype, self.bucket_bytes)
+                for name, tensor in self.policy.streamed_sampler_weights(self.dtype, self.bucket_bytes)
             }
-        return PublishedWeights(policy.version, step, weights)
+        return PublishedWeights(self.policy.version, step, weights)
 
     def publish(self, next_step: int) -> float:
         """Publish the weights after an update, for the batches handed out from now; seconds taken."""
@@ -74,7 +92,7 @@ class AheadCollector:
 
     def _collect(self, step: int, weights: PublishedWeights) -> Batch:
         self.engine.sync(weights)
-        return self.trainer.collect(step, engine=self.engine)
+        return self.collect(step, self.engine)
 
     def _submit(self, step: int) -> None:
         weights = self.published

@@ -29,7 +29,7 @@ from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, barrier
 from opd.errors import CheckpointError, DivergenceError, RunInterrupted
-from opd.objectives.advantages import reverse_kl_per_token, standardized
+from opd.objectives.advantages import standardized
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import examples, sample_records
 from opd.runs.evaluation import evaluate
@@ -55,8 +55,8 @@ from opd.runs.storage import check_log_path, disk_full_error, out_of_space
 from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.runs.watchdog import Watchdog
 from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
-from opd.teachers.base import TeacherScores
 from opd.trainer.ahead import AheadCollector
+from opd.trainer.batch import Batch
 from opd.trainer.components import RunComponents
 from opd.trainer.sft import completion_tokens
 from opd.trainer.stopping import StopOnSignal
@@ -93,36 +93,6 @@ class TrainResult:
     renderer: ChatRenderer
     metrics: list[dict] = field(default_factory=list)
     log_path: Path = Path(".")
-
-
-@dataclass
-class Batch:
-    """One step's finished batch: everything :meth:`Trainer.learn` needs, nothing it must fetch."""
-
-    step: int
-    source: str
-    """Who wrote the completions: ``student``, ``teacher`` or ``dataset``."""
-    rollouts: RolloutBatch
-    teacher: TeacherScores | None
-    """The teachers' answer, as the objective asked for it (None: it needs none)."""
-    seconds: dict[str, float]
-    """``time/sample`` (which includes ``time/weight_sync`` on student batches) and ``time/teacher``."""
-    staleness: int | None = None
-    """Collected ahead: how many updates the weights that sampled it lag behind (None: synchronous)."""
-
-    @property
-    def on_policy(self) -> bool:
-        """Whether the student sampled the batch itself."""
-        return self.source == "student"
-
-    @property
-    def reverse_kl_BT(self) -> torch.Tensor | None:
-        """The sampled-token reverse KL ``log p - log q`` per completion token (None without a teacher)."""
-        if self.teacher is None:
-            return None
-        return reverse_kl_per_token(
-            self.rollouts.sampled_logprobs_BT, self.teacher.logprobs_BT, self.rollouts.mask_BT
-        )
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -410,7 +380,19 @@ class Trainer(RunComponents):
         samples = JsonlWriter(log_path / SAMPLES_NAME) if main else None
         self.spans = SpanRecorder(log_path / TIMING_NAME if main else None)
         staleness = self.config.training.max_staleness
-        ahead = AheadCollector(self, staleness, start.step, self.num_steps) if staleness else None
+        ahead = (
+            AheadCollector(
+                self.collect,
+                self.policy,
+                self.ahead_engine,
+                max_staleness=staleness,
+                start_step=start.step,
+                end_step=self.num_steps,
+                bucket_bytes=int(self.config.student.sync_bucket_mb * 2**20),
+            )
+            if staleness
+            else None
+        )
         self.ahead = ahead
         checkpoint_seconds = None
         bar = tqdm(

