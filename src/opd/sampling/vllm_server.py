@@ -171,7 +171,6 @@ class VLLMServerEngine:
         *,
         stop_token_ids: list[int],
         stop_strings: list[str] | None = None,
-        seed: int = 0,
     ):
         self.policy = policy
         self.stop_token_ids = list(stop_token_ids)
@@ -227,7 +226,7 @@ class VLLMServerEngine:
                 self._push(weights, source.version)
             except RolloutServerError as error:
                 failure = str(error)
-        else:
+        elif source is self.policy and self.policy.sharded:
             for _ in weights:  # the gather is a collective: take part, rank 0 writes
                 pass
         failure = broadcast_object(failure, self.group)
