@@ -145,3 +145,25 @@ def test_advantage_clip_bounds_the_advantages_a_step_learns_from(base_config):
     assert metrics["advantage/mean"] == pytest.approx(float(expected.mean()), rel=1e-5)
     assert metrics["advantage/min"] == pytest.approx(float(expected.min()), rel=1e-5)
     assert metrics["advantage/max"] == pytest.approx(float(expected.max()), rel=1e-5)
+
+
+@pytest.mark.parametrize("source", ["behaviour", "current"])
+def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(base_config, source):
+    """A stale sampler: the batch's recorded log-probs are 0.3 nats off the student's. ``current``
+    builds the reverse-KL advantage from the student's own log-probs (one forward before the
+    update), ``behaviour`` from the recorded ones; the logged teacher KL stays the sampled one."""
+    base_config["training"] |= {"advantage_logprobs": source}
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    batch = trainer.collect(0)
+    selected = batch.rollouts.mask_BT.bool()
+    current = trainer.policy_logprobs(batch.rollouts)
+    assert float((current - batch.rollouts.sampled_logprobs_BT)[selected].abs().max()) < 1e-4
+    batch.rollouts.sampled_logprobs_BT[selected] += 0.3
+    metrics = trainer.learn(batch)
+    teacher = batch.teacher.logprobs_BT[selected]
+    student = current[selected] if source == "current" else batch.rollouts.sampled_logprobs_BT[selected]
+    assert metrics["advantage/mean"] == pytest.approx(-float((student - teacher).mean()), rel=1e-5)
+    assert metrics["teacher_kl"] == pytest.approx(
+        float((batch.rollouts.sampled_logprobs_BT[selected] - teacher).mean()), rel=1e-5
+    )
+    assert metrics["kl_sample_train"] == pytest.approx(0.3, abs=1e-3)  # the ratio stays on the behaviour

@@ -109,6 +109,7 @@ def test_misplaced_and_unknown_options_are_named(override, message):
         "kl_discount_factor=0.5",
         "advantage_clip=5",
         "normalize_advantages=true",
+        "advantage_logprobs=current",
         "loss_fn=ppo",
     ],
 )

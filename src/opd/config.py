@@ -98,7 +98,7 @@ class TrainingConfig:
     shows even a far-off student the token the teacher wants; ``sampled_reverse_kl`` where that
     cannot serve: a ``cross_tokenizer`` teacher, a policy-gradient setting given
     (``kl_penalty_coef``, ``kl_discount_factor``, ``advantage_clip``, ``normalize_advantages``,
-    ``loss_fn``, ``loss_fn_config``), or a remote
+    ``advantage_logprobs``, ``loss_fn``, ``loss_fn_config``), or a remote
     teacher with ``temperature`` other than 1 (docs/defaults.md)."""
     data_source: Literal["student", "teacher", "mixed", "dataset"] = "student"
     """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
@@ -134,6 +134,13 @@ class TrainingConfig:
     deviation (over every completion token of the whole batch, on every process; after any
     discount and clip), so the step sees a baseline and a scale that do not depend on how far
     the student is from the teacher. The logged ``advantage/*`` stay the unnormalised nats."""
+    advantage_logprobs: Literal["behaviour", "current"] = "behaviour"
+    """Objectives with advantages: the student log-probs the reverse-KL advantage is built from.
+    ``behaviour``: those recorded by the sampler (the tinker recipe); ``current``: each sampled
+    token's log-prob under the weights about to be updated, from one no-grad forward before the
+    update (an extra forward a step), the remedy for stale samples (``max_staleness`` > 0:
+    asynchronous on-policy distillation, NOTES.md section 6). The importance ratio of the policy
+    loss stays against the behaviour log-probs either way."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
     """Objectives with advantages: the policy loss on the sampled tokens (formulas in
     ``opd.objectives.policy_losses``)."""
@@ -485,6 +492,7 @@ POLICY_GRADIENT_KEYS = (
     "kl_discount_factor",
     "advantage_clip",
     "normalize_advantages",
+    "advantage_logprobs",
     "loss_fn",
     "loss_fn_config",
 )

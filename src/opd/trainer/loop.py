@@ -259,9 +259,10 @@ class Trainer(RunComponents):
             return metrics | {"skipped": 1} | batch.seconds
         advantages = torch.zeros_like(mask)
         if teacher is not None:
-            shaped = self.objective.advantages(
-                rollouts.sampled_logprobs_BT, teacher, mask, policy_gradient(training)
-            )
+            student_logprobs = rollouts.sampled_logprobs_BT
+            if training.advantage_logprobs == "current" and batch.on_policy:
+                student_logprobs = self.policy_logprobs(rollouts).to(student_logprobs.device)
+            shaped = self.objective.advantages(student_logprobs, teacher, mask, policy_gradient(training))
             if shaped is not None:
                 spread = advantage_metrics(shaped, mask)
                 metrics |= spread
@@ -304,8 +305,9 @@ class Trainer(RunComponents):
         return self.learn(self.collect(step))
 
     @torch.no_grad()
-    def post_update_kl(self, rollouts: RolloutBatch) -> float:
-        """KL(policy before || after) the update, per token, on the batch the student sampled."""
+    def policy_logprobs(self, rollouts: RolloutBatch) -> torch.Tensor:
+        """The student's current log-prob of every completion token of ``rollouts`` (B, T), at the
+        run's temperature (a forward every process makes together when the student is sharded)."""
         training = self.config.training
         logprobs, _ = self.policy.sequence_logprobs(
             rollouts.input_ids_BT,
@@ -314,6 +316,12 @@ class Trainer(RunComponents):
             temperature=training.temperature,
             chunk_size=training.logprob_chunk_size,
         )
+        return logprobs
+
+    @torch.no_grad()
+    def post_update_kl(self, rollouts: RolloutBatch) -> float:
+        """KL(policy before || after) the update, per token, on the batch the student sampled."""
+        logprobs = self.policy_logprobs(rollouts)
         mask = rollouts.mask_BT.to(logprobs.device)
         sampled = rollouts.sampled_logprobs_BT.to(logprobs.device)
         kl, tokens = all_reduce([float(((sampled - logprobs) * mask).sum()), float(mask.sum())])
