@@ -66,6 +66,7 @@ class Server:
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=env,
+                start_new_session=True,  # its engine core is a child: signals go to the group
             )
         return self
 
@@ -73,11 +74,12 @@ class Server:
         try:
             wait_until_up(self.port, self.process, timeout_s=300)
         except (RuntimeError, TimeoutError):
-            self.process.kill()
+            self.stop(signal.SIGKILL)
             raise RuntimeError(f"the rollout server did not start:\n{self.log.read_text()[-3000:]}") from None
 
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
+    def stop(self, number: int = signal.SIGTERM) -> None:
+        """Signal the server and its engine core; wait until the server is gone."""
+        os.killpg(self.process.pid, number)
         self.process.wait(timeout=60)
 
 
@@ -89,8 +91,7 @@ def servers(vllm_models, tmp_path_factory):
         server.wait()
     yield started
     for server in started:
-        server.process.terminate()
-        server.process.wait(timeout=60)
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +252,7 @@ def test_a_server_killed_mid_run_stops_it_naming_the_server_and_the_run_resumes_
     )  # fmt: skip
     metrics = tmp_path / "killed" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, job)
-    servers[1].kill()
+    servers[1].stop(signal.SIGKILL)
     _, stderr = job.communicate(timeout=240)
     assert job.returncode == 2, stderr[-2000:]
     (line,) = [line for line in stderr.splitlines() if line.startswith("opd: error")]
