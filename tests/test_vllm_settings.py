@@ -32,7 +32,9 @@ def test_vllm_only_settings_are_refused_with_the_hf_sampler(base_config, key, va
 def test_sampler_name_is_checked(base_config):
     base_config["student"]["sampler"] = "vlm"
     with pytest.raises(
-        ConfigError, match=r"student\.sampler: 'vlm' is not one of \['hf', 'vllm'\] \(did you mean 'vllm'\?\)"
+        ConfigError,
+        match=r"student\.sampler: 'vlm' is not one of \['hf', 'vllm', 'vllm_server'\] "
+        r"\(did you mean 'vllm'\?\)",
     ):
         config_from_dict(base_config)
 
