@@ -31,6 +31,7 @@ from opd.trainer.loop import Trainer, train
 from tests.servers import free_port, wait_until_up
 from tests.test_distributed import WORDS, assert_same_metrics, two_processes, write
 from tests_vllm.conftest import ENGINE_OPTIONS
+from tests_vllm.test_vllm_distributed import one_process
 
 TOLERANCE = 1e-5
 
@@ -173,7 +174,14 @@ def test_a_server_samples_from_the_trained_weights_as_the_in_process_engine(
 
 
 def test_two_servers_and_two_training_processes_with_lora(vllm_models, prompts, servers, tmp_path):
-    reference = colocated(vllm_models, prompts, tmp_path / "colocated", {"student": {"lora_rank": 4}})
+    """Against the in-process engine on one process with one thread, as each training process runs
+    (threads change the order floats are summed in)."""
+    reference_config = run_config(
+        vllm_models, prompts, tmp_path / "colocated", sampler="vllm", sampler_options=dict(ENGINE_OPTIONS)
+    )
+    reference_config["student"]["lora_rank"] = 4
+    one_process(write(reference_config, tmp_path / "colocated.yaml"))
+    reference = read_jsonl(tmp_path / "colocated" / "metrics.jsonl")
     config = on_servers(vllm_models, prompts, tmp_path / "two", servers, lora_rank=4)
     two_processes(write(config, tmp_path / "two.yaml"))
     rows = read_jsonl(tmp_path / "two" / "metrics.jsonl")
