@@ -40,7 +40,7 @@ from opd.policy.config import StudentConfig
 from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
 from opd.sampling.vllm_settings import (
     attention_head_problem,
-    lora_rank_for_engine,
+    engine_options,
     student_settings_problems,
     vllm_message,
 )
@@ -103,12 +103,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        options: dict[str, Any] = engine_defaults(self.policy.device) | dict(student.sampler_options)
-        if world().size > 1:
-            options["distributed_executor_backend"] = "external_launcher"
-        if self.adapter_sync:
-            options.setdefault("max_lora_rank", lora_rank_for_engine(student.lora_rank))
-            options |= {"enable_lora": True, "max_loras": 1}
+        options = engine_defaults(self.policy.device) | engine_options(student, world().size)
         try:
             return LLM(
                 model=str(Path(student.model).expanduser()),  # a hub id passes through unchanged

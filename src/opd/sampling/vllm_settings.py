@@ -161,6 +161,18 @@ def vllm_message(error: Exception) -> str:
     return text[:500] or type(error).__name__
 
 
+def engine_options(student: StudentConfig, processes: int) -> dict[str, Any]:
+    """``student.sampler_options`` with what the run's layout adds: vLLM's external launcher under
+    torchrun, and a LoRA slot that holds the adapter for ``lora_sync: adapter``."""
+    options = dict(student.sampler_options)
+    if processes > 1:
+        options["distributed_executor_backend"] = "external_launcher"
+    if student.lora_rank and student.lora_sync == "adapter":
+        options.setdefault("max_lora_rank", lora_rank_for_engine(student.lora_rank))
+        options |= {"enable_lora": True, "max_loras": 1}
+    return options
+
+
 def engine_layout_problem(student: StudentConfig, processes: int) -> str | None:
     """vLLM's own verdict on the engines a run of ``processes`` processes would build, asked before
     any process or model starts: the engine's config is resolved from the model's config file,
@@ -169,10 +181,7 @@ def engine_layout_problem(student: StudentConfig, processes: int) -> str | None:
         return None
     from vllm.engine.arg_utils import EngineArgs
 
-    options = dict(student.sampler_options) | {"distributed_executor_backend": "external_launcher"}
-    if student.lora_rank and student.lora_sync == "adapter":
-        options.setdefault("max_lora_rank", lora_rank_for_engine(student.lora_rank))
-        options |= {"enable_lora": True, "max_loras": 1}
+    options = engine_options(student, processes)
     dtype = student.sampling_dtype or student.dtype
     try:
         EngineArgs(
