@@ -6,7 +6,7 @@ import pytest
 from opd.config import ConfigError, config_from_dict
 from opd.sampling import vllm_settings
 from opd.sampling.base import row_seed
-from opd.sampling.vllm_engine import lora_rank_for_engine
+from opd.sampling.vllm_settings import lora_rank_for_engine
 
 
 def test_sampler_vllm_without_vllm_says_what_to_install(base_config, monkeypatch):
