@@ -24,9 +24,7 @@ from pathlib import Path
 from provenance import write_result
 
 
-def one_run(
-    staleness: int, source: str, seed: int, steps: int, teacher, eval_prompts, models
-) -> dict:
+def one_run(staleness: int, source: str, seed: int, steps: int, teacher, eval_prompts, models) -> dict:
     from opd.config import config_from_dict, config_to_dict
     from opd.demo.run import demo_config, measure
     from opd.trainer.loop import train

@@ -147,12 +147,21 @@ def test_advantage_clip_bounds_the_advantages_a_step_learns_from(base_config):
     assert metrics["advantage/max"] == pytest.approx(float(expected.max()), rel=1e-5)
 
 
-@pytest.mark.parametrize("source", ["behaviour", "current"])
-def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(base_config, source):
+@pytest.mark.parametrize(
+    ("settings", "source"),
+    [
+        ({"advantage_logprobs": "behaviour"}, "behaviour"),
+        ({"advantage_logprobs": "current"}, "current"),
+        ({}, "behaviour"),  # unset, synchronous: the recorded log-probs are the policy's own
+        ({"max_staleness": 2}, "current"),  # unset, collecting ahead: the remedy
+        ({"max_staleness": 2, "advantage_logprobs": "behaviour"}, "behaviour"),
+    ],
+)
+def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(base_config, settings, source):
     """A stale sampler: the batch's recorded log-probs are 0.3 nats off the student's. ``current``
     builds the reverse-KL advantage from the student's own log-probs (one forward before the
     update), ``behaviour`` from the recorded ones; the logged teacher KL stays the sampled one."""
-    base_config["training"] |= {"advantage_logprobs": source}
+    base_config["training"] |= settings
     trainer = Trainer(config_from_dict(base_config), progress=False)
     batch = trainer.collect(0)
     selected = batch.rollouts.mask_BT.bool()

@@ -122,4 +122,4 @@ def test_eval_needs_held_out_prompts(base_config, tmp_path, capsys):
     base_config["datasets"][0]["eval_source"] = base_config["datasets"][0]["source"]
     trainer = Trainer(config_from_dict(base_config), progress=False)
     assert trainer.eval_sets[0].grader is None  # some prompts carry no answer: teacher KL only
-    assert set(trainer.evaluate()) == {"test/rev/teacher_kl", "time/eval"}
+    assert set(trainer.evaluate()) == {"test/rev/teacher_kl", "test/rev/num_prompts", "time/eval"}

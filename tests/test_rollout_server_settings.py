@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from opd.cli import main
 from opd.config import ConfigError, config_from_dict, load_config
+from opd.sampling.vllm_server import rollout_server_command
 from opd.trainer.processes import check_processes
 
 RECIPE = Path(__file__).parents[1] / "examples" / "rollout_servers_8gpu.yaml"
@@ -55,3 +57,40 @@ def test_server_settings_that_cannot_work_are_refused_naming_the_field(base_conf
     base_config["student"] |= student
     with pytest.raises(ConfigError, match=message):
         config_from_dict(base_config)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--logprobs-mode", "raw_logprobs"], "--logprobs-mode is set by opd to processed_logprobs"),
+        (["--generation-config=auto"], "--generation-config is set by opd to vllm"),
+        (["--model", "other"], "--model is set by opd from MODEL, --host and --port"),
+    ],
+)
+def test_rollout_server_refuses_vllm_options_that_would_make_the_trainer_refuse_it(args, message, capsys):
+    assert main(["rollout-server", "student-dir", *args]) == 2
+    assert capsys.readouterr().err.startswith(f"opd: error: opd rollout-server: {message}")
+
+
+def test_rollout_server_without_vllm_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    assert main(["rollout-server", "student-dir", "--dtype", "bfloat16"]) == 2
+    assert "pip install 'opd[vllm]'" in capsys.readouterr().err
+
+
+def test_rollout_server_command_sets_what_the_trainer_checks_and_passes_the_rest_on():
+    command = rollout_server_command("dir", "127.0.0.1", 8100, ["--dtype", "bfloat16"])
+    assert command[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    options = dict(zip(command[2::2], command[3::2], strict=True))
+    assert options == {
+        "--model": "dir",
+        "--host": "127.0.0.1",
+        "--port": "8100",
+        "--logprobs-mode": "processed_logprobs",
+        "--generation-config": "vllm",
+        "--weight-transfer-config": '{"backend": "opd_safetensors"}',
+        "--dtype": "bfloat16",
+    }

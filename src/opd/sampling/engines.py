@@ -37,9 +37,7 @@ def _vllm_engine(student: StudentConfig, policy: Policy, tokenizer, renderer: Ch
     )
 
 
-def _vllm_server_engine(
-    student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer, seed: int
-):
+def _vllm_server_engine(student: StudentConfig, policy: Policy, tokenizer, renderer: ChatRenderer, seed: int):
     from opd.sampling.vllm_server import VLLMServerEngine
 
     return VLLMServerEngine(

@@ -15,8 +15,9 @@ then drives ``/start_weight_update``, ``/update_weights`` and ``/finish_weight_u
 version tag unique to the run and the policy version, and resets each server's prefix cache.
 Every rollout checks that each server it used still serves that tag before and after sampling,
 so no batch comes from weights other than the recorded ones (a server restarted, or a push that
-failed half way, is refused). Rows go to the servers round robin, one request a row with its
-own seed, so a row draws the same tokens whichever server samples it.
+failed half way, tagged ``-loading`` until it completes, is refused). Rows go to the servers round
+robin, one request a row with its own seed, so a row draws the same tokens whichever server
+samples it. ``opd rollout-server`` starts vLLM's server with the options this needs.
 """
 
 from __future__ import annotations
@@ -47,10 +48,38 @@ if TYPE_CHECKING:
 WEIGHT_BACKEND = "opd_safetensors"
 """The weight-transfer backend the servers must run (``opd.sampling.vllm_weight_files``)."""
 SERVER_FLAGS = (
-    "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model STUDENT "
-    "--logprobs-mode processed_logprobs --generation-config vllm "
-    f"--weight-transfer-config '{{\"backend\": \"{WEIGHT_BACKEND}\"}}'"
+    "opd rollout-server STUDENT (or: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server "
+    "--model STUDENT --logprobs-mode processed_logprobs --generation-config vllm "
+    f'--weight-transfer-config \'{{"backend": "{WEIGHT_BACKEND}"}}\')'
 )
+SERVER_OPTIONS = {
+    "--logprobs-mode": "processed_logprobs",
+    "--generation-config": "vllm",
+    "--weight-transfer-config": json.dumps({"backend": WEIGHT_BACKEND}),
+}
+"""The vLLM server options a rollout server needs (``opd rollout-server`` sets them)."""
+
+
+def rollout_server_command(model: str, host: str, port: int, vllm_args: list[str]) -> list[str]:
+    """vLLM's OpenAI server started as a rollout server: the options it needs, loopback unless
+    ``host`` says otherwise, and the user's own vLLM options; one that contradicts a needed
+    option is refused naming it."""
+    given = {arg.split("=", 1)[0] for arg in vllm_args if arg.startswith("--")}
+    if clashes := sorted(given & {*SERVER_OPTIONS, "--model", "--host", "--port"}):
+        flag = clashes[0]
+        why = (
+            f"to {SERVER_OPTIONS[flag]} (the trainer refuses a server without it)"
+            if flag in SERVER_OPTIONS
+            else "from MODEL, --host and --port, opd rollout-server's own arguments"
+        )
+        raise ConfigError(f"opd rollout-server: {flag} is set by opd {why}")
+    command = ["-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--host", host, "--port", str(port)]
+    for flag, value in SERVER_OPTIONS.items():
+        command += [flag, value]
+    return command + vllm_args
+
+
 PROBE = "Distillation probe: 12 + 30 = 42. Ünïcödé ✓"
 """Text whose token ids must be the same on the server as in the student's tokenizer."""
 
@@ -133,9 +162,11 @@ class RolloutServer:
             )
         self.call("POST", "/init_weight_transfer_engine", {"init_info": {}})
 
-    def begin_weight_update(self) -> None:
-        """``/start_weight_update``; an update a killed trainer left open is closed first (the whole
-        set of weights follows, so what it had loaded is overwritten)."""
+    def begin_weight_update(self, loading_tag: str) -> None:
+        """``/start_weight_update``, the server first tagged ``loading_tag`` so that a push failing
+        half way leaves no tag any run accepts; an update a killed trainer left open is closed
+        first (the whole set of weights follows, so what it had loaded is overwritten)."""
+        self.call("POST", "/update_weight_version", {"new_version": loading_tag})
         try:
             self.call("POST", "/start_weight_update", {})
         except RolloutServerError as error:
@@ -255,7 +286,7 @@ class VLLMServerEngine:
         flush()
         try:
             for server in self.servers:
-                server.begin_weight_update()
+                server.begin_weight_update(f"{self.tag(version)}-loading")
                 server.call("POST", "/update_weights", {"update_info": {"files": files}})
                 server.call("POST", "/finish_weight_update", {"weight_version": self.tag(version)})
                 server.call("POST", "/reset_prefix_cache", {})

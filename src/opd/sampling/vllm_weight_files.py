@@ -11,7 +11,9 @@ where opd is installed has it.
 
 Each update loads layer by layer through vLLM's layerwise reload (every layer's post-load
 processing re-run, as ``reload_weights`` does), then re-processes layers whose weight another
-layer owns (a tied lm head), which a reload leaves stale on a CPU.
+layer owns (a tied lm head), which a reload leaves stale on a CPU. A failed update leaves a mix
+of old and new weights; the trainer tags the server ``-loading`` before it starts, so no rollout
+accepts them, and the next update replaces them all.
 """
 
 from __future__ import annotations
@@ -60,8 +62,15 @@ class SafetensorsWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesU
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
-        """Load one chunk (loading from host memory needs no device synchronisation)."""
-        self.receive_weights(self.parse_update_info(update_info))
+        """Load one chunk (loading from host memory needs no device synchronisation). A chunk that
+        fails (a file cut short) ends the reload before the error reaches the trainer: vLLM then
+        closes the update, and layers left waiting for weights (on the meta device) would break
+        every later update and rollout."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.finish_weight_update()
+            raise
 
     def receive_weights(self, update_info: FilesUpdateInfo) -> None:
         for path in update_info.files:

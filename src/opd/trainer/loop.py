@@ -260,7 +260,7 @@ class Trainer(RunComponents):
         advantages = torch.zeros_like(mask)
         if teacher is not None:
             student_logprobs = rollouts.sampled_logprobs_BT
-            if training.advantage_logprobs == "current" and batch.on_policy:
+            if training.advantage_source == "current" and batch.on_policy:
                 student_logprobs = self.policy_logprobs(rollouts).to(student_logprobs.device)
             shaped = self.objective.advantages(student_logprobs, teacher, mask, policy_gradient(training))
             if shaped is not None:
