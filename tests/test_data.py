@@ -115,3 +115,34 @@ def test_builtin_tasks_and_grader():
     assert train[0].answer == word[::-1]
     with pytest.raises(DataError, match="unknown built-in task"):
         load_prompts("demo:nope")
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}"
+)
+"""Qwen3's way: the template thinks unless ``enable_thinking`` is false."""
+
+
+def test_chat_template_kwargs_reach_the_template(base_config):
+    from opd.config import config_from_dict
+    from opd.trainer.loop import Trainer
+
+    hello = [{"role": "user", "content": "hi"}]
+    base_config["student"] |= {"chat_template": THINKING_TEMPLATE}
+    thinking = Trainer(config_from_dict(base_config), progress=False).renderer.render_text(hello)
+    assert thinking == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    base_config["student"] |= {"chat_template_kwargs": {"enable_thinking": False}}
+    quiet = Trainer(config_from_dict(base_config), progress=False).renderer.render_text(hello)
+    assert quiet == thinking + "<think>\n\n</think>\n\n"
+
+
+def test_teacher_template_kwargs_without_its_template_are_refused(base_config):
+    from opd.config import ConfigError, config_from_dict
+
+    base_config["teacher"] |= {"chat_template_kwargs": {"enable_thinking": True}}
+    with pytest.raises(
+        ConfigError, match=r"teacher.chat_template_kwargs: read by the teacher's own template"
+    ):
+        config_from_dict(base_config)

@@ -85,10 +85,27 @@ def test_report_parses_and_names_every_curve(finished_run, tmp_path):
     assert len(page.images) == 7 and len(list((tmp_path / "report_files").glob("*.png"))) == 7
     text = "".join(page.text)
     first_sample = json.loads((finished_run / "samples.jsonl").read_text().splitlines()[0])
-    assert "test/reverse/accuracy: first, last" in text and first_sample["prompt"] in text
+    assert "test/reverse/accuracy (8 held-out prompts, greedy): first evaluation, last" in text
+    assert "teacher_kl on the training batches (the student's samples): first step, last" in text
+    assert first_sample["prompt"] in text
+    assert "so a sample's mean can be below zero" in text
     assert page.rows >= 2 + 4  # summary rows and sample rows for steps 0 and 5
 
 
 def test_report_of_a_missing_run(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_curve_that_repeats_another_is_drawn_once():
+    from opd.runs.report import distinct
+
+    curves = {"teacher_kl": ([0, 1], [0.5, 0.4]), "teacher_kl/rev": ([0, 1], [0.5, 0.4]), "x": ([0], [1.0])}
+    assert list(distinct(curves)) == ["teacher_kl", "x"]
+
+
+def test_the_time_plot_smooths_with_a_trailing_mean():
+    from opd.runs.report import smoothed
+
+    assert smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert smoothed([2.0, 4.0], 1) == [2.0, 4.0]

@@ -198,9 +198,14 @@ def test_half_precision_without_cpu_support_is_warned_about_by_field(base_config
 
 
 def test_missing_model_path_is_named(base_config, tmp_path):
+    """When the config is read; and by the loader, for a path gone since."""
+    from opd.models import load_causal_lm
+
     base_config["student"]["model"] = str(tmp_path / "no-such-model")
+    with pytest.raises(ConfigError, match=r"student\.model: path '.*no-such-model' does not exist"):
+        config_from_dict(base_config)
     with pytest.raises(ModelLoadError, match=r"student\.model: path '.*no-such-model' does not exist"):
-        Trainer(config_from_dict(base_config), progress=False)
+        load_causal_lm(str(tmp_path / "no-such-model"), "student.model", dtype="float32", device="cpu")
     assert not (tmp_path / "run").exists()
 
 

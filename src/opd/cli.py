@@ -8,12 +8,16 @@ import signal
 import sys
 from collections.abc import Callable
 
+from opd import __version__
 from opd.config import load_config
 from opd.errors import USER_ERRORS, RunInterrupted
 from opd.secrets import redact
 
 
 def _train(args: argparse.Namespace) -> None:
+    if args.dry_run:
+        _dry_run(args)
+        return
     if args.nproc:
         _launch(args)
         return
@@ -27,6 +31,17 @@ def _train(args: argparse.Namespace) -> None:
         shutdown()
 
 
+def _dry_run(args: argparse.Namespace) -> None:
+    """Resolve and check the config for its processes and print the plan; nothing is loaded or written."""
+    from opd.trainer.plan import describe_plan
+
+    processes = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+    plan = describe_plan(load_config(args.config, args.overrides), processes)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"opd train {args.config} --dry-run: the config resolves and fits {processes} process(es)")
+        print(plan)
+
+
 def _launch(args: argparse.Namespace) -> None:
     """``opd train --nproc N``: the same command under torchrun, on this node; its exit status kept."""
     import subprocess
@@ -38,6 +53,7 @@ def _launch(args: argparse.Namespace) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc_per_node={args.nproc}", "-m", "opd", "train", args.config, *args.overrides]
     command += ["--no-progress"] if args.no_progress else []
+    command += ["--verbose"] if args.verbose else []
     job = subprocess.Popen(command)
     received: list[int] = []
 
@@ -66,6 +82,15 @@ def _launch(args: argparse.Namespace) -> None:
             file=sys.stderr,
         )
         raise SystemExit(status)
+
+
+def _config(args: argparse.Namespace) -> None:
+    import yaml
+
+    from opd.config import recorded_config
+
+    config = recorded_config(load_config(args.config, args.overrides))
+    print(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), end="")
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -155,15 +180,43 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+"""Third-party output off unless ``--verbose``: Hugging Face's loading and saving bars (whose
+cursor escapes break opd's own bar) and vLLM's start-up log; a value the user set is kept."""
+
+
+def quiet_third_parties() -> None:
+    """Set :data:`QUIET` in this process's environment (inherited by torchrun's processes)."""
+    for key, value in QUIET.items():
+        os.environ.setdefault(key, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="opd", description="On-policy distillation of language models.")
+    parser.add_argument("--version", action="version", version=f"opd {__version__}")
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument(
+        "--verbose", action="store_true", help="show third-party progress bars and logs (Hugging Face, vLLM)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train a student from a YAML config")
+    train = commands.add_parser(
+        "train",
+        parents=[verbose],
+        help="train a student from a YAML config",
+        description="Train a student from a YAML config. Every key, its type and default: docs/config.md; "
+        "`opd config CONFIG` prints the config with every default filled in.",
+    )
     train.add_argument("config", help="path to the YAML config")
     train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. training.max_steps=5")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve and check the config for its processes (--nproc, or torchrun's), print the plan "
+        "(devices, sharding, memory per device) and stop: no weight is loaded, no file written",
+    )
     train.add_argument(
         "--nproc",
         type=_positive(int),
@@ -171,7 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(handler=_train)
 
-    evaluate = commands.add_parser("eval", help="evaluate a run's student on held-out prompts")
+    config = commands.add_parser(
+        "config",
+        help="print a config as a run resolves it: every default filled in (docs/config.md lists each key)",
+    )
+    config.add_argument("config", help="path to the YAML config")
+    config.add_argument("overrides", nargs="*", help="dotted.key=value overrides, as for train")
+    config.set_defaults(handler=_config)
+
+    evaluate = commands.add_parser(
+        "eval", parents=[verbose], help="evaluate a run's student on held-out prompts"
+    )
     evaluate.add_argument("run_dir", help="the run's log_path")
     which = evaluate.add_mutually_exclusive_group()
     which.add_argument(
@@ -180,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--base", action="store_true", help="evaluate the student before training")
     evaluate.set_defaults(handler=_eval)
 
-    export = commands.add_parser("export", help="write a run's student as a Hugging Face model directory")
+    export = commands.add_parser(
+        "export", parents=[verbose], help="write a run's student as a Hugging Face model directory"
+    )
     export.add_argument("run_dir", help="the run's log_path")
     export.add_argument("out", help="output directory (new or empty)")
     export.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base model")
@@ -236,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--port", type=int, default=8100)
     rollout.set_defaults(handler=_rollout_server, vllm_args=[])
 
-    demo = commands.add_parser("demo", help="distil a tiny teacher into a smaller student on a CPU")
+    demo = commands.add_parser(
+        "demo", parents=[verbose], help="distil a tiny teacher into a smaller student on a CPU"
+    )
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
     demo.add_argument("--steps", type=_positive(int), default=None, help="distillation steps (default 400)")
     demo.add_argument("--seed", type=int, default=0)
@@ -261,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if unparsed:
         args.overrides += unparsed  # overrides after a flag: `opd train c.yaml --no-progress a.b=1`
+    if not getattr(args, "verbose", False):
+        quiet_third_parties()
     try:
         args.handler(args)
     except RunInterrupted as stopped:

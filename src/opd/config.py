@@ -17,6 +17,7 @@ import math
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,7 @@ import yaml
 
 from opd.distributed import launched_world
 from opd.errors import ConfigError
+from opd.locations import device_problem, missing_path_problem, url_problem
 from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
 from opd.objectives.registry import objective_names, objectives
@@ -403,6 +405,8 @@ def validate(config: Config) -> Config:
                 raise ConfigError(f"datasets[{i}].{key}: must be >= 1, got {value}")
         _positive(dataset.num_prompts, f"datasets[{i}].num_prompts")
         _positive(dataset.eval_num_prompts, f"datasets[{i}].eval_num_prompts")
+    for key, problem in _place_problems(config):
+        raise ConfigError(f"{key}: {problem}")
     _positive(config.student.lora_rank, "student.lora_rank", allow_zero=True)
     for key, problem in student_settings_problems(config.student):
         raise ConfigError(f"student.{key}: {problem}")
@@ -439,9 +443,7 @@ def validate(config: Config) -> Config:
         )
     if not 0.0 <= training.lmbda <= 1.0:
         raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")
-    teachers = [("teacher", config.teacher)] + [
-        (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
-    ]
+    teachers = _teachers(config)
     if training.objective is None:
         default = _default_objective(training, [teacher for _, teacher in teachers])
         training.objective = _kept_or_default(config, resumed, "objective", default)
@@ -459,6 +461,12 @@ def validate(config: Config) -> Config:
                 )
             if teacher.backend != "local" and not teacher.tokenizer:
                 raise ConfigError(f"{where}.tokenizer: required for cross_tokenizer with a remote teacher")
+        if teacher.chat_template_kwargs and not teacher.chat_template:
+            raise ConfigError(
+                f"{where}.chat_template_kwargs: read by the teacher's own template only; set "
+                f"{where}.chat_template (tokenizer, or a Jinja template), or remove them (the teacher "
+                "sees the student's rendering, student.chat_template_kwargs included)"
+            )
         if teacher.chat_template == "tokenizer" and teacher.backend != "local" and not teacher.tokenizer:
             raise ConfigError(
                 f"{where}.tokenizer: required to use the tokenizer's chat template of a remote teacher"
@@ -493,6 +501,36 @@ def validate(config: Config) -> Config:
                 f" (it takes: {sorted(allowed) or 'none'})"
             )
     return config
+
+
+def _place_problems(config: Config) -> list[tuple[str, str]]:
+    """``(field, problem)`` for each path, device or URL that cannot be right, found before any
+    model loads: a missing local path (with a close match), a device torch has no name for, a
+    server URL without a scheme or host."""
+    checks: list[tuple[str, str | None, Callable[[str], str | None]]] = [
+        ("student.model", config.student.model, missing_path_problem),
+        ("student.tokenizer", config.student.tokenizer, missing_path_problem),
+        ("student.device", config.student.device, device_problem),
+        ("load_checkpoint_path", config.load_checkpoint_path, missing_path_problem),
+    ]
+    for where, teacher in _teachers(config):
+        checks.append((f"{where}.tokenizer", teacher.tokenizer, missing_path_problem))
+        if teacher.backend == "local":
+            checks += [
+                (f"{where}.model", teacher.model, missing_path_problem),
+                (f"{where}.device", teacher.device, device_problem),
+            ]
+        else:
+            checks.append((f"{where}.base_url", teacher.base_url, url_problem))
+    found = [(key, check(value)) for key, value, check in checks if value]
+    return [(key, problem) for key, problem in found if problem]
+
+
+def _teachers(config: Config) -> list[tuple[str, TeacherConfig]]:
+    """Each teacher with the config key it is set at."""
+    return [("teacher", config.teacher)] + [
+        (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets) if d.teacher
+    ]
 
 
 POLICY_GRADIENT_KEYS = (
@@ -668,7 +706,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+        raise ConfigError(_yaml_problem(path, error)) from None
     except RecursionError:
         raise ConfigError(f"{path}: not a config: nested too deeply for YAML to read") from None
     if not isinstance(data, dict):
@@ -677,6 +715,17 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         return config_from_dict(data, overrides)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from error
+
+
+def _yaml_problem(path: Path, error: yaml.YAMLError) -> str:
+    """``file:line:column: not valid YAML: what the parser expected``, as compilers put it."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(error, "problem", None) or str(error)
+    context, opened = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and opened is not None:
+        context += f" opened at line {opened.line + 1}, column {opened.column + 1}"
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 def recorded_config(config: Config) -> dict:

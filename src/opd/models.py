@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
+import urllib.parse
 import warnings
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd.errors import ModelLoadError
+from opd.locations import missing_path_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,22 +65,58 @@ def warn_if_slow_on_this_cpu(dtype: torch.dtype | None, device: torch.device, fi
         )
 
 
-def _looks_local(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long to wait for the hub's address before calling it unreachable (transformers retries ~50 s)."""
 
 
-def _check_exists(name: str, field: str) -> str:
+@functools.cache
+def hub_unreachable() -> str | None:
+    """None if the Hugging Face hub (``HF_ENDPOINT``) takes a connection; else its address."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parts = urllib.parse.urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError:
+        return endpoint
+    return None
+
+
+def _offline() -> bool:
+    return any(os.environ.get(key, "").lower() in ("1", "true", "yes") for key in OFFLINE_SETTINGS)
+
+
+OFFLINE_SETTINGS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def model_source(name: str, field: str) -> tuple[str, bool]:
+    """Where to load ``name`` from, and whether from the local cache only: a path as it is; a hub id
+    from the hub, or from the cache when the hub cannot be reached (said in seconds, not after
+    transformers' minute of retries, when it is not cached either)."""
+    if problem := missing_path_problem(name):
+        raise ModelLoadError(f"{field}: {problem}")
     path = Path(name).expanduser()
-    if _looks_local(name) and not path.exists():
-        raise ModelLoadError(f"{field}: path '{name}' does not exist")
-    return str(path) if path.exists() else name
+    if path.exists():
+        return str(path), False
+    if _offline() or (endpoint := hub_unreachable()) is None:
+        return name, False
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return name, True
+    raise ModelLoadError(
+        f"{field}: '{name}' is not a local path, this machine cannot reach the Hugging Face hub "
+        f"({endpoint}), and it is not in the Hugging Face cache. Give a local directory (download it "
+        f"where there is network: huggingface-cli download {name} --local-dir DIR), or with it cached "
+        "set HF_HUB_OFFLINE=1"
+    )
 
 
 def load_tokenizer(name: str, field: str, *, trust_remote_code: bool = False):
     """A tokenizer by hub id or path; a pad token is added from EOS when missing."""
-    source = _check_exists(name, field)
+    source, cached_only = model_source(name, field)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=trust_remote_code, local_files_only=cached_only
+        )
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"{field}: cannot load a tokenizer from '{name}': {error}") from error
     if tokenizer.pad_token_id is None:
@@ -84,11 +126,14 @@ def load_tokenizer(name: str, field: str, *, trust_remote_code: bool = False):
 
 def load_causal_lm(name: str, field: str, *, dtype: str, device: str, trust_remote_code: bool = False):
     """A causal LM on its device, in eval mode. ``field`` names the config key in errors."""
-    source = _check_exists(name, field)
+    source, cached_only = model_source(name, field)
     target = resolve_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=resolve_dtype(dtype, target), trust_remote_code=trust_remote_code
+            source,
+            dtype=resolve_dtype(dtype, target),
+            trust_remote_code=trust_remote_code,
+            local_files_only=cached_only,
         )
     except (OSError, ValueError) as error:
         raise ModelLoadError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 PLAIN_STOP_STRING = "\n\nUser:"
@@ -14,11 +15,19 @@ class ChatRenderer:
 
     A tokenizer without a template (a base model) falls back to a plain format,
     ``User: {q}\\n\\nAssistant:``, stopping at ``\\n\\nUser:``, with a warning: pass
-    ``chat_template`` to choose the format instead.
+    ``chat_template`` to choose the format instead. ``template_kwargs`` reach the template as
+    variables (Qwen3's ``enable_thinking``).
     """
 
-    def __init__(self, tokenizer, chat_template: str | None = None, extra_stop_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        chat_template: str | None = None,
+        extra_stop_ids: Sequence[int] = (),
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         self.plain = not getattr(tokenizer, "chat_template", None)
@@ -49,7 +58,9 @@ class ChatRenderer:
         if self.plain:
             turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
             return "\n\n".join(turns) + "\n\nAssistant:"
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False, **self.template_kwargs
+        )
 
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of the rendered prompt (special tokens come from the template itself)."""

@@ -240,6 +240,10 @@ def run_demo(
     summary = gap_summary(*accuracies)
     if summary:
         log(f"\n{summary}")
+    log(
+        f"(greedy accuracy and sampled teacher KL on {NUM_EVAL_PROMPTS} held-out prompts; the run's own "
+        "evaluations in metrics.jsonl and `opd report` use the first 64 of them)"
+    )
     log(f"metrics: {Path(log_path) / 'metrics.jsonl'}   student: {latest_model_dir(Path(log_path))}")
     log(f"total time {time.perf_counter() - started:.0f}s")
     return results

@@ -26,6 +26,9 @@ class StudentConfig:
     """``auto`` (CUDA if available, else CPU), or a torch device string such as ``cuda:1``."""
     chat_template: str | None = None
     """A Jinja chat template replacing the tokenizer's own (required for base models without one)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables the chat template reads, e.g. ``{enable_thinking: false}`` to turn off Qwen3's
+    thinking mode (its template thinks unless told not to)."""
     tokenizer: str | None = None
     """Tokenizer id or path when it is not stored with the model."""
     trust_remote_code: bool = False

@@ -99,6 +99,14 @@ class Policy:
             for module in modules:
                 module.reshard()
 
+    def reshard(self) -> None:
+        """Free every gathered weight (a no-op unless sharded). FSDP keeps the root's weights
+        whole after a forward, expecting the backward; after a forward with no backward (the
+        current log-probs) the next forward and backward would otherwise start from that state."""
+        if self.sharded:
+            for module in fsdp_modules(self.module):
+                module.reshard()
+
     def gradient_sync(self, enabled: bool):
         """A context in which backward does (or, accumulating micro-batches, does not yet) reduce
         gradients across processes."""

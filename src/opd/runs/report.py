@@ -66,6 +66,20 @@ def _figure(title: str, curves: dict[str, tuple[list, list]], ylabel: str, path:
     return path
 
 
+STEP_PHASES = ("sample", "teacher", "train")
+"""Phases every step has, drawn as smoothed stacked areas; the occasional ones (evaluation,
+checkpoint) are drawn as points at the steps they ran, where an average would hide them."""
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value - (values[index - window] if index >= window else 0.0)
+        out.append(total / min(index + 1, window))
+    return out
+
+
 def _time_split(rows: list[dict], path: Path) -> Path | None:
     import matplotlib
 
@@ -75,15 +89,30 @@ def _time_split(rows: list[dict], path: Path) -> Path | None:
     rows = [row for row in rows if "time/total" in row]
     if not rows:
         return None
+    window = max(1, len(rows) // 40)
     fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
-    bottom = [0.0] * len(rows)
     steps = [row["step"] for row in rows]
+    stacked = {
+        phase: smoothed([row.get(f"time/{phase}") or 0.0 for row in rows], window) for phase in STEP_PHASES
+    }
+    stacked = {phase: values for phase, values in stacked.items() if any(values)}
+    ax.stackplot(
+        steps,
+        *stacked.values(),
+        labels=list(stacked),
+        colors=[PHASE_COLOURS[phase] for phase in stacked],
+        alpha=0.85,
+    )
     for phase in PHASES:
-        values = [row.get(f"time/{phase}") or 0.0 for row in rows]
-        if any(values):
-            ax.bar(steps, values, bottom=bottom, width=1.0, label=phase, color=PHASE_COLOURS[phase])
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_title("seconds per step, by phase")
+        if phase in STEP_PHASES:
+            continue
+        marked = [(row["step"], row[f"time/{phase}"]) for row in rows if row.get(f"time/{phase}")]
+        if marked:
+            ax.scatter(
+                *zip(*marked, strict=True), s=14, color=PHASE_COLOURS[phase], label=f"{phase} (when run)"
+            )
+    smoothing = f", mean of {window} steps" if window > 1 else ""
+    ax.set_title(f"seconds per step, by phase{smoothing}")
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8)
@@ -162,6 +191,16 @@ def _embed(path: Path | None, caption: str) -> str:
     )
 
 
+def distinct(curves: dict[str, tuple[list, list]]) -> dict[str, tuple[list, list]]:
+    """The curves less any that repeats one before it (one dataset's ``teacher_kl/<name>`` is
+    ``teacher_kl``: drawn twice, one hides the other)."""
+    kept: dict[str, tuple[list, list]] = {}
+    for key, curve in curves.items():
+        if curve not in kept.values():
+            kept[key] = curve
+    return kept
+
+
 def build_report(
     run_dir: str | Path, out: str | Path | None = None, sample_steps: list[int] | None = None
 ) -> Path:
@@ -177,7 +216,7 @@ def build_report(
     keys = sorted({key for row in rows for key in row})
     train_rows = [row for row in rows if "loss" in row]
 
-    kl_curves = {key: _series(train_rows, key) for key in keys if key.startswith("teacher_kl")}
+    kl_curves = distinct({key: _series(train_rows, key) for key in keys if key.startswith("teacher_kl")})
     objective_curves = {key: _series(train_rows, key) for key in keys if key.startswith("objective/")}
     accuracy_curves = {key: _series(rows, key) for key in keys if key.endswith(("/accuracy", "/pass@1"))}
     test_kl_curves = {
@@ -239,7 +278,10 @@ def build_report(
         "<h2>Sample completions</h2>",
         '<p class="legend">Each completion token is shaded by its sampled reverse KL to the teacher: '
         + "".join(f'<span style="background:{_kl_colour(v)}">{label}</span>' for v, label in LEGEND)
-        + "; hover a token for its value.</p>",
+        + "; hover a token for its value. Each value is the sampled estimate log p<sub>student</sub> "
+        "&minus; log p<sub>teacher</sub> of one token: negative where the teacher likes the token more "
+        "than the student does, so a sample's mean can be below zero; averaged over many samples it "
+        "estimates the KL, which never is.</p>",
         "<table><tr><th>step</th><th>dataset</th><th>prompt</th><th>completion</th><th>mean KL</th></tr>"
         + _sample_rows(samples, sample_steps or [])
         + "</table>",
@@ -268,13 +310,28 @@ def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
         "objective / data": f"{objective} / {training.get('data_source', '?')}",
         "steps trained": str(len(train_rows)),
     }
-    for key in ("teacher_kl",):
-        series = [row[key] for row in train_rows if row.get(key) is not None]
-        if series:
-            facts[f"{key}: first, last"] = f"{series[0]:.4f} &rarr; {series[-1]:.4f}"
-    for key in sorted({k for row in rows for k in row if k.endswith("/accuracy")}):
+    series = [row["teacher_kl"] for row in train_rows if row.get("teacher_kl") is not None]
+    if series:
+        facts["teacher_kl on the training batches (the student's samples): first step, last"] = (
+            f"{series[0]:.4f} &rarr; {series[-1]:.4f}"
+        )
+    for key in sorted(
+        {k for row in rows for k in row if k.startswith("test/") and k.endswith(("/accuracy", "/teacher_kl"))}
+    ):
         series = [row[key] for row in rows if row.get(key) is not None]
-        facts[f"{key}: first, last"] = f"{series[0]:.1%} &rarr; {series[-1]:.1%}"
+        sizes = [
+            row[key.rsplit("/", 1)[0] + "/num_prompts"]
+            for row in rows
+            if key.rsplit("/", 1)[0] + "/num_prompts" in row
+        ]
+        held_out = f"{sizes[-1]} held-out prompts" if sizes else "the held-out prompts"
+        how = "greedy" if key.endswith("/accuracy") else "sampled"
+        shown = (
+            f"{series[0]:.1%} &rarr; {series[-1]:.1%}"
+            if key.endswith("/accuracy")
+            else f"{series[0]:.4f} &rarr; {series[-1]:.4f}"
+        )
+        facts[f"{key} ({held_out}, {how}): first evaluation, last"] = shown
     totals = {phase: sum(row.get(f"time/{phase}") or 0.0 for row in rows) for phase in PHASES}
     overall = sum(totals.values())
     if overall:

@@ -44,7 +44,12 @@ def load_student(config: Config) -> Student:
     for option, problem in config.training.objective.vocabulary_problems(len(tokenizer)):
         raise ConfigError(f"training.objective.{option}: {problem}")
     policy = Policy.load(student, len(tokenizer))
-    renderer = ChatRenderer(tokenizer, student.chat_template, extra_stop_ids=policy.generation_stop_ids())
+    renderer = ChatRenderer(
+        tokenizer,
+        student.chat_template,
+        extra_stop_ids=policy.generation_stop_ids(),
+        template_kwargs=student.chat_template_kwargs,
+    )
     return Student(tokenizer, policy, renderer)
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 @dataclass
@@ -25,6 +25,8 @@ class TeacherConfig:
     chat_template: str | None = None
     """Render prompts for the teacher in its own format: a Jinja template, or ``tokenizer`` for
     the teacher tokenizer's template. Unset: the teacher sees the student's rendering."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """With ``chat_template``: variables its template reads (``{enable_thinking: true}``)."""
     cross_tokenizer: bool = False
     """The teacher's tokenizer differs from the student's: completions are re-tokenized for it
     and aligned on character offsets (``sampled_reverse_kl`` and ``k3`` on student samples only)."""

@@ -83,7 +83,7 @@ class TeacherPanel:
         own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
         tokenizer = load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(self.tokenizer)
         template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
-        renderer = ChatRenderer(tokenizer, template)
+        renderer = ChatRenderer(tokenizer, template, template_kwargs=teacher_cfg.chat_template_kwargs)
         return TeacherFormat(
             renderer,
             self.tokenizer,

@@ -34,7 +34,7 @@ from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.display import examples, sample_records
 from opd.runs.evaluation import evaluate
 from opd.runs.loggers import build_loggers
-from opd.runs.metrics import JsonlWriter, MetricsWriter
+from opd.runs.metrics import JsonlWriter, MetricsWriter, read_jsonl
 from opd.runs.resume import (
     CONFIG_NAME,
     METRICS_NAME,
@@ -62,7 +62,18 @@ from opd.trainer.sft import completion_tokens
 from opd.trainer.stopping import StopOnSignal
 from opd.trainer.update import policy_gradient, policy_update
 
-PROGRESS_KEYS = ("teacher_kl", "entropy", "kl_sample_train", "completion_len_mean")
+PROGRESS_KEYS = {"teacher_kl": "kl", "entropy": "H", "completion_len_mean": "len"}
+"""The metrics the progress bar shows, by the short names that keep it within 80 columns."""
+PROGRESS_FORMAT = (
+    "{desc} {percentage:3.0f}%|{bar:10}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+)
+"""A bar of fixed width, so a narrow terminal shortens nothing (tqdm's own shrinks the bar to a
+character and cuts the metrics)."""
+
+
+def progress_postfix(metrics: dict) -> str:
+    """``kl 0.123 H 0.456 len 4.5``: the step's main metrics for the bar."""
+    return " ".join(f"{short} {metrics[key]:.3g}" for key, short in PROGRESS_KEYS.items() if key in metrics)
 
 
 def advantage_metrics(advantages_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
@@ -92,7 +103,19 @@ class TrainResult:
     tokenizer: object
     renderer: ChatRenderer
     metrics: list[dict] = field(default_factory=list)
+    """The rows this call logged (a resumed run: from where it resumed; a finished one: none)."""
     log_path: Path = Path(".")
+
+    def last(self, key: str) -> float:
+        """The latest value of metric ``key`` over the whole run as ``metrics.jsonl`` records it, so
+        it answers after a resume or a rerun of a finished run too (``test/<dataset>/accuracy``: the
+        last evaluation)."""
+        rows = read_jsonl(self.log_path / METRICS_NAME)
+        values = [row[key] for row in rows if key in row]
+        if not values:
+            known = sorted({name for row in rows for name in row})
+            raise KeyError(f"{key!r}: not a metric of the run in {self.log_path}; it logged {known}")
+        return values[-1]
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -305,9 +328,11 @@ class Trainer(RunComponents):
         return self.learn(self.collect(step))
 
     @torch.no_grad()
+    @torch.no_grad()
     def policy_logprobs(self, rollouts: RolloutBatch) -> torch.Tensor:
         """The student's current log-prob of every completion token of ``rollouts`` (B, T), at the
-        run's temperature (a forward every process makes together when the student is sharded)."""
+        run's temperature, detached (a forward every process makes together when the student is
+        sharded; with gradients on, FSDP would wait for a backward that never comes)."""
         training = self.config.training
         logprobs, _ = self.policy.sequence_logprobs(
             rollouts.input_ids_BT,
@@ -316,6 +341,7 @@ class Trainer(RunComponents):
             temperature=training.temperature,
             chunk_size=training.logprob_chunk_size,
         )
+        self.policy.reshard()
         return logprobs
 
     @torch.no_grad()
@@ -376,7 +402,10 @@ class Trainer(RunComponents):
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
         if start.step >= self.num_steps:
             if main:
-                tqdm.write(f"{log_path}: training already complete ({start.step} steps); nothing to do")
+                tqdm.write(
+                    f"{log_path}: training already complete ({start.step} steps); nothing to do",
+                    file=sys.stderr,
+                )
             return result
         if main:
             for name in (METRICS_NAME, SAMPLES_NAME):
@@ -408,7 +437,7 @@ class Trainer(RunComponents):
             initial=start.step,
             desc="opd",
             disable=not (self.progress and main),
-            dynamic_ncols=True,
+            bar_format=PROGRESS_FORMAT,
         )
 
         watchdog = Watchdog()
@@ -453,9 +482,7 @@ class Trainer(RunComponents):
                     metrics["time/checkpoint"], checkpoint_seconds = checkpoint_seconds, None
                 metrics["progress/done_frac"] = (step + 1) / self.num_steps
                 record(metrics, step)
-                bar.set_postfix(
-                    {k: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics}, refresh=False
-                )
+                bar.postfix = progress_postfix(metrics)
                 bar.update(1)
                 done = step + 1
                 if done == self.num_steps and eval_every:

@@ -1,0 +1,178 @@
+"""``opd train CONFIG --dry-run``: what a run would do on N processes, without loading a weight.
+
+The config is resolved and checked against the world size as a launch would check it; the
+models' sizes come from their config files alone (each model built on PyTorch's meta device, so
+the parameter counts are exact and cost no memory), and the memory each device needs for
+weights, gradients and optimizer state is estimated from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from opd.config import Config
+from opd.errors import ModelLoadError
+from opd.models import model_source
+from opd.sampling.vllm_engine import GPU_MEMORY_UTILIZATION
+from opd.teachers.config import TeacherConfig
+from opd.trainer.processes import check_processes, shards_its_teacher, step_group_sizes
+
+GB = 1e9
+ADAM_STATES = 2
+"""AdamW keeps two tensors per trainable weight (first and second moments), in the weight's dtype."""
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class ModelSize:
+    """A model's parameter count and what LoRA of a given rank would train of it."""
+
+    parameters: int
+    lora_parameters: int
+
+
+def model_size(name: str, field: str, *, lora_rank: int, trust_remote_code: bool) -> ModelSize:
+    """Counted on the meta device from the model's config file (a local path, the Hugging Face
+    cache, or the hub): exact, and no weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source, cached_only = model_source(name, field)
+    try:
+        config = AutoConfig.from_pretrained(
+            source, trust_remote_code=trust_remote_code, local_files_only=cached_only
+        )
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{field}: cannot read the config of '{name}': {error}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    parameters = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings()
+    lora = sum(
+        lora_rank * (module.in_features + module.out_features)
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    )
+    return ModelSize(parameters, lora)
+
+
+def dtype_name(dtype: str, device: str) -> str:
+    """The dtype ``auto`` means on ``device`` (``auto``: bfloat16 where a GPU is, float32 on a CPU)."""
+    if dtype != "auto":
+        return dtype
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "bfloat16" if gpu else "float32"
+
+
+def devices(device: str, processes: int) -> str:
+    if device == "auto":
+        where = "cuda" if torch.cuda.is_available() else "cpu (no GPU on this machine)"
+        return f"auto: {where}" + (", one GPU per process (cuda:LOCAL_RANK)" if processes > 1 else "")
+    return device
+
+
+def billions(count: int) -> str:
+    """``1,720,574,976 (1.72B)``: exact, and at a glance."""
+    short = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    return f"{count:,} ({short})"
+
+
+def teacher_line(teacher: TeacherConfig, size: ModelSize | None, sharded: bool, processes: int) -> str:
+    if teacher.backend != "local":
+        return f"{teacher.model} on {teacher.base_url} ({teacher.backend} server: no memory here)"
+    dtype = dtype_name(teacher.dtype, teacher.device)
+    how = (
+        f"sharded with the student over {processes} processes" if sharded else "a whole copy in every process"
+    )
+    count = f"{billions(size.parameters)} parameters, " if size else ""
+    return f"{teacher.model}: {count}{dtype}, {how}"
+
+
+def describe_plan(config: Config, processes: int) -> str:
+    """The plan of ``config`` on ``processes`` processes, as the lines ``--dry-run`` prints; a
+    config that cannot run on them raises the error the launch would."""
+    parallel = check_processes(config, processes)
+    student, training = config.student, config.training
+    lines = [f"processes      {processes}" + (f" (training.parallel: {parallel})" if processes > 1 else "")]
+    lines.append(f"devices        {devices(student.device, processes)}")
+    student_size = model_size(
+        student.model,
+        "student.model",
+        lora_rank=student.lora_rank,
+        trust_remote_code=student.trust_remote_code,
+    )
+    dtype = dtype_name(student.dtype, student.device)
+    trainable = student_size.lora_parameters if student.lora_rank else student_size.parameters
+    mode = (
+        f"LoRA rank {student.lora_rank}: {billions(trainable)} trained"
+        if student.lora_rank
+        else "full fine-tune"
+    )
+    sharded = parallel == "fsdp"
+    where = (
+        f"FSDP2-sharded over {processes} processes"
+        if sharded
+        else ("a replica in every process (DDP)" if parallel == "ddp" else "one process")
+    )
+    size = billions(student_size.parameters)
+    lines.append(f"student        {student.model}: {size} parameters, {dtype}, {mode}, {where}")
+    teacher_sharded = shards_its_teacher(config, parallel)
+    teachers = {id(config.teacher_for(d)): config.teacher_for(d) for d in config.datasets}
+    teacher_sizes = {}
+    for key, teacher in teachers.items():
+        size = None
+        if teacher.backend == "local":
+            size = model_size(
+                teacher.model, "teacher.model", lora_rank=0, trust_remote_code=teacher.trust_remote_code
+            )
+        teacher_sizes[key] = size
+        lines.append(f"teacher        {teacher_line(teacher, size, teacher_sharded, processes)}")
+    sampler = student.sampler
+    if sampler == "vllm":
+        tp = student.sampler_options.get("tensor_parallel_size", 1)
+        share = student.sampler_options.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
+        lines.append(
+            f"sampler        vllm in every process (tensor_parallel_size {tp}), "
+            f"gpu_memory_utilization {share:g} on a GPU"
+        )
+    elif sampler == "vllm_server":
+        lines.append(f"sampler        vllm servers {', '.join(student.rollout_servers)}")
+    else:
+        lines.append("sampler        hf generate, in every process")
+    sequences = sum(step_group_sizes(config))
+    lines.append(
+        f"per step       {sequences} sequences ({sequences // processes} per process), up to "
+        f"{training.max_tokens} tokens each; {training.num_substeps} optimizer step(s)"
+    )
+    split = processes if sharded else 1
+    # PEFT keeps adapters in float32 under a half-precision base (its autocast_adapter_dtype)
+    trained_bytes = BYTES["float32"] if student.lora_rank else BYTES[dtype]
+    adapter = trainable * trained_bytes if student.lora_rank else 0
+    weights = (student_size.parameters * BYTES[dtype] + adapter) / split
+    gradients = trainable * trained_bytes / split
+    optimizer = ADAM_STATES * trainable * trained_bytes / split
+    total = weights + gradients + optimizer
+    lines.append(
+        "memory/device  (weights, gradients, optimizer state; activations and KV cache not included)"
+    )
+    lines.append(
+        f"  student      {total / GB:.2f} GB: weights {weights / GB:.2f} + gradients {gradients / GB:.2f} "
+        f"+ AdamW {optimizer / GB:.2f}"
+    )
+    for key, teacher in teachers.items():
+        size = teacher_sizes[key]
+        if size is None:
+            continue
+        bytes_ = (
+            size.parameters
+            * BYTES[dtype_name(teacher.dtype, teacher.device)]
+            / (processes if teacher_sharded else 1)
+        )
+        total += bytes_
+        lines.append(f"  teacher      {bytes_ / GB:.2f} GB: weights")
+    if sampler == "vllm":
+        share = student.sampler_options.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
+        lines.append(f"  vllm         {share:g} of a GPU's memory (its weights and KV cache)")
+    lines.append(f"  total        {total / GB:.2f} GB" + (" + vLLM's share" if sampler == "vllm" else ""))
+    return "\n".join(lines)
