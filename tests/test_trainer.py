@@ -298,3 +298,26 @@ def test_cli_reports_config_errors_without_writing(base_config, tmp_path, capsys
     assert main(["train", str(path), "training.max_stepz=1"]) == 2
     assert "training.max_stepz: unknown key; did you mean 'training.max_steps'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_progress_bar_fits_80_columns_with_its_metrics():
+    from tqdm import tqdm
+
+    from opd.trainer.loop import PROGRESS_FORMAT, progress_postfix
+
+    metrics = {
+        "teacher_kl": 0.0512345,
+        "entropy": 0.23456,
+        "kl_sample_train": 1e-7,
+        "completion_len_mean": 4.5217,
+    }
+    assert progress_postfix(metrics) == "kl 0.0512 H 0.235 len 4.52"
+    line = tqdm.format_meter(
+        n=1234,
+        total=5000,
+        elapsed=3725.0,
+        prefix="opd",
+        bar_format=PROGRESS_FORMAT,
+        postfix=progress_postfix(metrics),
+    )
+    assert len(line) <= 80 and line.endswith("kl 0.0512 H 0.235 len 4.52]"), line

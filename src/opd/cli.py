@@ -180,6 +180,8 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+COMPUTING = ("train", "demo", "eval", "export", "serve")
+"""Commands that run models in this process: their torch thread count is chosen (opd.threads)."""
 QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 """Third-party output off unless ``--verbose``: Hugging Face's loading and saving bars (whose
 cursor escapes break opd's own bar) and vLLM's start-up log; a value the user set is kept."""
@@ -330,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += unparsed  # overrides after a flag: `opd train c.yaml --no-progress a.b=1`
     if not getattr(args, "verbose", False):
         quiet_third_parties()
+    if args.command in COMPUTING and not getattr(args, "dry_run", False) and not getattr(args, "nproc", None):
+        from opd.threads import choose_threads
+
+        if said := choose_threads():
+            print(said, file=sys.stderr)
     try:
         args.handler(args)
     except RunInterrupted as stopped:

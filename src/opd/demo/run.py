@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from opd.config import config_from_dict
@@ -65,6 +66,10 @@ DEFAULT_STEPS = 400
 DEFAULT_LEARNING_RATE = 5e-4
 
 
+BUILD_BAR = "{desc} {n_fmt}/{total_fmt} supervised steps at most [{elapsed}<{remaining}, {postfix}]"
+"""The bar of a model being built; a student stops early, when it reaches its target."""
+
+
 def cache_dir() -> Path:
     """Where built demo models live between runs."""
     root = Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd"))
@@ -90,8 +95,9 @@ def build_model(spec: DemoModelSpec, tokenizer, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print) -> Path:
-    """Build, train and save a demo model unless the cache already has it."""
+def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print, progress: bool = False) -> Path:
+    """Build, train and save a demo model unless the cache already has it (``progress``: a bar of
+    its supervised steps, the minutes a first demo spends here)."""
     directory = cache_dir() / name
     if (directory / "config.json").exists():
         return directory
@@ -115,16 +121,27 @@ def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print) -> Path:
             )
             return dev_accuracies[-1] >= spec.target_accuracy
 
-    losses = supervised_finetune(
-        model,
-        renderer,
-        prompts,
-        steps=spec.sft_steps,
-        batch_size=64,
-        learning_rate=spec.sft_learning_rate,
-        seed=seed,
-        should_stop=should_stop,
+    bar = tqdm(
+        total=spec.sft_steps, desc=f"  {name}", disable=not progress, bar_format=BUILD_BAR, leave=False
     )
+
+    def on_step(loss: float) -> None:
+        shown = f"loss {loss:.3f}" + (f" dev {dev_accuracies[-1]:.0%}" if dev_accuracies else "")
+        bar.set_postfix_str(shown, refresh=False)
+        bar.update(1)
+
+    with bar:
+        losses = supervised_finetune(
+            model,
+            renderer,
+            prompts,
+            steps=spec.sft_steps,
+            batch_size=64,
+            learning_rate=spec.sft_learning_rate,
+            seed=seed,
+            should_stop=should_stop,
+            on_step=on_step,
+        )
     log(f"  {len(losses)} supervised steps in {time.perf_counter() - started:.0f}s")
     if dev_accuracies and dev_accuracies[-1] < spec.target_accuracy:
         log(
@@ -205,10 +222,9 @@ def run_demo(
     learning_rate: float = DEFAULT_LEARNING_RATE,
 ) -> dict[str, dict[str, float]]:
     """Build (or reuse) the models, distil, and report accuracy and teacher KL before and after."""
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     started = time.perf_counter()
-    teacher_dir = ensure_model("teacher", TEACHER_SPEC, seed=seed, log=log)
-    student_dir = ensure_model("student", STUDENT_SPEC, seed=seed + 1, log=log)
+    teacher_dir = ensure_model("teacher", TEACHER_SPEC, seed=seed, log=log, progress=progress)
+    student_dir = ensure_model("student", STUDENT_SPEC, seed=seed + 1, log=log, progress=progress)
     teacher_model = load_causal_lm(str(teacher_dir), "teacher.model", dtype="float32", device="cpu")
     tokenizer = build_char_tokenizer()
     teacher = LocalTeacher(teacher_model, vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id)

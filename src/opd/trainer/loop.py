@@ -64,9 +64,7 @@ from opd.trainer.update import policy_gradient, policy_update
 
 PROGRESS_KEYS = {"teacher_kl": "kl", "entropy": "H", "completion_len_mean": "len"}
 """The metrics the progress bar shows, by the short names that keep it within 80 columns."""
-PROGRESS_FORMAT = (
-    "{desc} {percentage:3.0f}%|{bar:10}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
-)
+PROGRESS_FORMAT = "{desc} |{bar:6}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 """A bar of fixed width, so a narrow terminal shortens nothing (tqdm's own shrinks the bar to a
 character and cuts the metrics)."""
 

@@ -36,10 +36,12 @@ def supervised_finetune(
     learning_rate: float,
     seed: int = 0,
     should_stop: Callable[[int], bool] | None = None,
+    on_step: Callable[[float], None] | None = None,
 ) -> list[float]:
     """Minimise the completion tokens' negative log-likelihood; LR decays linearly to 0.
 
-    ``should_stop(steps_done)`` is asked after every step and ends training early when True.
+    ``should_stop(steps_done)`` is asked after every step and ends training early when True;
+    ``on_step(loss)`` hears of every step (a progress bar).
     Returns the per-step losses (mean NLL per completion token).
     """
     device = module_device(model)
@@ -70,6 +72,8 @@ def supervised_finetune(
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(losses[-1])
         if should_stop is not None and should_stop(len(losses)):
             break
     model.eval()
