@@ -156,7 +156,13 @@ def test_unknown_keys_are_refused_with_their_path(path, key):
     if not isinstance(section, dict) or key in section:
         return
     section[key] = 1
-    open_mapping = path and path[-1] in ("task_config", "sampler_options", "loss_fn_config")
+    open_mapping = path and path[-1] in (
+        "task_config",
+        "sampler_options",
+        "loss_fn_config",
+        "chat_template_kwargs",
+        "fields",
+    )
     try:
         config_from_dict(data)
     except ConfigError as error:

@@ -62,3 +62,14 @@ def test_the_one_gpu_lora_recipe_holds_both_models_and_an_engine(cache):
     assert f"weights {weights:.2f} + gradients {gradients:.2f} + AdamW {adam:.2f}" in done.stdout
     assert f"  teacher      {parameters(teacher) * 2 / 1e9:.2f} GB: weights" in done.stdout
     assert "  vllm         0.25 of a GPU's memory" in done.stdout
+
+
+def test_the_readme_commands_whose_student_samples_with_vllm_resolve(monkeypatch):
+    from opd.config import load_config
+    from tests.test_readme import config_commands, samples_with_vllm
+
+    monkeypatch.chdir(ROOT)
+    commands = [(config, overrides) for config, overrides in config_commands() if samples_with_vllm(config)]
+    assert commands, "the README shows a vLLM recipe"
+    for config, overrides in commands:
+        assert load_config(config, overrides).student.sampler == "vllm"

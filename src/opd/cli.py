@@ -116,6 +116,7 @@ def _eval(args: argparse.Namespace) -> None:
 def _report(args: argparse.Namespace) -> None:
     from opd.runs.report import build_report
 
+    print(f"writing the report of {args.run_dir} ...", file=sys.stderr, flush=True)
     print(f"wrote {build_report(args.run_dir, args.out, args.steps)}")
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
+from opd.data.tables import PROMPT_KEYS, is_table_source
 from opd.distributed import launched_world
 from opd.errors import ConfigError
 from opd.locations import device_problem, missing_path_problem, url_problem
@@ -65,7 +66,9 @@ class DatasetConfig:
     """Used in metric names (``teacher_kl/<name>``) and example printouts."""
     source: str
     """A JSONL file: one ``{"prompt": ...}`` or ``{"messages": [...]}`` object per line,
-    optionally with an ``answer``; or ``demo:<task>`` for a built-in generated task."""
+    optionally with an ``answer``; ``demo:<task>`` or ``reasoning_gym:<task>`` for a generated
+    task; or a table: ``hf:<owner>/<name>`` (a Hugging Face dataset, streamed), a directory
+    written by ``datasets``' ``save_to_disk``, or a ``.parquet`` file (see ``split``, ``fields``)."""
     groups_per_batch: int = 4
     """Prompts per step from this dataset."""
     group_size: int = 4
@@ -77,9 +80,21 @@ class DatasetConfig:
     task_config: dict[str, Any] = field(default_factory=dict)
     """Options of a ``reasoning_gym:<task>`` generator, e.g. ``{min_terms: 2, max_terms: 2}``."""
     eval_source: str | None = None
-    """Held-out prompts; defaults to the ``@test`` split of a generated source, none for files."""
+    """Held-out prompts; defaults to the ``@test`` split of a generated source, to ``eval_split`` of
+    a dataset's table, none for files."""
     eval_num_prompts: int = 64
     """Held-out prompts used per evaluation."""
+    split: str = "train"
+    """Tables (``hf:<owner>/<name>``, a ``save_to_disk`` directory, a Parquet file): the split
+    prompts come from."""
+    eval_split: str | None = None
+    """Tables: the split held-out prompts come from (of ``eval_source``, else of ``source``)."""
+    subset: str | None = None
+    """``hf:`` datasets with several configurations: which one (``main`` for ``openai/gsm8k``)."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Tables: the column each prompt key is read from, e.g. ``{prompt: question, answer: answer}``
+    (keys: ``prompt`` or ``messages``, ``answer``, ``completion``, ``metadata``); unmapped keys are
+    read from columns of their own name."""
     grader: Literal["auto", "exact_match", "last_number", "reasoning_gym", "none"] = "auto"
     """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match otherwise."""
 
@@ -405,6 +420,8 @@ def validate(config: Config) -> Config:
                 raise ConfigError(f"datasets[{i}].{key}: must be >= 1, got {value}")
         _positive(dataset.num_prompts, f"datasets[{i}].num_prompts")
         _positive(dataset.eval_num_prompts, f"datasets[{i}].eval_num_prompts")
+        for key, problem in table_option_problems(dataset):
+            raise ConfigError(f"datasets[{i}].{key}: {problem}")
     for key, problem in _place_problems(config):
         raise ConfigError(f"{key}: {problem}")
     _positive(config.student.lora_rank, "student.lora_rank", allow_zero=True)
@@ -501,6 +518,25 @@ def validate(config: Config) -> Config:
                 f" (it takes: {sorted(allowed) or 'none'})"
             )
     return config
+
+
+def table_option_problems(dataset: DatasetConfig) -> list[tuple[str, str]]:
+    """``(field, problem)`` for table options that cannot apply: a key no prompt has, or options
+    given for a source that is no table."""
+    problems = [
+        (f"fields.{key}", f"not a prompt key; use {', '.join(PROMPT_KEYS)}")
+        for key in dataset.fields
+        if key not in PROMPT_KEYS
+    ]
+    if not any(is_table_source(s) for s in (dataset.source, dataset.eval_source) if s):
+        given = [key for key in ("fields", "subset", "eval_split") if getattr(dataset, key)]
+        given += ["split"] if dataset.split != "train" else []
+        problems += [
+            (key, f"applies to tables (hf:<dataset>, a save_to_disk directory, a .parquet file), and "
+             f"'{dataset.source}' is none")
+            for key in given
+        ]  # fmt: skip
+    return problems
 
 
 def _place_problems(config: Config) -> list[tuple[str, str]]:

@@ -6,9 +6,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opd.errors import DataError
+
+if TYPE_CHECKING:
+    from opd.data.tables import TableOptions
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 
@@ -169,12 +172,25 @@ def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict
 
 
 def load_prompts(
-    source: str, *, seed: int = 0, count: int | None = None, task_config: dict[str, Any] | None = None
+    source: str,
+    *,
+    seed: int = 0,
+    count: int | None = None,
+    task_config: dict[str, Any] | None = None,
+    table: TableOptions | None = None,
 ) -> list[Prompt]:
-    """Load a source: a JSONL path, ``demo:<task>`` or ``reasoning_gym:<task>`` (generated, ``@test`` split).
+    """Load a source: a JSONL path, ``demo:<task>`` or ``reasoning_gym:<task>`` (generated, ``@test``
+    split), or a table (``hf:<dataset>``, a ``save_to_disk`` directory, a Parquet file: ``table``
+    says which split and columns).
 
-    ``count`` is how many prompts a generated source makes (default 2000).
+    ``count`` is how many prompts a generated source makes (default 2000), or how many rows of a
+    table are read (default all).
     """
+    from opd.data.tables import TableOptions as Options
+    from opd.data.tables import is_table_source, load_table_prompts
+
+    if is_table_source(source):
+        return load_table_prompts(source, table or Options(), count)
     if source.startswith("demo:"):
         from opd.data.builtin_tasks import DEFAULT_NUM_PROMPTS, generate_task_prompts
 

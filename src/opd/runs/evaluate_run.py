@@ -14,7 +14,7 @@ import yaml
 
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import latest_model_dir
-from opd.runs.evaluation import default_eval_source, evaluate, load_eval_sets
+from opd.runs.evaluation import eval_source_of, evaluate, load_eval_sets
 from opd.runs.resume import CONFIG_NAME
 from opd.runs.setup import load_student, load_teachers
 from opd.runs.sharded_state import load_checkpoint_weights
@@ -32,7 +32,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | Path | None = None, b
     if not config_file.exists():
         raise ConfigError(f"{run_dir}: no {CONFIG_NAME}; is this a run directory (a log_path)?")
     config = config_from_dict(yaml.safe_load(config_file.read_text()))
-    if not any(d.eval_source or default_eval_source(d.source) for d in config.datasets):
+    if not any(eval_source_of(d)[0] for d in config.datasets):
         raise ConfigError(
             "datasets: no held-out prompts; set datasets[i].eval_source "
             "(generated sources have a @test split)"

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.config import Config
+from opd.config import Config, DatasetConfig
 from opd.data.prompts import Prompt, load_prompts
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
+from opd.data.tables import TableOptions, is_table_source
 from opd.distributed import all_reduce, world
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.runs.graders import Grader, grader_for
@@ -49,15 +50,31 @@ def default_eval_source(source: str) -> str | None:
     return None
 
 
+def eval_source_of(dataset: DatasetConfig) -> tuple[str | None, TableOptions]:
+    """Where a dataset's held-out prompts come from: ``eval_source``, its generated ``@test``
+    split, or ``eval_split`` of its table; and which split and columns of a table to read."""
+    split = dataset.eval_split or dataset.split
+    options = TableOptions(split, dataset.subset, dataset.fields)
+    if dataset.eval_source:
+        return dataset.eval_source, options
+    if dataset.eval_split and is_table_source(dataset.source):
+        return dataset.source, options
+    return default_eval_source(dataset.source), options
+
+
 def load_eval_sets(config: Config, score: TeacherScorer | None) -> list[EvalSet]:
     """Every dataset's held-out prompts (where it has any), graded when answers exist."""
     eval_sets = []
     for index, dataset in enumerate(config.datasets):
-        source = dataset.eval_source or default_eval_source(dataset.source)
+        source, table = eval_source_of(dataset)
         if source is None:
             continue
         prompts = load_prompts(
-            source, seed=config.seed, count=dataset.eval_num_prompts, task_config=dataset.task_config
+            source,
+            seed=config.seed,
+            count=dataset.eval_num_prompts,
+            task_config=dataset.task_config,
+            table=table,
         )[: dataset.eval_num_prompts]
         grader = grader_for(dataset.grader, source)
         if (

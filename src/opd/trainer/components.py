@@ -14,6 +14,7 @@ import torch
 from opd.config import Config
 from opd.data.batching import CompositeBatches, rank_rows
 from opd.data.prompts import Prompt, load_prompts
+from opd.data.tables import TableOptions
 from opd.distributed import init_from_env, launched_world
 from opd.models import DTYPES, resolve_device, warn_if_slow_on_this_cpu
 from opd.runs.evaluation import load_eval_sets
@@ -126,6 +127,10 @@ class RunComponents:
     def _load_dataset(self, index: int) -> list[Prompt]:
         dataset = self.config.datasets[index]
         prompts = load_prompts(
-            dataset.source, seed=self.config.seed, count=dataset.num_prompts, task_config=dataset.task_config
+            dataset.source,
+            seed=self.config.seed,
+            count=dataset.num_prompts,
+            task_config=dataset.task_config,
+            table=TableOptions(dataset.split, dataset.subset, dataset.fields),
         )
         return prompts[: dataset.num_prompts] if dataset.num_prompts else prompts

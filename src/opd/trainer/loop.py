@@ -69,6 +69,13 @@ PROGRESS_FORMAT = "{desc} |{bar:6}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, 
 character and cuts the metrics)."""
 
 
+def show_phase(bar, phase: str) -> None:
+    """Name on the bar what the run is doing between steps (an evaluation or a checkpoint can
+    take minutes on a real model); the next step's metrics replace it."""
+    bar.postfix = phase
+    bar.refresh()
+
+
 def progress_postfix(metrics: dict) -> str:
     """``kl 0.123 H 0.456 len 4.5``: the step's main metrics for the bar."""
     return " ".join(f"{short} {metrics[key]:.3g}" for key, short in PROGRESS_KEYS.items() if key in metrics)
@@ -465,7 +472,10 @@ class Trainer(RunComponents):
         failing = False
         try:
             for step in range(start.step, self.num_steps):
-                evaluation = self.evaluate(step) if eval_every and step % eval_every == 0 else {}
+                evaluation = {}
+                if eval_every and step % eval_every == 0:
+                    show_phase(bar, "evaluating")
+                    evaluation = self.evaluate(step)
                 batch = ahead.batch(step) if ahead else self.collect(step)
                 if main:
                     samples.write(
@@ -484,6 +494,7 @@ class Trainer(RunComponents):
                 bar.update(1)
                 done = step + 1
                 if done == self.num_steps and eval_every:
+                    show_phase(bar, "evaluating")
                     record({"step": done} | self.evaluate(done), done)
                 if main:
                     check_log_path(log_path, done)
@@ -494,6 +505,7 @@ class Trainer(RunComponents):
                     or signal_number
                 ):
                     saving = time.perf_counter()
+                    show_phase(bar, f"saving checkpoint step_{done:06d}")
                     with self.spans.span(step, "checkpoint"):
                         self.save_checkpoint(done)
                     checkpoint_seconds = time.perf_counter() - saving
