@@ -24,7 +24,7 @@ from provenance import write_result
 from sample_efficiency import SWEEP, cache_root, float32_sampler, task_files
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from opd.data.prompts import load_prompts
+from opd.data.sources import load_prompts
 from opd.runs.graders import GRADERS
 
 

@@ -210,7 +210,7 @@ def run_trl(task: str, spec: dict, student: Path, teacher: Path, args, directory
     from trl_setup import distillation_config, lora_config
 
     from opd.config import config_from_dict
-    from opd.data.prompts import load_prompts
+    from opd.data.sources import load_prompts
     from opd.runs.evaluation import EvalSet, direct_scorer, evaluate
     from opd.runs.graders import GRADERS
     from opd.teachers.local import LocalTeacher

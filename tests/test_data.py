@@ -4,8 +4,9 @@ import pytest
 
 from opd.data.batching import CompositeBatches
 from opd.data.builtin_tasks import generate_task_prompts
-from opd.data.prompts import DataError, Prompt, load_jsonl_prompts, load_prompts
+from opd.data.prompts import DataError, Prompt, load_jsonl_prompts
 from opd.data.render import ChatRenderer
+from opd.data.sources import load_prompts
 from opd.demo.char_tokenizer import build_char_tokenizer
 
 

@@ -12,6 +12,7 @@ by rounding): set ``OMP_NUM_THREADS`` for runs that must resume bit for bit on a
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -64,14 +65,15 @@ def threads_for_idle_cores(cores: int, busy_elsewhere: float) -> int:
 def choose_threads() -> str | None:
     """Set torch's thread count unless the user set it; a line saying so when fewer than the
     cores, since a slower run should say why (None otherwise)."""
-    if any(os.environ.get(key) for key in USER_SETTINGS):
-        return None
+    if any(os.environ.get(key) for key in USER_SETTINGS) or "vllm" in sys.modules:
+        return None  # the user's choice; or vLLM's CPU backend, which binds the threads itself
     import torch
 
     cores = available_cores()
     busy = cores_busy_elsewhere()
     threads = threads_for_idle_cores(cores, busy)
-    torch.set_num_threads(threads)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
     if threads < cores:
         return (
             f"opd: computing with {threads} of {cores} cores: other processes keep {busy:.1f} busy "

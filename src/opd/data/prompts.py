@@ -1,4 +1,5 @@
-"""Prompt sources: JSONL files and built-in generated tasks, validated line by line."""
+"""Prompts: the record every source yields, validated; JSONL prompt files; reasoning-gym tasks.
+``opd.data.sources`` picks the source a config names."""
 
 from __future__ import annotations
 
@@ -6,12 +7,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opd.errors import DataError
-
-if TYPE_CHECKING:
-    from opd.data.tables import TableOptions
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 
@@ -169,39 +167,3 @@ def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict
         )
         for entry in dataset
     ]
-
-
-def load_prompts(
-    source: str,
-    *,
-    seed: int = 0,
-    count: int | None = None,
-    task_config: dict[str, Any] | None = None,
-    table: TableOptions | None = None,
-) -> list[Prompt]:
-    """Load a source: a JSONL path, ``demo:<task>`` or ``reasoning_gym:<task>`` (generated, ``@test``
-    split), or a table (``hf:<dataset>``, a ``save_to_disk`` directory, a Parquet file: ``table``
-    says which split and columns).
-
-    ``count`` is how many prompts a generated source makes (default 2000), or how many rows of a
-    table are read (default all).
-    """
-    from opd.data.tables import TableOptions as Options
-    from opd.data.tables import is_table_source, load_table_prompts
-
-    if is_table_source(source):
-        return load_table_prompts(source, table or Options(), count)
-    if source.startswith("demo:"):
-        from opd.data.builtin_tasks import DEFAULT_NUM_PROMPTS, generate_task_prompts
-
-        return generate_task_prompts(
-            source.removeprefix("demo:"), seed=seed, count=count or DEFAULT_NUM_PROMPTS
-        )
-    if source.startswith("reasoning_gym:"):
-        return reasoning_gym_prompts(
-            source.removeprefix("reasoning_gym:"),
-            seed=seed,
-            count=count or 2000,
-            task_config=task_config or {},
-        )
-    return load_jsonl_prompts(source)

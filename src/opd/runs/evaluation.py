@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from opd.config import Config, DatasetConfig
-from opd.data.prompts import Prompt, load_prompts
+from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
+from opd.data.sources import load_prompts
 from opd.data.tables import TableOptions, is_table_source
 from opd.distributed import all_reduce, world
 from opd.objectives.advantages import reverse_kl_per_token

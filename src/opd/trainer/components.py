@@ -13,7 +13,8 @@ import torch
 
 from opd.config import Config
 from opd.data.batching import CompositeBatches, rank_rows
-from opd.data.prompts import Prompt, load_prompts
+from opd.data.prompts import Prompt
+from opd.data.sources import load_prompts
 from opd.data.tables import TableOptions
 from opd.distributed import init_from_env, launched_world
 from opd.models import DTYPES, resolve_device, warn_if_slow_on_this_cpu

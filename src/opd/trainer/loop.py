@@ -25,6 +25,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from opd.config import Config, recorded_config
+from opd.data.batching import contiguous_slices
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, barrier
@@ -336,18 +337,28 @@ class Trainer(RunComponents):
     @torch.no_grad()
     def policy_logprobs(self, rollouts: RolloutBatch) -> torch.Tensor:
         """The student's current log-prob of every completion token of ``rollouts`` (B, T), at the
-        run's temperature, detached (a forward every process makes together when the student is
-        sharded; with gradients on, FSDP would wait for a backward that never comes)."""
+        run's temperature, detached; forwarded in the update's own micro-batches (the same rows
+        per forward on any number of processes, and no more memory than the update takes). A
+        forward every process makes together when the student is sharded; with gradients on,
+        FSDP would wait for a backward that never comes."""
         training = self.config.training
-        logprobs, _ = self.policy.sequence_logprobs(
-            rollouts.input_ids_BT,
-            rollouts.attention_mask_BT,
-            rollouts.mask_BT,
-            temperature=training.temperature,
-            chunk_size=training.logprob_chunk_size,
-        )
+        logprobs_BT = torch.zeros_like(rollouts.sampled_logprobs_BT)
+        for substep in contiguous_slices(len(rollouts.prompt_lengths), training.num_substeps):
+            rows = substep.stop - substep.start
+            micro = training.micro_batch_size or rows
+            for piece in contiguous_slices(rows, math.ceil(rows / micro)):
+                selected = slice(substep.start + piece.start, substep.start + piece.stop)
+                part = rollouts.select(selected)
+                logprobs, _ = self.policy.sequence_logprobs(
+                    part.input_ids_BT,
+                    part.attention_mask_BT,
+                    part.mask_BT,
+                    temperature=training.temperature,
+                    chunk_size=training.logprob_chunk_size,
+                )
+                logprobs_BT[selected] = logprobs.to(logprobs_BT.device)
         self.policy.reshard()
-        return logprobs
+        return logprobs_BT
 
     @torch.no_grad()
     def post_update_kl(self, rollouts: RolloutBatch) -> float:
