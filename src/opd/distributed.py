@@ -8,6 +8,7 @@ joins the group once, on the backend the run asks for (``gloo`` for CPUs, ``nccl
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,6 +41,13 @@ def launched_world() -> World:
         int(os.environ.get("WORLD_SIZE", 1)),
         int(os.environ.get("LOCAL_RANK", 0)),
     )
+
+
+def announce(text: str) -> None:
+    """``opd: text`` on stderr from the first process: a phase that can take minutes (loading a
+    model, starting an engine) says what it is doing, now that third-party logs are quiet."""
+    if launched_world().is_main:
+        print(f"opd: {text}", file=sys.stderr, flush=True)
 
 
 def world() -> World:

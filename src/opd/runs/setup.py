@@ -8,6 +8,7 @@ import torch
 
 from opd.config import Config, ConfigError
 from opd.data.render import ChatRenderer
+from opd.distributed import announce
 from opd.models import load_tokenizer
 from opd.policy.policy import Policy
 from opd.sampling.hf_generate import HFGenerateSampler
@@ -38,6 +39,7 @@ def load_student(config: Config) -> Student:
     its LoRA adapters initialised from the run's seed."""
     torch.manual_seed(config.seed)
     student = config.student
+    announce(f"loading the student {student.model} ...")
     tokenizer = load_tokenizer(
         student.tokenizer or student.model, "student.model", trust_remote_code=student.trust_remote_code
     )
@@ -57,6 +59,9 @@ def load_teachers(
     config: Config, student: Student, pad_id: int, request: TeacherRequest | None
 ) -> TeacherPanel:
     """Every dataset's teacher, asked for ``request`` by default (token log-probs when None)."""
+    local = {t.model for t in (config.teacher_for(d) for d in config.datasets) if t.backend == "local"}
+    for model in sorted(local):
+        announce(f"loading the teacher {model} ...")
     return TeacherPanel(
         [config.teacher_for(d) for d in config.datasets],
         [f"datasets[{i}].teacher" if d.teacher else "teacher" for i, d in enumerate(config.datasets)],

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opd.data.sequences import Completion
-from opd.distributed import all_gather_objects, consecutive_groups, rank_in, world
+from opd.distributed import all_gather_objects, announce, consecutive_groups, rank_in, world
 from opd.errors import ConfigError
 from opd.models import DTYPES
 from opd.policy.config import StudentConfig
@@ -104,6 +104,7 @@ class VLLMEngine:
         from vllm import LLM
 
         options = engine_defaults(self.policy.device) | engine_options(student, world().size)
+        announce(f"starting vLLM for the student's rollouts ({student.model}) ...")
         try:
             return LLM(
                 model=str(Path(student.model).expanduser()),  # a hub id passes through unchanged
