@@ -2,7 +2,8 @@
 
 Two processes must make the update one process makes on the same global batch: the same
 per-step metrics and final weights within 1e-5 (they differ only in the order floats are
-summed), for DDP and FSDP2, full fine-tuning and LoRA, with collection ahead of learning; a
+summed), for DDP and FSDP2, full fine-tuning and LoRA, with collection ahead of learning, and
+with packed micro-batches binned by tokens against padded rows on one process; a
 sharded checkpoint resumes on one process and back; a rank killed mid-step stops the job with
 a message and the same command resumes it.
 """
@@ -149,23 +150,29 @@ def final_weights(run: Path, out: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+PACKED_BINS = ["training.micro_batch_size=null", "training.micro_batch_tokens=68"]
+"""Packed micro-batches of at most 68 tokens (rows of 31 to 37: a process's two rows of a substep
+in one forward when they fit, else two forwards, and then the other process splits its one),
+against one padded row per forward on one process."""
+
+
 @pytest.mark.parametrize(
-    ("parallel", "lora_rank", "max_staleness", "objective", "normalize"),
+    ("parallel", "lora_rank", "max_staleness", "objective", "normalize", "packed_bins"),
     [
         # each process holds half the batch; the advantages' mean and spread are the whole batch's.
         # (Not with LoRA here: there one adapter entry's second-step gradient is 4e-9, under AdamW's
         # eps, where the size of its step follows float rounding and differs by 2.5e-4.)
-        ("ddp", 0, 0, "sampled_reverse_kl", True),
-        ("fsdp", 0, 0, "sampled_reverse_kl", False),
-        ("ddp", 4, 0, "sampled_reverse_kl", False),
-        ("fsdp", 4, 0, "sampled_reverse_kl", False),
-        ("fsdp", 0, 1, "sampled_reverse_kl", False),
-        ("fsdp", 0, 0, "jsd", False),  # the fused heads read the (sharded) lm head inside the forward
-        ("fsdp", 0, 0, "topk_forward_kl", False),
+        ("ddp", 0, 0, "sampled_reverse_kl", True, False),
+        ("fsdp", 0, 0, "sampled_reverse_kl", False, False),
+        ("ddp", 4, 0, "sampled_reverse_kl", False, True),
+        ("fsdp", 4, 0, "sampled_reverse_kl", False, True),
+        ("fsdp", 0, 1, "sampled_reverse_kl", False, False),
+        ("fsdp", 0, 0, "jsd", False, True),  # the fused heads read the (sharded) lm head inside the forward
+        ("fsdp", 0, 0, "topk_forward_kl", False, False),
     ],
 )
 def test_two_processes_make_the_update_one_process_makes(
-    models, tmp_path, parallel, lora_rank, max_staleness, objective, normalize
+    models, tmp_path, parallel, lora_rank, max_staleness, objective, normalize, packed_bins
 ):
     overrides = [
         f"student.lora_rank={lora_rank}",
@@ -174,9 +181,9 @@ def test_two_processes_make_the_update_one_process_makes(
         f"training.normalize_advantages={str(normalize).lower()}",
     ]
     single = write(run_config(models, tmp_path / "one"), tmp_path / "one.yaml")
-    one_process(single, *overrides)
+    one_process(single, *overrides, *(["training.packing=false"] if packed_bins else []))
     double = write(run_config(models, tmp_path / "two"), tmp_path / "two.yaml")
-    two_processes(double, *overrides, f"training.parallel={parallel}")
+    two_processes(double, *overrides, f"training.parallel={parallel}", *(PACKED_BINS if packed_bins else []))
 
     reference, rows = (
         read_jsonl(tmp_path / "one" / "metrics.jsonl"),

@@ -169,7 +169,24 @@ class TrainingConfig:
     num_substeps: int = 1
     """Optimizer steps per batch, each on a contiguous slice of the sequences."""
     micro_batch_size: int | None = None
-    """Sequences per forward/backward inside a substep (gradient accumulation); None = all."""
+    """Most sequences per forward/backward inside a substep (gradient accumulation). Without
+    ``micro_batch_tokens``: runs of this many rows in batch order (None: one micro-batch)."""
+    micro_batch_tokens: int | None = None
+    """Most tokens (prompt + completion, padding not counted when ``packing``) per forward /
+    backward: each substep's rows are binned by length, longest first, into as few micro-batches
+    as fit (the same bins for the same rows, on resume and on any number of processes; a process
+    with fewer bins than another splits its largest). Unset: sized for the device when the run
+    starts, about a quarter of its memory for activations (estimated from the model's shape;
+    ``opd train --dry-run`` prints it), unless ``micro_batch_size`` is set. The number of
+    micro-batches changes no number the update computes beyond rounding (the loss is normalised
+    by the whole batch's token and sequence counts). Must hold the longest possible row: the
+    longest prompt plus ``max_tokens``."""
+    packing: bool = True
+    """Run each micro-batch's sequences as one padding-free row (position ids restarting per
+    sequence, attention within each; flash-attention varlen on GPUs, sdpa per sequence
+    otherwise), in the update, the current log-probs and a local teacher's forward. A model
+    whose attention cannot pack (not sdpa or flash attention, sliding windows without flash
+    attention) runs padded, said once. False pads every micro-batch to its longest row."""
     max_steps: int | None = None
     """Stop after this many steps; None runs one pass over the shortest dataset (more: each
     dataset starts another pass, reshuffled, when it runs out)."""
@@ -194,7 +211,7 @@ class TrainingConfig:
     logprob_chunk_size: int = 1024
     """Positions whose logits exist at once when computing log-probs (memory vs speed)."""
     teacher_batch_size: int = 32
-    """Sequences per teacher forward."""
+    """Most sequences per forward of a local teacher (also at most ``micro_batch_tokens`` tokens)."""
     show_examples: bool = False
     """Print one coloured sample per dataset per step (prompt, trained tokens, per-token KL)."""
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
@@ -439,6 +456,7 @@ def validate(config: Config) -> Config:
     _positive(training.max_tokens, "training.max_tokens")
     _positive(training.num_substeps, "training.num_substeps")
     _positive(training.micro_batch_size, "training.micro_batch_size")
+    _positive(training.micro_batch_tokens, "training.micro_batch_tokens")
     _positive(training.max_steps, "training.max_steps")
     _positive(training.max_grad_norm, "training.max_grad_norm")
     _positive(training.warmup_steps, "training.warmup_steps", allow_zero=True)

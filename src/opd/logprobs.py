@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from opd.packing import is_right_padded, packed_hidden_states, packed_rows
+
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -295,6 +297,7 @@ def scored_hidden_states(
     score_mask_BT: torch.Tensor,
     *,
     autocast_dtype: torch.dtype | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Final hidden states that predict each scored token, without applying the lm head.
 
@@ -303,14 +306,31 @@ def scored_hidden_states(
     and the (B, T - 1) boolean map of those positions for :func:`scatter_rows`. With
     ``autocast_dtype`` the body runs under ``torch.autocast`` and the hidden states come back
     in the head's dtype, so the lm head and everything after it run at full precision.
+    ``packed``: the rows (right-padded) run as one padding-free sequence (:mod:`opd.packing`;
+    the caller checked the model with :func:`opd.packing.packing_problem`); otherwise the batch
+    runs padded to its longest row.
     """
     backbone, head = backbone_and_head(model)
-    with torch.autocast(input_ids_BT.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        hidden_BTD = backbone(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
-    if autocast_dtype is not None:
-        hidden_BTD = hidden_BTD.to(head.weight.dtype)
     selected_BT = score_mask_BT[:, 1:].bool()
-    return hidden_BTD[:, :-1][selected_BT], input_ids_BT[:, 1:][selected_BT], selected_BT
+    token_ids_N = input_ids_BT[:, 1:][selected_BT]
+    right_padded = is_right_padded(attention_mask_BT)
+    width = attention_mask_BT.shape[1]
+    if right_padded and attention_mask_BT.numel():  # columns of padding only: not computed
+        width = max(int(attention_mask_BT.sum(-1).max()), 1)
+    with torch.autocast(input_ids_BT.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        if packed and right_padded:
+            hidden_ND = packed_hidden_states(backbone, input_ids_BT, attention_mask_BT)
+            hidden_ND = hidden_ND[packed_rows(attention_mask_BT, selected_BT)]
+        else:
+            hidden_BTD = backbone(
+                input_ids=input_ids_BT[:, :width],
+                attention_mask=attention_mask_BT[:, :width],
+                use_cache=False,
+            ).last_hidden_state
+            hidden_ND = hidden_BTD[:, :-1][selected_BT[:, : width - 1]]
+    if autocast_dtype is not None:
+        hidden_ND = hidden_ND.to(head.weight.dtype)
+    return hidden_ND, token_ids_N, selected_BT
 
 
 def scatter_rows(values_N: torch.Tensor, selected_BT: torch.Tensor) -> torch.Tensor:
@@ -341,6 +361,8 @@ class ScoredRows(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.packed = False
+        """Whether the body runs each call's rows packed (:func:`scored_hidden_states`)."""
 
     def forward(
         self,
@@ -355,7 +377,12 @@ class ScoredRows(nn.Module):
         See :func:`scored_hidden_states` for the rows and ``selected_BT``.
         """
         hidden_ND, token_ids_N, selected_BT = scored_hidden_states(
-            self.model, input_ids_BT, attention_mask_BT, score_mask_BT, autocast_dtype=autocast_dtype
+            self.model,
+            input_ids_BT,
+            attention_mask_BT,
+            score_mask_BT,
+            autocast_dtype=autocast_dtype,
+            packed=self.packed,
         )
         return rows_function(hidden_ND, token_ids_N, backbone_and_head(self.model)[1]), selected_BT
 

@@ -74,6 +74,50 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(bounds) if b > a]
 
 
+def token_bins(
+    lengths: list[int], max_tokens: int | None, max_rows: int | None, *, padded: bool
+) -> list[list[int]]:
+    """Row indices grouped into micro-batches of at most ``max_tokens`` tokens and ``max_rows`` rows.
+
+    Without a token budget: contiguous runs of ``max_rows`` rows (all rows when None). With one,
+    rows are taken longest first (ties by index) and each goes into the first micro-batch it
+    fits (first-fit decreasing); a micro-batch costs the sum of its lengths when packed, its row
+    count times its longest row when ``padded``. The same lengths always give the same groups,
+    each listed in row order. A row longer than the budget gets a micro-batch of its own.
+    """
+    total = len(lengths)
+    if max_tokens is None:
+        parts = -(-total // max_rows) if max_rows else 1
+        return [list(range(part.start, part.stop)) for part in contiguous_slices(total, parts)]
+    bins: list[list[int]] = []
+    costs: list[int] = []
+    for row in sorted(range(total), key=lambda i: (-lengths[i], i)):
+        for index, members in enumerate(bins):
+            grown = (len(members) + 1) * lengths[members[0]] if padded else costs[index] + lengths[row]
+            if grown <= max_tokens and (max_rows is None or len(members) < max_rows):
+                members.append(row)
+                costs[index] = grown
+                break
+        else:
+            bins.append([row])
+            costs.append(lengths[row])
+    return [sorted(members) for members in bins]
+
+
+def split_to(bins: list[list[int]], count: int) -> list[list[int]]:
+    """``bins`` split until there are ``count`` of them: the one with most rows is halved each
+    time (the first such), so every process can run as many forwards as the busiest one."""
+    bins = [list(members) for members in bins]
+    while len(bins) < count:
+        index = max(range(len(bins)), key=lambda i: len(bins[i]))
+        members = bins[index]
+        if len(members) < 2:
+            raise ValueError(f"cannot split {len(bins)} micro-batches of one row each into {count}")
+        half = len(members) // 2
+        bins[index : index + 1] = [members[:half], members[half:]]
+    return bins
+
+
 def rank_split_problem(group_sizes: list[int], num_substeps: int, world_size: int) -> str | None:
     """Why a step's rows cannot be shared out by :func:`rank_rows` (None when they can)."""
     total = sum(group_sizes)

@@ -62,8 +62,21 @@ class RolloutBatch:
         lengths = self.attention_mask_BT.sum(-1).tolist()
         return [row[:n].tolist() for row, n in zip(self.input_ids_BT, lengths, strict=True)]
 
-    def select(self, rows: slice) -> RolloutBatch:
-        """A contiguous slice of sequences (for substeps and micro-batches)."""
+    def select(self, rows: slice | list[int]) -> RolloutBatch:
+        """The sequences of a slice (substeps) or of a list of row indices (micro-batches)."""
+        if isinstance(rows, list):
+            index = torch.tensor(rows, dtype=torch.long)
+            return RolloutBatch(
+                self.input_ids_BT[index],
+                self.attention_mask_BT[index],
+                self.mask_BT[index],
+                self.sampled_logprobs_BT[index],
+                self.dataset_index_B[index],
+                self.finished_B[index],
+                [self.prompt_lengths[i] for i in rows],
+                [self.messages[i] for i in rows] if self.messages else [],
+                None if self.policy_version_B is None else self.policy_version_B[index],
+            )
         return RolloutBatch(
             self.input_ids_BT[rows],
             self.attention_mask_BT[rows],

@@ -28,6 +28,7 @@ from opd.logprobs import (
     unwrap_peft,
 )
 from opd.models import load_causal_lm, module_device
+from opd.packing import packing_problem
 from opd.policy.config import StudentConfig
 from opd.policy.lora import apply_lora, sampler_weights
 from opd.policy.parallel import apply_ddp, apply_fsdp, fsdp_modules
@@ -44,7 +45,8 @@ class Policy:
 
     def __init__(self, model: nn.Module, vocab_size: int):
         self.model = model
-        self.module: nn.Module = ScoredRows(model)
+        self.scored_rows = ScoredRows(model)
+        self.module: nn.Module = self.scored_rows
         self.vocab_size = vocab_size
         self.device = module_device(model)
         self.version = 0
@@ -74,6 +76,18 @@ class Policy:
             self.module = apply_ddp(self.module, self.device)
         elif self.parallel == "fsdp":
             self.module = apply_fsdp(self.module, self.base_model)
+
+    def use_packing(self, enabled: bool) -> str | None:
+        """Run the student's forwards packed (:mod:`opd.packing`) when ``enabled`` and the model
+        can; returns why it cannot (its forwards then stay padded)."""
+        problem = packing_problem(self.base_model) if enabled else None
+        self.scored_rows.packed = enabled and problem is None
+        return problem
+
+    @property
+    def packed(self) -> bool:
+        """Whether the student's forwards run packed rows."""
+        return self.scored_rows.packed
 
     @property
     def sharded(self) -> bool:

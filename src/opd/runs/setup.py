@@ -56,9 +56,15 @@ def load_student(config: Config) -> Student:
 
 
 def load_teachers(
-    config: Config, student: Student, pad_id: int, request: TeacherRequest | None
+    config: Config,
+    student: Student,
+    pad_id: int,
+    request: TeacherRequest | None,
+    *,
+    token_budget: int | None = None,
 ) -> TeacherPanel:
-    """Every dataset's teacher, asked for ``request`` by default (token log-probs when None)."""
+    """Every dataset's teacher, asked for ``request`` by default (token log-probs when None); a
+    local one's forwards hold at most ``token_budget`` tokens, packed when ``training.packing``."""
     local = {t.model for t in (config.teacher_for(d) for d in config.datasets) if t.backend == "local"}
     for model in sorted(local):
         announce(f"loading the teacher {model} ...")
@@ -71,4 +77,6 @@ def load_teachers(
         request=request,
         batch_size=config.training.teacher_batch_size,
         chunk_size=config.training.logprob_chunk_size,
+        token_budget=token_budget,
+        packing=config.training.packing,
     )

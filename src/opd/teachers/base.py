@@ -101,8 +101,8 @@ class TeacherScores:
             scores.topk_logprobs_BTK = torch.zeros(batch, width, request.topk)
         return scores
 
-    def select(self, rows: slice) -> TeacherScores:
-        """The same contiguous rows as :meth:`opd.data.sequences.RolloutBatch.select`."""
+    def select(self, rows: slice | list[int]) -> TeacherScores:
+        """The same rows as :meth:`opd.data.sequences.RolloutBatch.select`."""
 
         def cut(tensor):
             return None if tensor is None else tensor[rows]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from opd.data.batching import token_bins
 from opd.distributed import all_reduce
 from opd.logprobs import (
     ScoredRows,
@@ -14,6 +15,7 @@ from opd.logprobs import (
     topk_logprobs,
 )
 from opd.models import module_device
+from opd.packing import packing_problem
 from opd.policy.parallel import apply_fsdp
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
@@ -25,7 +27,17 @@ class LocalTeacher:
     sharding wrapper applied to ``module`` would see.
     """
 
-    def __init__(self, model, *, vocab_size: int, pad_id: int, batch_size: int = 32, chunk_size: int = 1024):
+    def __init__(
+        self,
+        model,
+        *,
+        vocab_size: int,
+        pad_id: int,
+        batch_size: int = 32,
+        chunk_size: int = 1024,
+        token_budget: int | None = None,
+        packing: bool = True,
+    ):
         self.model = model.eval()
         self.module = ScoredRows(self.model)
         self.device = module_device(model)
@@ -33,6 +45,11 @@ class LocalTeacher:
         self.pad_id = pad_id
         self.batch_size = batch_size
         self.chunk_size = chunk_size
+        self.token_budget = token_budget
+        """Most tokens per forward (None: ``batch_size`` rows whatever their length)."""
+        self.packing_problem = packing_problem(self.model) if packing else None
+        """Why the teacher's forwards are padded although packing was asked for (None: they are not)."""
+        self.module.packed = packing and self.packing_problem is None
         self.sharded = False
 
     def shard(self) -> None:
@@ -50,7 +67,8 @@ class LocalTeacher:
 
     @torch.no_grad()
     def score(self, inputs: TeacherInput, request: TeacherRequest) -> TeacherScores:
-        """Score ``teacher_batch_size`` sequences per forward, each cut to its longest sequence."""
+        """Score up to ``batch_size`` sequences and ``token_budget`` tokens per forward, packed (or
+        each forward cut to its longest sequence)."""
         batch, width = inputs.input_ids_BT.shape
         scores = TeacherScores.zeros(batch, width, request)
         token_transform = logit_transform_for(self.model)
@@ -80,13 +98,14 @@ class LocalTeacher:
                 )
             return logprobs_N, top, hidden_ND if request.hidden else None
 
-        starts = range(0, batch, self.batch_size)
+        lengths = [int(n) for n in inputs.attention_mask_BT.sum(-1).tolist()]
+        forwards = token_bins(lengths, self.token_budget, self.batch_size, padded=not self.module.packed)
         if self.sharded:
-            (most,) = all_reduce([float(len(starts))], op="max")
-            for _ in range(int(most) - len(starts)):
+            (most,) = all_reduce([float(len(forwards))], op="max")
+            for _ in range(int(most) - len(forwards)):
                 self._forward_in_step(answer)
-        for start in starts:
-            rows = torch.arange(start, min(start + self.batch_size, batch))
+        for members in forwards:
+            rows = torch.tensor(members)
             chunk = inputs.select(rows)
             mask = chunk.score_mask_BT.clone()
             mask[:, 0] = False
@@ -97,18 +116,27 @@ class LocalTeacher:
                 answer,
             )
             selected = selected.cpu()
-            end, chunk_width = start + len(rows), chunk.input_ids_BT.shape[1]
-            scores.logprobs_BT[start:end, 1:chunk_width][selected] = logprobs_N.cpu()
+            _place(scores.logprobs_BT, rows, selected, logprobs_N.cpu())
             if top is not None:
-                scores.topk_ids_BTK[start:end, 1:chunk_width][selected] = top[0].cpu()
-                scores.topk_logprobs_BTK[start:end, 1:chunk_width][selected] = top[1].cpu()
+                _place(scores.topk_ids_BTK, rows, selected, top[0].cpu())
+                _place(scores.topk_logprobs_BTK, rows, selected, top[1].cpu())
             if hidden_ND is not None:
                 if scores.hidden_BTD is None:
                     scores.hidden_BTD = hidden_ND.new_zeros(batch, width, hidden_ND.shape[-1])
-                scores.hidden_BTD[start:end, 1:chunk_width][selected.to(hidden_ND.device)] = hidden_ND
+                _place(scores.hidden_BTD, rows.to(hidden_ND.device), selected.to(hidden_ND.device), hidden_ND)
         return scores
 
     def _forward_in_step(self, answer) -> None:
         """A one-token forward whose answer is dropped: keeps a sharded teacher's collectives in step."""
         ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
         self.module(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device), answer)
+
+
+def _place(
+    target_BT: torch.Tensor, rows: torch.Tensor, selected: torch.Tensor, values_N: torch.Tensor
+) -> None:
+    """Write one forward's per-position ``values_N`` into rows ``rows`` of ``target_BT`` at the
+    positions ``selected`` (the forward's (n, w - 1) map of positions 1..w - 1)."""
+    block = target_BT.new_zeros((selected.shape[0], selected.shape[1], *target_BT.shape[2:]))
+    block[selected] = values_N.to(target_BT.dtype)
+    target_BT[rows, 1 : selected.shape[1] + 1] = block

@@ -8,12 +8,14 @@ states). A teacher with its own chat template or tokenizer sees each rollout thr
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import replace
 
 import torch
 
 from opd.data.render import ChatRenderer
 from opd.data.sequences import RolloutBatch
+from opd.distributed import launched_world
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
 from opd.teachers.alignment import TeacherFormat
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores
@@ -41,9 +43,12 @@ class TeacherPanel:
         request: TeacherRequest | None,
         batch_size: int = 32,
         chunk_size: int = 1024,
+        token_budget: int | None = None,
+        packing: bool = True,
     ):
         self.tokenizer, self.renderer, self.pad_id, self.request = tokenizer, renderer, pad_id, request
         self.batch_size, self.chunk_size = batch_size, chunk_size
+        self.token_budget, self.packing = token_budget, packing
         self.vocab_size = len(tokenizer)
         self.formats: list[TeacherFormat | None] = []
         self.per_dataset = self._load_all(teachers, fields)
@@ -125,13 +130,21 @@ class TeacherPanel:
         vocab_size = self.vocab_size
         if teacher_cfg.cross_tokenizer:
             vocab_size = len(teacher_format.renderer.tokenizer)
-        return LocalTeacher(
+        teacher = LocalTeacher(
             model,
             vocab_size=vocab_size,
             pad_id=self.pad_id,
             batch_size=self.batch_size,
             chunk_size=self.chunk_size,
+            token_budget=self.token_budget,
+            packing=self.packing,
         )
+        if teacher.packing_problem and launched_world().is_main:
+            warnings.warn(
+                f"training.packing: {teacher.packing_problem}; the teacher {teacher_cfg.model} scores padded",
+                stacklevel=2,
+            )
+        return teacher
 
     def rows_by_teacher(self, dataset_indices: list[int]) -> dict[int, list[int]]:
         """Row indices grouped by the teacher that scores them, in first-seen order."""

@@ -7,6 +7,7 @@ is written.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,6 +27,13 @@ from opd.runs.sharded_state import has_sharded_state, load_sharded_state
 from opd.sampling.engines import build_rollout_engine
 from opd.sampling.hf_generate import HFEngine
 from opd.teachers.local import LocalTeacher
+from opd.trainer.micro_batching import (
+    MicroBatching,
+    activation_bytes_per_token,
+    device_memory,
+    resolve_token_budget,
+    sized_budget,
+)
 from opd.trainer.optimizer import build_optimizer
 from opd.trainer.processes import (
     check_processes,
@@ -67,6 +75,8 @@ class RunComponents:
             self.policy.load_weights(load_from)
         self.vocab_size = len(self.tokenizer)
         device = self.policy.device
+        self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
+        self.batching = self._micro_batching()
         warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")
         warn_if_slow_on_this_cpu(DTYPES.get(training.autocast), device, "training.autocast")
         self.policy.parallel = parallel
@@ -94,7 +104,6 @@ class RunComponents:
         self.sampler = (
             self.engine if self.engine.serves_evaluation else student.sampler_for(self.policy.model)
         )
-        self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
         self.batches = CompositeBatches(
             self.datasets,
             [d.groups_per_batch for d in config.datasets],
@@ -105,7 +114,9 @@ class RunComponents:
             step_group_sizes(config), training.num_substeps, self.world.size, self.world.rank
         )
         request = self.objective.teacher_request(training.temperature)
-        self.teachers = load_teachers(process_config, student, self.engine.pad_id, request)
+        self.teachers = load_teachers(
+            process_config, student, self.engine.pad_id, request, token_budget=self.batching.tokens
+        )
         if shards_its_teacher(config, parallel):
             self.teachers.per_dataset[0].shard()
         self.teacher_samplers = {
@@ -124,6 +135,32 @@ class RunComponents:
     def student(self) -> torch.nn.Module:
         """The student's Hugging Face model (PEFT-wrapped under LoRA)."""
         return self.policy.model
+
+    def _micro_batching(self) -> MicroBatching:
+        """The update's micro-batches: the token budget checked against the longest prompt (rendered
+        as the student sees it) plus ``max_tokens`` before any other work, or sized for the device;
+        packed unless the config or the student's model says otherwise (said once)."""
+        training = self.config.training
+        problem = self.policy.use_packing(training.packing)
+        if problem and launched_world().is_main:
+            warnings.warn(
+                f"training.packing: {problem}; the student's micro-batches run padded", stacklevel=2
+            )
+        longest_prompt = max(
+            (
+                len(self.renderer.prompt_ids(prompt.messages))
+                for prompts in self.datasets
+                for prompt in prompts
+            ),
+            default=0,
+        )
+        model, lora = self.policy.base_model, self.policy.has_adapters
+        element_bytes = 2 if training.autocast else self.policy.dtype.itemsize
+        sized = sized_budget(
+            device_memory(self.policy.device), activation_bytes_per_token(model.config, element_bytes, lora)
+        )
+        tokens = resolve_token_budget(training, longest_prompt, sized)
+        return MicroBatching(tokens, training.micro_batch_size, self.policy.packed)
 
     def _load_dataset(self, index: int) -> list[Prompt]:
         dataset = self.config.datasets[index]

@@ -311,6 +311,7 @@ class Trainer(RunComponents):
                 teacher,
                 advantages,
                 training,
+                self.batching,
             )
         train_seconds = time.perf_counter() - started
         metrics |= {
@@ -334,7 +335,6 @@ class Trainer(RunComponents):
         return self.learn(self.collect(step))
 
     @torch.no_grad()
-    @torch.no_grad()
     def policy_logprobs(self, rollouts: RolloutBatch) -> torch.Tensor:
         """The student's current log-prob of every completion token of ``rollouts`` (B, T), at the
         run's temperature, detached; forwarded in the update's own micro-batches (the same rows
@@ -344,19 +344,17 @@ class Trainer(RunComponents):
         training = self.config.training
         logprobs_BT = torch.zeros_like(rollouts.sampled_logprobs_BT)
         for substep in contiguous_slices(len(rollouts.prompt_lengths), training.num_substeps):
-            rows = substep.stop - substep.start
-            micro = training.micro_batch_size or rows
-            for piece in contiguous_slices(rows, math.ceil(rows / micro)):
-                selected = slice(substep.start + piece.start, substep.start + piece.stop)
-                part = rollouts.select(selected)
+            part = rollouts.select(substep)
+            for rows in self.batching.split(part):
+                piece = part.select(rows)
                 logprobs, _ = self.policy.sequence_logprobs(
-                    part.input_ids_BT,
-                    part.attention_mask_BT,
-                    part.mask_BT,
+                    piece.input_ids_BT,
+                    piece.attention_mask_BT,
+                    piece.mask_BT,
                     temperature=training.temperature,
                     chunk_size=training.logprob_chunk_size,
                 )
-                logprobs_BT[selected] = logprobs.to(logprobs_BT.device)
+                logprobs_BT[[substep.start + row for row in rows]] = logprobs.to(logprobs_BT.device)
         self.policy.reshard()
         return logprobs_BT
 

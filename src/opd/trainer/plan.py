@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.config import Config
+from opd.config import Config, TrainingConfig
 from opd.errors import ModelLoadError
 from opd.models import model_source
 from opd.sampling.vllm_engine import GPU_MEMORY_UTILIZATION
 from opd.teachers.config import TeacherConfig
+from opd.trainer.micro_batching import activation_bytes_per_token, device_memory, sized_budget
 from opd.trainer.processes import check_processes, shards_its_teacher, step_group_sizes
 
 GB = 1e9
@@ -31,6 +32,8 @@ class ModelSize:
 
     parameters: int
     lora_parameters: int
+    config: object
+    """The model's Hugging Face config (its shape sizes the micro-batches)."""
 
 
 def model_size(name: str, field: str, *, lora_rank: int, trust_remote_code: bool) -> ModelSize:
@@ -54,7 +57,7 @@ def model_size(name: str, field: str, *, lora_rank: int, trust_remote_code: bool
         for module in model.modules()
         if isinstance(module, torch.nn.Linear) and module is not head
     )
-    return ModelSize(parameters, lora)
+    return ModelSize(parameters, lora, config)
 
 
 def dtype_name(dtype: str, device: str) -> str:
@@ -76,6 +79,31 @@ def billions(count: int) -> str:
     """``1,720,574,976 (1.72B)``: exact, and at a glance."""
     short = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
     return f"{count:,} ({short})"
+
+
+def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, device: str, lora: bool) -> str:
+    """How the update's forwards are cut: the budget set, rows, or the budget a run would size."""
+    how = "packed" if training.packing else "padded"
+    if training.micro_batch_tokens is not None:
+        return f"at most {training.micro_batch_tokens} tokens each (training.micro_batch_tokens), {how}"
+    if training.micro_batch_size is not None:
+        return f"at most {training.micro_batch_size} sequences each (training.micro_batch_size), {how}"
+    element_bytes = 2 if training.autocast else BYTES[dtype]
+    per_token = activation_bytes_per_token(size.config, element_bytes, lora=lora)
+    gpu = device.startswith("cuda") or device == "auto"
+    if gpu and not torch.cuda.is_available():
+        tokens = sized_budget(80 * 2**30, per_token)
+        return (
+            f"sized when the run starts: a quarter of each GPU's memory at ~{per_token / 1e6:.2f} MB of "
+            f"activations a token (an 80 GiB GPU: {tokens} tokens), {how}"
+        )
+    where = torch.device("cuda" if gpu else "cpu")
+    memory = device_memory(where)
+    tokens = sized_budget(memory, per_token)
+    return (
+        f"at most {tokens} tokens each: a quarter of this {where.type.upper()}'s {memory / 2**30:.0f} GiB "
+        f"at ~{per_token / 1e6:.2f} MB of activations a token (raised to the longest row if longer), {how}"
+    )
 
 
 def teacher_line(teacher: TeacherConfig, size: ModelSize | None, sharded: bool, processes: int) -> str:
@@ -145,6 +173,8 @@ def describe_plan(config: Config, processes: int) -> str:
         f"per step       {sequences} sequences ({sequences // processes} per process), up to "
         f"{training.max_tokens} tokens each; {training.num_substeps} optimizer step(s)"
     )
+    cut = micro_batch_line(training, student_size, dtype, student.device, student.lora_rank > 0)
+    lines.append(f"micro-batches  {cut}")
     split = processes if sharded else 1
     # PEFT keeps adapters in float32 under a half-precision base (its autocast_adapter_dtype)
     trained_bytes = BYTES["float32"] if student.lora_rank else BYTES[dtype]

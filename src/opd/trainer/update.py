@@ -18,6 +18,7 @@ from opd.objectives.base import Objective, StudentRows, TargetRows
 from opd.objectives.policy_losses import PolicyGradient, aggregate
 from opd.policy.policy import Policy
 from opd.teachers.base import TeacherScores
+from opd.trainer.micro_batching import MicroBatching
 
 
 @dataclass
@@ -91,8 +92,10 @@ def policy_update(
     teacher: TeacherScores | None,
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
+    batching: MicroBatching,
 ) -> UpdateStats:
-    """Split the batch into substeps; per substep accumulate micro-batch gradients, clip, step.
+    """Split the batch into substeps; per substep accumulate the gradients of its micro-batches
+    (``batching``), clip, step.
 
     A substep whose gradient is not finite is skipped (weights untouched) with a warning.
     Gradients are freed once used, so sampling and scoring the next batch run without them.
@@ -119,9 +122,7 @@ def policy_update(
         num_tokens, num_sequences = (
             int(count) for count in all_reduce([float(part.mask_BT.sum()), float(part.mask_BT.shape[0])])
         )
-        local_sequences = part.mask_BT.shape[0]
-        micro = training.micro_batch_size or local_sequences
-        pieces = contiguous_slices(local_sequences, math.ceil(local_sequences / micro))
+        pieces = batching.split(part)
         for index, rows in enumerate(pieces):
             piece = part.select(rows)
             mask = piece.mask_BT.to(device)
