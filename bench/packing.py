@@ -1,20 +1,21 @@
 """Packed vs padded micro-batches on length-skewed rows: update time, teacher time, peak memory.
 
-The rows: SmolLM2's own samples (temperature 1) of `--rows` prompts of the `reverse` task, each
-cut to a length drawn log-uniformly between 4 and `--max-tokens` tokens (a sample that stopped
-sooner keeps its length), as completions of a reasoning student spread from a few tokens to
-the limit. Every mode works on the same rows, in its own process (peak = the process's memory
-high-water mark, models included; `teacher_peak_mib` and `update_peak_mib`: how far each phase
-raised the resident memory above where it started, after the warm-up):
+The rows: SmolLM2's own samples (temperature 1) of `--rows` prompts, half of them a word to
+reverse (short answers), half the same asked step by step (long ones), each cut to a length
+drawn log-uniformly between 4 and `--max-tokens` tokens (a sample that stopped sooner keeps its
+length): completions spread from a few tokens to the limit. Every mode works on the same rows,
+in a process of its own (peak = the process's memory high-water mark, both models and AdamW's
+state included):
 
   padded        opd before packing: one micro-batch of every row, padded to the longest
-  padded-bins   padded micro-batches binned by length within the token budget sized for the device
-  packed        the defaults: packed micro-batches within that budget, per-sequence sdpa
+  packed        the defaults: packed micro-batches within the token budget sized for the
+                device, sdpa run per sequence
   packed-mask   packed, attention through transformers' block-diagonal sdpa mask instead
 
 Each mode times the local teacher's scoring and the student's update (the run's default
 objective, `topk_forward_kl` k 20, full fine-tuning, float32) `--repeats` times after one
-warm-up, and prints medians and the ratios to `padded` measured in this run.
+warm-up, in each of `--rounds` rounds that take the modes in turn (the machine's drift falls
+on all alike), and prints medians and the ratios to `padded` measured in this run.
 
     python bench/packing.py --model ~/.cache/opd/smollm2-135m-instruct --out docs/results/packing.json
 """
@@ -38,7 +39,6 @@ from provenance import write_result
 
 MODES = {
     "padded": {"packing": False, "micro_batch_size": 10_000},
-    "padded-bins": {"packing": False},
     "packed": {},
     "packed-mask": {},
 }
@@ -120,14 +120,11 @@ def run_mode(args, directory: str, mode: str) -> dict:
         torch.zeros(rows, dtype=torch.long),
     )
     training = trainer.config.training
-    teacher_seconds, update_seconds, teacher_peaks, update_peaks = [], [], [], []
+    teacher_seconds, update_seconds = [], []
     for _ in range(args.repeats + 1):
-        base = reset_peak()
         started = time.perf_counter()
         scores = trainer.teachers.score(batch)
         scored = time.perf_counter()
-        teacher_peaks.append(memory_mib("VmHWM") - base)
-        base = reset_peak()
         advantages = trainer.objective.advantages(
             batch.sampled_logprobs_BT, scores, batch.mask_BT, policy_gradient(training)
         )
@@ -144,7 +141,6 @@ def run_mode(args, directory: str, mode: str) -> dict:
         )
         update_seconds.append(time.perf_counter() - scored)
         teacher_seconds.append(scored - started)
-        update_peaks.append(memory_mib("VmHWM") - base)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     lengths = batch.attention_mask_BT.sum(-1)
     micro_batches = trainer.batching.split(batch)
@@ -152,8 +148,6 @@ def run_mode(args, directory: str, mode: str) -> dict:
         "teacher_seconds": teacher_seconds[1:],
         "update_seconds": update_seconds[1:],
         "peak_mib": peak_mib,
-        "teacher_peak_mib": max(teacher_peaks[1:]),
-        "update_peak_mib": max(update_peaks[1:]),
         "token_budget": trainer.batching.tokens,
         "micro_batches": len(micro_batches),
         "packed": trainer.batching.packed,
@@ -161,20 +155,6 @@ def run_mode(args, directory: str, mode: str) -> dict:
         "padded_tokens": rows * int(lengths.max()),
         "completion_lengths": batch.mask_BT.sum(-1).int().tolist(),
     }
-
-
-def memory_mib(field: str) -> float:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> float:
-    """Reset the high-water mark to what is resident now (Linux: clear_refs 5); returns that."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return memory_mib("VmRSS")
 
 
 def child(args, directory: str, mode: str | None) -> None:
@@ -209,18 +189,26 @@ def main() -> None:
     parser.add_argument("--teacher")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="timed repeats per mode and round")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.model = str(Path(args.model).expanduser())
     args.teacher = str(Path(args.teacher).expanduser()) if args.teacher else None
-    results = {}
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as directory:
         spawn(args, directory, None)
-        for mode in args.modes:
-            results[mode] = spawn(args, directory, mode)
+        for _ in range(args.rounds):
+            for mode in args.modes:
+                result = spawn(args, directory, mode)
+                if mode not in results:
+                    results[mode] = result | {"peak_mib": [result["peak_mib"]]}
+                    continue
+                for key in ("teacher_seconds", "update_seconds"):
+                    results[mode][key] += result[key]
+                results[mode]["peak_mib"].append(result["peak_mib"])
     base = results.get("padded")
     first = next(iter(results.values()))
     lengths = first["completion_lengths"]
@@ -228,23 +216,25 @@ def main() -> None:
         f"{len(lengths)} rows, completions of {min(lengths)}-{max(lengths)} tokens; "
         f"{first['tokens']} tokens, {first['padded_tokens']} padded"
     )
-    header = ("mode", "update s", "ratio", "teacher s", "ratio", "update +MiB", "teacher +MiB", "peak MiB")
-    print("{:<12} {:>9} {:>6} {:>10} {:>6} {:>11} {:>12} {:>9} bins".format(*header))
+    header = ("mode", "update s", "ratio", "teacher s", "ratio", "peak MiB", "ratio")
+    print("{:<12} {:>9} {:>6} {:>10} {:>6} {:>9} {:>6} micro-batches".format(*header))
     for mode, result in results.items():
         update = statistics.median(result["update_seconds"])
         teacher = statistics.median(result["teacher_seconds"])
-        ratios = ("", "")
+        peak = max(result["peak_mib"])
+        ratios = ("", "", "")
         if base:
             ratios = (
                 f"{update / statistics.median(base['update_seconds']):.2f}x",
                 f"{teacher / statistics.median(base['teacher_seconds']):.2f}x",
+                f"{peak / max(base['peak_mib']):.2f}x",
             )
             result["update_vs_padded"] = float(ratios[0][:-1])
             result["teacher_vs_padded"] = float(ratios[1][:-1])
+            result["peak_vs_padded"] = float(ratios[2][:-1])
         print(
             f"{mode:<12} {update:>9.2f} {ratios[0]:>6} {teacher:>10.2f} {ratios[1]:>6} "
-            f"{result['update_peak_mib']:>11.0f} {result['teacher_peak_mib']:>12.0f} "
-            f"{result['peak_mib']:>9.0f} {result['micro_batches']}"
+            f"{peak:>9.0f} {ratios[2]:>6} {result['micro_batches']}"
         )
     if args.out:
         settings = {key: value for key, value in vars(args).items() if key != "out"}

@@ -37,6 +37,8 @@ TOOLS = {
     "opd-jsd": "opd jsd beta 1 (TRL's objective), float32",
     "opd-sampled": "opd sampled_reverse_kl, float32",
     "opd-topk": "opd topk_forward_kl (k 32: what a vLLM / SGLang teacher can serve), float32",
+    "opd-jsd-padded": "opd jsd, every row of a step in one padded micro-batch (opd before packing)",
+    "opd-sampled-padded": "opd sampled_reverse_kl, one padded micro-batch (opd before packing)",
     "opd-jsd-bf16s": "opd jsd, rollouts from a bfloat16 copy (student.sampling_dtype)",
     "opd-sampled-bf16s": "opd sampled_reverse_kl, rollouts from a bfloat16 copy",
     "opd-jsd-f32s": "opd jsd, rollouts from a float32 copy (LoRA merged into it: identical float32 work)",
@@ -51,6 +53,7 @@ OBJECTIVES = {"jsd": "jsd", "sampled": "sampled_reverse_kl", "topk": "topk_forwa
 SAMPLING_DTYPES = {"-bf16s": "bfloat16", "-f32s": "float32", "-mixed": "bfloat16"}
 MIXED = "-mixed"  # also runs the update under bfloat16 autocast and the teacher in bfloat16
 VLLM = {"-vllm": "merged", "-vllmad": "adapter"}  # student.sampler: vllm, and its student.lora_sync
+PADDED = "-padded"  # training.packing off, one micro-batch of every row
 PHASES = ("sample", "teacher", "train")  # opd's own time/* metrics, printed beside the totals
 # (time/sample includes the weight sync of the vLLM tools)
 
@@ -109,7 +112,13 @@ def run_trl(args, steps: int, bf16: bool, vllm: bool = False) -> dict:
 
 
 def run_opd(
-    args, steps: int, objective: str, sampling_dtype: str | None, mixed: bool, lora_sync: str | None
+    args,
+    steps: int,
+    objective: str,
+    sampling_dtype: str | None,
+    mixed: bool,
+    lora_sync: str | None,
+    padded: bool = False,
 ) -> dict:
     from opd.config import config_from_dict
     from opd.trainer.loop import Trainer
@@ -151,6 +160,7 @@ def run_opd(
                     "temperature": 1.0,
                     "max_steps": steps,
                     "autocast": "bfloat16" if mixed else None,
+                    **({"packing": False, "micro_batch_size": args.prompts} if padded else {}),
                 },
             }
         )
@@ -185,6 +195,7 @@ def child(args, tool: str, mode: str, directory: str) -> None:
             SAMPLING_DTYPES.get(suffix),
             mixed=suffix == MIXED,
             lora_sync=VLLM.get(suffix),
+            padded=suffix == PADDED,
         )
     result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (Path(directory) / "result.json").write_text(json.dumps(result))
