@@ -49,10 +49,11 @@ def config(args, directory: str, settings: dict) -> dict:
     if not prompt_file.exists():
         from opd.data.builtin_tasks import generate_task_prompts
 
-        prompts = generate_task_prompts("reverse", seed=7, count=args.rows)
-        prompt_file.write_text(
-            "".join(json.dumps({"prompt": p.messages[0]["content"]}) + "\n" for p in prompts)
-        )
+        words = [p.messages[0]["content"] for p in generate_task_prompts("reverse", seed=7, count=args.rows)]
+        asked = [
+            w + (" Explain every step, then give the answer." if i % 2 else "") for i, w in enumerate(words)
+        ]
+        prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in asked))
     return {
         "log_path": str(Path(directory) / "run"),
         "eval_every": 0,

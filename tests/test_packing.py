@@ -21,7 +21,7 @@ from opd.data.batching import split_to, token_bins
 from opd.data.sequences import Completion, build_rollout_batch
 from opd.logprobs import backbone_and_head, scored_hidden_states
 from opd.objectives.registry import objectives
-from opd.packing import packing_problem
+from opd.packing import packing_problem, per_sequence_attention
 from opd.policy.config import StudentConfig
 from opd.policy.lora import apply_lora
 from opd.policy.policy import Policy
@@ -238,3 +238,28 @@ def test_a_budget_that_cannot_hold_the_longest_row_is_refused_naming_both(tmp_pa
     assert longest_prompt > 30  # the 30-character prompt in the chat template, one token a character
     assert f"{longest_prompt + 16} tokens" in error and "max_tokens 16" in error
     assert "Traceback" not in error and not (tmp_path / "run").exists()
+
+
+@torch.no_grad()
+def test_a_padded_forward_while_another_thread_packs_is_plain_sdpa():
+    """The switch to per-sequence attention is the model config's: a forward that comes while it is
+    on (another thread's, here nested) must still see its padding, and the last one out restores it."""
+    student, batch = model(1), rollouts()
+    body = backbone_and_head(student)[0]
+    left = torch.zeros_like(batch.attention_mask_BT)  # left-padded: only a mask keeps padding out
+    left_ids = torch.zeros_like(batch.input_ids_BT)
+    for row, length in enumerate(batch.attention_mask_BT.sum(-1).tolist()):
+        left[row, -length:] = 1
+        left_ids[row, -length:] = batch.input_ids_BT[row, :length]
+    expected = body(input_ids=left_ids, attention_mask=left).last_hidden_state
+    with per_sequence_attention(body), per_sequence_attention(body):
+        assert student.config._attn_implementation == "opd_packed_sdpa"
+        during = body(input_ids=left_ids, attention_mask=left).last_hidden_state
+        packed = scored_hidden_states(
+            student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT, packed=True
+        )
+    assert student.config._attn_implementation == "sdpa"
+    valid = left.bool()
+    assert float((during - expected)[valid].abs().max()) < 1e-5
+    padded = scored_hidden_states(student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+    assert float((packed[0] - padded[0]).abs().max()) < 1e-5 * float(padded[0].abs().max())

@@ -13,6 +13,7 @@ does, up to float rounding.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 """Attention implementations that read ``cu_seq_lens_*`` themselves (their varlen kernels)."""
@@ -84,27 +86,49 @@ def packed_rows(attention_mask_BT: torch.Tensor, selected_BT: torch.Tensor) -> t
     return index_BT[:, :-1][selected_BT]
 
 
+_switch_lock = threading.Lock()
+_switched: dict[int, list] = {}
+"""id(config) -> [its own attention implementation, packed forwards inside the switch]."""
+
+
 @contextmanager
 def per_sequence_attention(backbone: nn.Module) -> Iterator[None]:
-    """Inside, the backbone's attention runs one sequence at a time (a varlen kernel keeps its own)."""
+    """Inside, the backbone's attention runs one sequence at a time (a varlen kernel keeps its own).
+
+    The switch is the model config's attention implementation, so it is counted: another thread's
+    packed forward on the same model keeps it on until the last one ends, and another thread's
+    padded forward meanwhile (a teacher sampling while it scores) runs plain sdpa with its mask
+    (:func:`per_sequence_sdpa` without sequence bounds, :func:`sdpa_mask_unless_packed`)."""
     config = backbone.config
-    original = config._attn_implementation
-    if original in VARLEN_IMPLEMENTATIONS:
-        yield
-        return
-    config._attn_implementation = PER_SEQUENCE
+    with _switch_lock:
+        entry = _switched.get(id(config))
+        if entry is None:
+            if config._attn_implementation in VARLEN_IMPLEMENTATIONS:
+                entry = None
+            else:
+                entry = _switched[id(config)] = [config._attn_implementation, 0]
+                config._attn_implementation = PER_SEQUENCE
+        if entry is not None:
+            entry[1] += 1
     try:
         yield
     finally:
-        config._attn_implementation = original
+        if entry is not None:
+            with _switch_lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    config._attn_implementation = entry[0]
+                    del _switched[id(config)]
 
 
-def per_sequence_sdpa(module, query, key, value, attention_mask, *, cu_seq_lens_q, **kwargs):
-    """sdpa on each packed sequence's slice of the (1, heads, N, d) queries, keys and values."""
-    del attention_mask  # each sequence is causal on its own: no mask over the packed row
+def per_sequence_sdpa(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, **kwargs):
+    """sdpa on each packed sequence's slice of the (1, heads, N, d) queries, keys and values; a
+    call without sequence bounds (not packed) is plain sdpa."""
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_k", "max_length_q", "max_length_k")}
     bounds = cu_seq_lens_q.tolist()
-    outputs = [
+    outputs = [  # each sequence causal on its own: no mask over the packed row
         sdpa_attention_forward(
             module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None, **kwargs
         )[0]
@@ -113,4 +137,14 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, *, cu_seq_lens_
     return torch.cat(outputs, dim=1), None
 
 
+def sdpa_mask_unless_packed(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """sdpa's mask for a padded batch; none without a padding mask (a packed row, whose sequences
+    :func:`per_sequence_sdpa` keeps apart, or an unpadded one, causal by itself), so no
+    block-diagonal mask over a packed row is ever built."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 AttentionInterface.register(PER_SEQUENCE, per_sequence_sdpa)
+AttentionMaskInterface.register(PER_SEQUENCE, sdpa_mask_unless_packed)
