@@ -21,7 +21,7 @@ from opd.data.batching import split_to, token_bins
 from opd.data.sequences import Completion, build_rollout_batch
 from opd.logprobs import backbone_and_head, scored_hidden_states
 from opd.objectives.registry import objectives
-from opd.packing import packing_problem, per_sequence_attention
+from opd.packing import packing_problem, use_packed_attention
 from opd.policy.config import StudentConfig
 from opd.policy.lora import apply_lora
 from opd.policy.policy import Policy
@@ -241,25 +241,38 @@ def test_a_budget_that_cannot_hold_the_longest_row_is_refused_naming_both(tmp_pa
 
 
 @torch.no_grad()
-def test_a_padded_forward_while_another_thread_packs_is_plain_sdpa():
-    """The switch to per-sequence attention is the model config's: a forward that comes while it is
-    on (another thread's, here nested) must still see its padding, and the last one out restores it."""
+def test_a_model_routed_to_pack_runs_its_padded_forwards_as_before_and_saves_as_before(tmp_path):
+    """Packing routes the model's sdpa through opd's per-sequence attention for as long as it
+    packs: its padded forwards (a sampler's, left-padded: only the mask keeps padding out) must
+    not change, nor what a saved model says of its attention."""
     student, batch = model(1), rollouts()
     body = backbone_and_head(student)[0]
-    left = torch.zeros_like(batch.attention_mask_BT)  # left-padded: only a mask keeps padding out
+    left = torch.zeros_like(batch.attention_mask_BT)
     left_ids = torch.zeros_like(batch.input_ids_BT)
     for row, length in enumerate(batch.attention_mask_BT.sum(-1).tolist()):
         left[row, -length:] = 1
         left_ids[row, -length:] = batch.input_ids_BT[row, :length]
     expected = body(input_ids=left_ids, attention_mask=left).last_hidden_state
-    with per_sequence_attention(body), per_sequence_attention(body):
-        assert student.config._attn_implementation == "opd_packed_sdpa"
-        during = body(input_ids=left_ids, attention_mask=left).last_hidden_state
-        packed = scored_hidden_states(
-            student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT, packed=True
-        )
+    use_packed_attention(student)
+    assert student.config._attn_implementation == "opd_packed_sdpa"
+    routed = body(input_ids=left_ids, attention_mask=left).last_hidden_state
+    assert float((routed - expected)[left.bool()].abs().max()) < 1e-6
+    student.save_pretrained(tmp_path)
+    assert "opd_packed" not in (tmp_path / "config.json").read_text()
+    use_packed_attention(student, False)
     assert student.config._attn_implementation == "sdpa"
-    valid = left.bool()
-    assert float((during - expected)[valid].abs().max()) < 1e-5
-    padded = scored_hidden_states(student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
-    assert float((packed[0] - padded[0]).abs().max()) < 1e-5 * float(padded[0].abs().max())
+
+
+def test_gradient_checkpointing_recomputes_packed_layers_per_sequence():
+    """A checkpointed layer is recomputed in backward, after the packed forward returned: it must
+    still keep the sequences apart (the gradient equals the padded one)."""
+    objective = objectives()["sampled_reverse_kl"]()
+    student = model(1)
+    student.gradient_checkpointing_enable()
+    policy = Policy(student, VOCAB)
+    teacher = LocalTeacher(model(2), vocab_size=VOCAB, pad_id=0, batch_size=3)
+    batch = rollouts()
+    padded = update_gradients(policy, objective, teacher, batch, MicroBatching(packed=False))
+    packed = update_gradients(policy, objective, teacher, batch, MicroBatching(tokens=40, packed=True))
+    for got, expected in zip(packed[0], padded[0], strict=True):
+        assert float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max())

@@ -54,6 +54,9 @@ def test_the_laptop_recipe_plans_two_smollm2_models_in_float32_on_one_cpu_proces
     )
     assert line(output, "  teacher").endswith(f"{parameters(teacher) * 4 / 1e9:.2f} GB: weights")
     assert "per step       32 sequences (32 per process), up to 48 tokens each" in output
+    # activations a token, by hand: 30 layers x (16 x 576 + 6 x 1536 + 4 x 3 x 64 + LoRA 7 x 576) x 4 B
+    assert "~2.79 MB of activations a token" in line(output, "micro-batches")
+    assert line(output, "micro-batches").endswith("packed")
 
 
 def test_the_disaggregated_recipe_plans_fsdp_over_four_processes_and_two_servers(cache):

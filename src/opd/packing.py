@@ -13,9 +13,6 @@ does, up to float rounding.
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -29,14 +26,18 @@ PER_SEQUENCE = "opd_packed_sdpa"
 """opd's attention: sdpa on each packed sequence alone."""
 
 
+def _text_config(model: nn.Module):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def packing_problem(model: nn.Module) -> str | None:
     """Why ``model``'s forward cannot run packed rows (None when it can)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     implementation = getattr(config, "_attn_implementation", None)
     name = type(model).__name__
     if not getattr(model, "_supports_attention_backend", False):
         return f"{name} does not use transformers' attention interface"
-    if implementation not in (*VARLEN_IMPLEMENTATIONS, "sdpa"):
+    if implementation not in (*VARLEN_IMPLEMENTATIONS, "sdpa", PER_SEQUENCE):
         return f"{name} runs attention '{implementation}' (packing needs sdpa or flash attention)"
     window = getattr(config, "sliding_window", None)
     if (
@@ -57,7 +58,8 @@ def packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, attent
     """The backbone's final hidden state at every real token, one row each in row-major order (N, D).
 
     ``attention_mask_BT`` must be right-padded (:func:`is_right_padded`); position ids count from 0
-    in every sequence, as the padded forward's do.
+    in every sequence, as the padded forward's do. The model must be routed by
+    :func:`use_packed_attention` (or run flash attention).
     """
     valid_BT = attention_mask_BT.bool()
     lengths_B = valid_BT.sum(-1)
@@ -65,16 +67,15 @@ def packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, attent
     positions_BT = torch.arange(valid_BT.shape[1], device=valid_BT.device).expand_as(valid_BT)
     bounds = torch.nn.functional.pad(lengths_B.cumsum(0), (1, 0)).to(torch.int32)
     longest = int(lengths_B.max())
-    with per_sequence_attention(backbone):
-        hidden = backbone(
-            input_ids=input_ids_BT[valid_BT][None],
-            position_ids=positions_BT[valid_BT][None],
-            use_cache=False,
-            cu_seq_lens_q=bounds,
-            cu_seq_lens_k=bounds,
-            max_length_q=longest,
-            max_length_k=longest,
-        ).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids_BT[valid_BT][None],
+        position_ids=positions_BT[valid_BT][None],
+        use_cache=False,
+        cu_seq_lens_q=bounds,
+        cu_seq_lens_k=bounds,
+        max_length_q=longest,
+        max_length_k=longest,
+    ).last_hidden_state
     return hidden[0]
 
 
@@ -86,39 +87,19 @@ def packed_rows(attention_mask_BT: torch.Tensor, selected_BT: torch.Tensor) -> t
     return index_BT[:, :-1][selected_BT]
 
 
-_switch_lock = threading.Lock()
-_switched: dict[int, list] = {}
-"""id(config) -> [its own attention implementation, packed forwards inside the switch]."""
+def use_packed_attention(model: nn.Module, enabled: bool = True) -> None:
+    """Route ``model``'s sdpa through :func:`per_sequence_sdpa` (or back), for as long as it packs.
 
-
-@contextmanager
-def per_sequence_attention(backbone: nn.Module) -> Iterator[None]:
-    """Inside, the backbone's attention runs one sequence at a time (a varlen kernel keeps its own).
-
-    The switch is the model config's attention implementation, so it is counted: another thread's
-    packed forward on the same model keeps it on until the last one ends, and another thread's
-    padded forward meanwhile (a teacher sampling while it scores) runs plain sdpa with its mask
-    (:func:`per_sequence_sdpa` without sequence bounds, :func:`sdpa_mask_unless_packed`)."""
-    config = backbone.config
-    with _switch_lock:
-        entry = _switched.get(id(config))
-        if entry is None:
-            if config._attn_implementation in VARLEN_IMPLEMENTATIONS:
-                entry = None
-            else:
-                entry = _switched[id(config)] = [config._attn_implementation, 0]
-                config._attn_implementation = PER_SEQUENCE
-        if entry is not None:
-            entry[1] += 1
-    try:
-        yield
-    finally:
-        if entry is not None:
-            with _switch_lock:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    config._attn_implementation = entry[0]
-                    del _switched[id(config)]
+    The route is the config's attention implementation and stays set between forwards: a
+    backward that recomputes a layer (gradient checkpointing) looks the implementation up again
+    after the forward has returned, and another thread may use the model meanwhile. Without
+    sequence bounds the route is plain sdpa with sdpa's mask, so the padded forwards and
+    generation of the same model are unchanged; flash attention reads the bounds itself."""
+    config = _text_config(model)
+    if enabled and config._attn_implementation == "sdpa":
+        config._attn_implementation = PER_SEQUENCE
+    elif not enabled and config._attn_implementation == PER_SEQUENCE:
+        config._attn_implementation = "sdpa"
 
 
 def per_sequence_sdpa(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, **kwargs):

@@ -28,7 +28,7 @@ from opd.logprobs import (
     unwrap_peft,
 )
 from opd.models import load_causal_lm, module_device
-from opd.packing import packing_problem
+from opd.packing import packing_problem, use_packed_attention
 from opd.policy.config import StudentConfig
 from opd.policy.lora import apply_lora, sampler_weights
 from opd.policy.parallel import apply_ddp, apply_fsdp, fsdp_modules
@@ -82,6 +82,7 @@ class Policy:
         can; returns why it cannot (its forwards then stay padded)."""
         problem = packing_problem(self.base_model) if enabled else None
         self.scored_rows.packed = enabled and problem is None
+        use_packed_attention(self.base_model, self.scored_rows.packed)
         return problem
 
     @property

@@ -15,7 +15,7 @@ from opd.logprobs import (
     topk_logprobs,
 )
 from opd.models import module_device
-from opd.packing import packing_problem
+from opd.packing import packing_problem, use_packed_attention
 from opd.policy.parallel import apply_fsdp
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
@@ -50,6 +50,7 @@ class LocalTeacher:
         self.packing_problem = packing_problem(self.model) if packing else None
         """Why the teacher's forwards are padded although packing was asked for (None: they are not)."""
         self.module.packed = packing and self.packing_problem is None
+        use_packed_attention(self.model, self.module.packed)
         self.sharded = False
 
     def shard(self) -> None:

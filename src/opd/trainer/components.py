@@ -156,9 +156,10 @@ class RunComponents:
         )
         model, lora = self.policy.base_model, self.policy.has_adapters
         element_bytes = 2 if training.autocast else self.policy.dtype.itemsize
-        sized = sized_budget(
-            device_memory(self.policy.device), activation_bytes_per_token(model.config, element_bytes, lora)
+        per_token = activation_bytes_per_token(
+            model.config, element_bytes, lora, self.config.student.gradient_checkpointing
         )
+        sized = sized_budget(device_memory(self.policy.device), per_token)
         tokens = resolve_token_budget(training, longest_prompt, sized)
         return MicroBatching(tokens, training.micro_batch_size, self.policy.packed)
 

@@ -21,12 +21,15 @@ BUDGET_STEP = 1024
 """An unset budget is a multiple of this many tokens."""
 
 
-def activation_bytes_per_token(model_config, element_bytes: int, lora: bool) -> int:
+def activation_bytes_per_token(
+    model_config, element_bytes: int, lora: bool, checkpointed: bool = False
+) -> int:
     """What the update keeps per token for its backward, per layer: sixteen hidden-size vectors
     (norms in and out, attention's projections, output and residuals), six intermediate-size ones
     (the MLP's products and activation), the keys and values twice, and with LoRA each adapted
-    input once more. The lm head is not counted: it works ``logprob_chunk_size`` positions at a
-    time. Checked against a measured peak in docs/benchmarks.md#packed-micro-batches."""
+    input once more; with gradient checkpointing, each layer's input and one layer's all of
+    that (recomputed in backward). The lm head is not counted: it works ``logprob_chunk_size``
+    positions at a time. Checked against a measured peak in docs/benchmarks.md#packed-micro-batches."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     hidden = text.hidden_size
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
@@ -34,6 +37,8 @@ def activation_bytes_per_token(model_config, element_bytes: int, lora: bool) -> 
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     key_values = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
     per_layer = 16 * hidden + 6 * intermediate + 4 * key_values + (7 * hidden if lora else 0)
+    if checkpointed:
+        return (text.num_hidden_layers * hidden + per_layer) * element_bytes
     return text.num_hidden_layers * per_layer * element_bytes
 
 

@@ -15,6 +15,7 @@ import torch
 from opd.config import Config, TrainingConfig
 from opd.errors import ModelLoadError
 from opd.models import model_source
+from opd.policy.config import StudentConfig
 from opd.sampling.vllm_engine import GPU_MEMORY_UTILIZATION
 from opd.teachers.config import TeacherConfig
 from opd.trainer.micro_batching import activation_bytes_per_token, device_memory, sized_budget
@@ -81,7 +82,7 @@ def billions(count: int) -> str:
     return f"{count:,} ({short})"
 
 
-def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, device: str, lora: bool) -> str:
+def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, student: StudentConfig) -> str:
     """How the update's forwards are cut: the budget set, rows, or the budget a run would size."""
     how = "packed" if training.packing else "padded"
     if training.micro_batch_tokens is not None:
@@ -89,8 +90,10 @@ def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, devi
     if training.micro_batch_size is not None:
         return f"at most {training.micro_batch_size} sequences each (training.micro_batch_size), {how}"
     element_bytes = 2 if training.autocast else BYTES[dtype]
-    per_token = activation_bytes_per_token(size.config, element_bytes, lora=lora)
-    gpu = device.startswith("cuda") or device == "auto"
+    per_token = activation_bytes_per_token(
+        size.config, element_bytes, student.lora_rank > 0, student.gradient_checkpointing
+    )
+    gpu = student.device.startswith("cuda") or student.device == "auto"
     if gpu and not torch.cuda.is_available():
         tokens = sized_budget(80 * 2**30, per_token)
         return (
@@ -173,7 +176,7 @@ def describe_plan(config: Config, processes: int) -> str:
         f"per step       {sequences} sequences ({sequences // processes} per process), up to "
         f"{training.max_tokens} tokens each; {training.num_substeps} optimizer step(s)"
     )
-    cut = micro_batch_line(training, student_size, dtype, student.device, student.lora_rank > 0)
+    cut = micro_batch_line(training, student_size, dtype, student)
     lines.append(f"micro-batches  {cut}")
     split = processes if sharded else 1
     # PEFT keeps adapters in float32 under a half-precision base (its autocast_adapter_dtype)
