@@ -99,6 +99,30 @@ class DatasetConfig:
     """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match otherwise."""
 
 
+@dataclass(frozen=True)
+class LambdaSchedule:
+    """``training.lmbda`` that moves during the run: the chance that a step's batch is the student's
+    own goes from ``start`` to ``end`` over the first ``steps`` steps (``start: 0, end: 1``: the
+    teacher's samples first, then more and more of the student's)."""
+
+    start: float = 0.0
+    """The share at step 0."""
+    end: float = 1.0
+    """The share from step ``steps`` on."""
+    steps: int = 20
+    """Steps the move takes."""
+    shape: Literal["linear", "step"] = "linear"
+    """``linear``: in a straight line; ``step``: ``start`` until step ``steps``, then ``end``."""
+
+    def at(self, step: int) -> float:
+        """The share at step ``step``."""
+        if step >= self.steps:
+            return self.end
+        if self.shape == "step":
+            return self.start
+        return self.start + (self.end - self.start) * step / self.steps
+
+
 @dataclass
 class TrainingConfig:
     """The optimisation loop."""
@@ -121,8 +145,11 @@ class TrainingConfig:
     """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
     (sequence-level KD), ``mixed`` (on-policy with probability ``lmbda`` per step, else
     teacher), or ``dataset`` (each prompt's ``completion``, else ``answer``; one per prompt)."""
-    lmbda: float = 0.5
-    """``mixed`` only: fraction of steps whose batch the student samples (GKD's lambda)."""
+    lmbda: float | LambdaSchedule = 0.5
+    """``mixed`` only: the chance that a step's batch is the student's own samples, else the
+    teacher's (GKD's lambda), drawn per step from the run's seed; or a schedule,
+    ``{start: 0, end: 1, steps: 20, shape: linear}``, that moves it over the run (logged per
+    step as ``lmbda``)."""
     learning_rate: float | None = None
     """Peak learning rate, reached after ``warmup_steps``. Unset: 1e-3 with LoRA, 3e-5 for full
     fine-tuning (``student.lora_rank: 0``), from a sweep on a 135M student (docs/defaults.md);
@@ -233,6 +260,10 @@ class TrainingConfig:
     i+1..i+k are sampled and scored by a background worker (with its own copy of the weights,
     refreshed after every update) while step i learns, so a batch may come from weights up to k
     updates old (its recorded log-probs make the importance ratio correct). 0: the synchronous loop."""
+
+    def lmbda_at(self, step: int) -> float:
+        """``lmbda`` at step ``step`` (a schedule's value there, or the constant)."""
+        return self.lmbda.at(step) if isinstance(self.lmbda, LambdaSchedule) else self.lmbda
 
     @property
     def advantage_source(self) -> Literal["behaviour", "current"]:
@@ -476,8 +507,16 @@ def validate(config: Config) -> Config:
             "and student.lora_sync: adapter reads the adapter being trained; use lora_sync: merged "
             "or max_staleness: 0"
         )
-    if not 0.0 <= training.lmbda <= 1.0:
-        raise ConfigError(f"training.lmbda: must be in [0, 1], got {training.lmbda}")
+    shares = (
+        {"lmbda.start": training.lmbda.start, "lmbda.end": training.lmbda.end}
+        if isinstance(training.lmbda, LambdaSchedule)
+        else {"lmbda": training.lmbda}
+    )
+    for key, share in shares.items():
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"training.{key}: must be in [0, 1], got {share}")
+    if isinstance(training.lmbda, LambdaSchedule):
+        _positive(training.lmbda.steps, "training.lmbda.steps")
     teachers = _teachers(config)
     if training.objective is None:
         default = _default_objective(training, [teacher for _, teacher in teachers])

@@ -14,7 +14,7 @@ import textwrap
 import typing
 from typing import Any
 
-from opd.config import Config, DatasetConfig, TrainingConfig
+from opd.config import Config, DatasetConfig, LambdaSchedule, TrainingConfig
 from opd.objectives.registry import objectives
 from opd.policy.config import StudentConfig
 from opd.teachers.config import TeacherConfig
@@ -25,6 +25,11 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("teacher", TeacherConfig, "The default teacher; a dataset's own `teacher:` takes the same keys."),
     ("datasets[]", DatasetConfig, "Each entry of the `datasets` list."),
     ("training", TrainingConfig, "The optimisation loop."),
+    (
+        "training.lmbda",
+        LambdaSchedule,
+        "`training.lmbda` as a schedule (`data_source: mixed`): a mapping of these keys instead of a number.",
+    ),
 ]
 NESTED = {"student", "teacher", "datasets", "training"}
 """Top-level keys documented in sections of their own."""

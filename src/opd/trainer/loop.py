@@ -24,7 +24,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from opd.config import Config, recorded_config
+from opd.config import Config, TrainingConfig, recorded_config
 from opd.data.batching import contiguous_slices
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
@@ -129,6 +129,15 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63)
 
 
+def step_data_source(training: TrainingConfig, seed: int, step: int) -> str:
+    """Who writes step ``step``'s completions. ``mixed``: the student with probability
+    ``lmbda`` at that step, drawn from (seed, step) alone, so a resumed run draws the same."""
+    if training.data_source != "mixed":
+        return training.data_source
+    on_policy = random.Random(f"{seed}/mixed/{step}").random() < training.lmbda_at(step)
+    return "student" if on_policy else "teacher"
+
+
 class Trainer(RunComponents):
     """One run: its components (:class:`RunComponents`), the step in two halves, and the loop."""
 
@@ -142,13 +151,7 @@ class Trainer(RunComponents):
 
     def data_source_at(self, step: int) -> str:
         """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""
-        source = self.config.training.data_source
-        if source == "mixed":
-            on_policy = (
-                random.Random(f"{self.config.seed}/mixed/{step}").random() < self.config.training.lmbda
-            )
-            return "student" if on_policy else "teacher"
-        return source
+        return step_data_source(self.config.training, self.config.seed, step)
 
     def sample_batch(self, step: int, engine: RolloutEngine | None = None) -> tuple[RolloutBatch, str]:
         """Render this process's share of the step's prompts and get their completions from the
@@ -257,6 +260,8 @@ class Trainer(RunComponents):
         mask = rollouts.mask_BT
         lengths = mask.sum(-1)
         metrics: dict[str, float] = {"step": batch.step, "on_policy": int(batch.on_policy)}
+        if self.config.training.data_source == "mixed":
+            metrics["lmbda"] = self.config.training.lmbda_at(batch.step)
         if batch.on_policy and teacher is not None:
             metrics |= self.kl_metrics(batch)
         scored = mask.bool()
