@@ -137,15 +137,18 @@ class RunComponents:
         return self.policy.model
 
     def _micro_batching(self) -> MicroBatching:
-        """The update's micro-batches: the token budget checked against the longest prompt (rendered
-        as the student sees it) plus ``max_tokens`` before any other work, or sized for the device;
-        packed unless the config or the student's model says otherwise (said once)."""
+        """The update's micro-batches: rows when only ``micro_batch_size`` is set; else the token
+        budget checked against the longest prompt (rendered as the student sees it) plus
+        ``max_tokens`` before any other work, or sized for the device; packed unless the config or
+        the student's model says otherwise (said once)."""
         training = self.config.training
         problem = self.policy.use_packing(training.packing)
         if problem and launched_world().is_main:
             warnings.warn(
                 f"training.packing: {problem}; the student's micro-batches run padded", stacklevel=2
             )
+        if training.micro_batch_tokens is None and training.micro_batch_size is not None:
+            return MicroBatching(None, training.micro_batch_size, self.policy.packed)  # rows: no budget
         longest_prompt = max(
             (
                 len(self.renderer.prompt_ids(prompt.messages))
@@ -154,13 +157,16 @@ class RunComponents:
             ),
             default=0,
         )
-        model, lora = self.policy.base_model, self.policy.has_adapters
-        element_bytes = 2 if training.autocast else self.policy.dtype.itemsize
-        per_token = activation_bytes_per_token(
-            model.config, element_bytes, lora, self.config.student.gradient_checkpointing
-        )
-        sized = sized_budget(device_memory(self.policy.device), per_token)
-        tokens = resolve_token_budget(training, longest_prompt, sized)
+
+        def size_for_device() -> int:
+            model, lora = self.policy.base_model, self.policy.has_adapters
+            element_bytes = 2 if training.autocast else self.policy.dtype.itemsize
+            per_token = activation_bytes_per_token(
+                model.config, element_bytes, lora, self.config.student.gradient_checkpointing
+            )
+            return sized_budget(device_memory(self.policy.device), per_token)
+
+        tokens = resolve_token_budget(training, longest_prompt, size_for_device)
         return MicroBatching(tokens, training.micro_batch_size, self.policy.packed)
 
     def _load_dataset(self, index: int) -> list[Prompt]:

@@ -5,6 +5,7 @@ rows counted instead, and whether each forward runs packed."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,11 +56,12 @@ def sized_budget(memory: int, bytes_per_token: int) -> int:
     return max(BUDGET_STEP, tokens // BUDGET_STEP * BUDGET_STEP)
 
 
-def resolve_token_budget(training: TrainingConfig, longest_prompt: int, sized: int | None) -> int | None:
+def resolve_token_budget(
+    training: TrainingConfig, longest_prompt: int, size_for_device: Callable[[], int]
+) -> int:
     """The run's tokens per micro-batch: the configured budget (refused when the longest possible
-    row, ``longest_prompt + max_tokens``, does not fit in it), None when rows are counted instead
-    (``micro_batch_size`` set), else ``sized`` (the same on every process: the smallest) raised to
-    the longest possible row."""
+    row, ``longest_prompt + max_tokens``, does not fit in it), else ``size_for_device()`` (the
+    same on every process: the smallest) raised to the longest possible row."""
     longest_row = longest_prompt + training.max_tokens
     if training.micro_batch_tokens is not None:
         if training.micro_batch_tokens < longest_row:
@@ -70,9 +72,7 @@ def resolve_token_budget(training: TrainingConfig, longest_prompt: int, sized: i
                 f"{longest_row} or shorten the prompts"
             )
         return training.micro_batch_tokens
-    if training.micro_batch_size is not None or sized is None:
-        return None
-    (smallest,) = all_reduce([-float(sized)], op="max")
+    (smallest,) = all_reduce([-float(size_for_device())], op="max")
     return max(int(-smallest), longest_row)
 
 
