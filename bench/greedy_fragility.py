@@ -25,7 +25,7 @@ from sample_efficiency import SWEEP, cache_root, float32_sampler, task_files
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from opd.data.sources import load_prompts
-from opd.runs.graders import GRADERS
+from opd.data.graders import GRADERS
 
 
 class LogitNoise(LogitsProcessor):

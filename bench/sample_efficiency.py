@@ -212,7 +212,7 @@ def run_trl(task: str, spec: dict, student: Path, teacher: Path, args, directory
     from opd.config import config_from_dict
     from opd.data.sources import load_prompts
     from opd.runs.evaluation import EvalSet, direct_scorer, evaluate
-    from opd.runs.graders import GRADERS
+    from opd.data.graders import GRADERS
     from opd.teachers.local import LocalTeacher
 
     # TRL gets the learning rate, schedule and LoRA rank the opd methods are given

@@ -198,9 +198,10 @@ def test_text_the_teacher_cannot_encode_is_penalised_not_free():
     fmt = TeacherFormat(ChatRenderer(teacher_tokenizer), student_tokenizer, [2], cross_tokenizer=True)
     ids = student_tokenizer("abXa", add_special_tokens=False)["input_ids"] + [2]
     built = fmt.build(({"role": "user", "content": "reverse aba"},), ids)
-    body = built.token_ids[built.completion_start :]
+    (piece,) = built.turns
+    body = built.token_ids[piece.start :]
     assert "X" not in teacher_tokenizer.decode(body)  # the teacher's tokenizer drops it
-    teacher_view = fmt.student_view(built, [-0.1] * len(body), [-0.1] * len(ids))
+    teacher_view = fmt.student_view(built, piece, [-0.1] * len(body), [-0.1] * len(ids))
     kl = [lp - lq for lp, lq in zip([-0.1] * len(ids), teacher_view, strict=True)]
     # KL total = sum of student log-probs - (sum of teacher log-probs - 20 for the uncovered 'X')
     assert sum(kl) == pytest.approx(-0.1 * len(ids) - (-0.1 * len(body) - 20.0))

@@ -27,7 +27,7 @@ from opd.cli import main
 from opd.runs.checkpoints import list_checkpoints
 from opd.runs.metrics import read_jsonl
 from opd.runs.sharded_state import has_sharded_state
-from tests.conftest import tiny_llama
+from tests.conftest import quick_to_stop, tiny_llama
 
 DEVICE = os.environ.get("OPD_TEST_DEVICE", "cpu")
 """``cuda`` for tests/gpu_distributed.sh: a GPU per process, NCCL."""
@@ -43,6 +43,8 @@ def models(tmp_path_factory, char_tokenizer) -> Path:
     for name, seed in (("student", 1), ("teacher", 2)):
         tiny_llama(len(char_tokenizer), seed=seed).save_pretrained(root / name)
         char_tokenizer.save_pretrained(root / name)
+    quick_to_stop(tiny_llama(len(char_tokenizer), seed=1)).save_pretrained(root / "quick_student")
+    char_tokenizer.save_pretrained(root / "quick_student")
     lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in WORDS]
     (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return root
@@ -156,29 +158,46 @@ in one forward when they fit, else two forwards, and then the other process spli
 against one padded row per forward on one process."""
 
 
+MULTI_TURN = [
+    "student.model={}",
+    "datasets.0.env={name: retry, max_turns: 2, max_episode_tokens: 80}",
+]
+"""A student that ends most turns within a few tokens, in episodes of the ``retry`` environment:
+processes play different numbers of turns, so they sample in lock step."""
+
+
 @pytest.mark.parametrize(
-    ("parallel", "lora_rank", "max_staleness", "objective", "normalize", "packed_bins"),
+    ("parallel", "lora_rank", "max_staleness", "objective", "normalize", "packed_bins", "multi_turn"),
     [
         # each process holds half the batch; the advantages' mean and spread are the whole batch's.
         # (Not with LoRA here: there one adapter entry's second-step gradient is 4e-9, under AdamW's
         # eps, where the size of its step follows float rounding and differs by 2.5e-4.)
-        ("ddp", 0, 0, "sampled_reverse_kl", True, False),
-        ("fsdp", 0, 0, "sampled_reverse_kl", False, False),
-        ("ddp", 4, 0, "sampled_reverse_kl", False, True),
-        ("fsdp", 4, 0, "sampled_reverse_kl", False, True),
-        ("fsdp", 0, 1, "sampled_reverse_kl", False, False),
-        ("fsdp", 0, 0, "jsd", False, True),  # the fused heads read the (sharded) lm head inside the forward
-        ("fsdp", 0, 0, "topk_forward_kl", False, False),
+        ("ddp", 0, 0, "sampled_reverse_kl", True, False, False),
+        ("fsdp", 0, 0, "sampled_reverse_kl", False, False, True),
+        ("ddp", 4, 0, "sampled_reverse_kl", False, True, False),
+        ("fsdp", 4, 0, "sampled_reverse_kl", False, True, False),
+        ("fsdp", 0, 1, "sampled_reverse_kl", False, False, False),
+        (
+            "fsdp",
+            0,
+            0,
+            "jsd",
+            False,
+            True,
+            False,
+        ),  # the fused heads read the (sharded) lm head inside the forward
+        ("fsdp", 0, 0, "topk_forward_kl", False, False, False),
     ],
 )
 def test_two_processes_make_the_update_one_process_makes(
-    models, tmp_path, parallel, lora_rank, max_staleness, objective, normalize, packed_bins
+    models, tmp_path, parallel, lora_rank, max_staleness, objective, normalize, packed_bins, multi_turn
 ):
     overrides = [
         f"student.lora_rank={lora_rank}",
         f"training.max_staleness={max_staleness}",
         f"training.objective={objective}",
         f"training.normalize_advantages={str(normalize).lower()}",
+        *([MULTI_TURN[0].format(models / "quick_student"), MULTI_TURN[1]] if multi_turn else []),
     ]
     single = write(run_config(models, tmp_path / "one"), tmp_path / "one.yaml")
     one_process(single, *overrides, *(["training.packing=false"] if packed_bins else []))
@@ -190,6 +209,8 @@ def test_two_processes_make_the_update_one_process_makes(
         read_jsonl(tmp_path / "two" / "metrics.jsonl"),
     )
     assert_same_metrics(rows, reference)
+    if multi_turn:
+        assert max(row.get("episode/turns", 0) for row in rows) > 1  # some episodes took a second turn
     if max_staleness:
         assert [r["staleness_mean"] for r in rows if "staleness_mean" in r] == [0, 1, 1]
     last = list_checkpoints(tmp_path / "two")[-1]
@@ -204,16 +225,20 @@ def test_two_processes_make_the_update_one_process_makes(
     assert max(float((got[name] - expected[name]).abs().max()) for name in expected) < TOLERANCE
     moved = max(
         float((expected[name] - value).abs().max())
-        for name, value in initial_weights(models, lora_rank, expected).items()
+        for name, value in initial_weights(
+            models, lora_rank, expected, "quick_student" if multi_turn else "student"
+        ).items()
     )
     assert moved > 100 * TOLERANCE  # training moved the weights: the equality above is not trivial
 
 
-def initial_weights(models: Path, lora_rank: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def initial_weights(
+    models: Path, lora_rank: int, like: dict[str, torch.Tensor], student: str = "student"
+) -> dict[str, torch.Tensor]:
     """The weights before training, under the names a saved checkpoint uses."""
     if lora_rank:
         return {name: torch.zeros_like(value) for name, value in like.items() if "lora_B" in name}
-    return load_file(models / "student" / "model.safetensors")
+    return load_file(models / student / "model.safetensors")
 
 
 def test_a_sharded_checkpoint_resumes_on_one_process_and_back(models, tmp_path):

@@ -6,9 +6,9 @@ import pytest
 
 from opd.cli import main
 from opd.config import config_from_dict
+from opd.data.graders import exact_match, grader_for, last_number, last_number_match, reasoning_gym_score
 from opd.data.prompts import DataError, Prompt
 from opd.data.sources import load_prompts
-from opd.runs.graders import exact_match, grader_for, last_number, last_number_match, reasoning_gym_score
 from opd.trainer.loop import Trainer, train
 
 

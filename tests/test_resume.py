@@ -17,7 +17,7 @@ from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import CheckpointError, list_checkpoints
 from opd.runs.metrics import read_jsonl
 from opd.trainer.loop import Trainer, train
-from tests.conftest import trained_and_loading
+from tests.conftest import quick_to_stop, tiny_llama, trained_and_loading
 
 STEPS = 8
 
@@ -74,10 +74,19 @@ def kill_after_rows(config_path, metrics, rows: int, timeout_s: float) -> None:
     process.wait()
 
 
-def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path):
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path, char_tokenizer):
+    """With a second dataset of multi-turn episodes (``retry``), played by a student that ends its
+    turns early: each turn's draws depend on (seed, step, row, turn) only."""
+    quick = tmp_path / "quick_student"
+    quick_to_stop(tiny_llama(len(char_tokenizer), seed=1)).save_pretrained(quick)
+    char_tokenizer.save_pretrained(quick)
+    base_config["student"]["model"] = str(quick)
+    retry = {"name": "retry", "max_turns": 2, "max_episode_tokens": 80}
+    base_config["datasets"].append(dict(base_config["datasets"][0], name="retry", env=retry, num_prompts=6))
     run_cli(write_config(base_config, tmp_path, "reference"))
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
     assert [r["step"] for r in reference] == list(range(STEPS))
+    assert max(row["episode/turns"] for row in reference) > 1
 
     config_path = write_config(base_config, tmp_path, "killed")
     metrics = tmp_path / "killed" / "metrics.jsonl"

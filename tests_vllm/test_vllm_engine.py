@@ -12,6 +12,7 @@ from opd.config import ConfigError, config_from_dict
 from opd.sampling.base import SamplingParams, row_seeds
 from opd.sampling.vllm_engine import VLLMEngine
 from opd.trainer.loop import Trainer, train
+from tests.conftest import quick_to_stop, tiny_llama
 
 STUDENTS = {
     "full-untied": {"model": "untied", "lora_rank": 0},
@@ -113,6 +114,30 @@ def test_ten_steps_keep_kl_sample_train_below_1e_3(vllm_config, vllm_models, stu
     kl = [abs(m["kl_sample_train"]) for m in metrics]
     assert max(kl) < 1e-3, kl
     assert all(m["time/weight_sync"] > 0 for m in metrics[1:])
+
+
+def test_multi_turn_episodes_keep_kl_sample_train_below_1e_3(
+    vllm_config, vllm_models, tmp_path, char_tokenizer
+):
+    """vLLM samples each turn of ``retry`` episodes (a student that ends its turns early, so that
+    episodes go on after a wrong answer); the environment's replies are never trained on."""
+    quick = tmp_path / "quick"
+    quick_to_stop(tiny_llama(len(char_tokenizer), hidden=128, seed=3, tie=False)).save_pretrained(quick)
+    char_tokenizer.save_pretrained(quick)
+    config = copy.deepcopy(vllm_config)
+    config["student"]["model"] = str(quick)
+    config["datasets"][0] |= {
+        "num_prompts": 6,
+        "env": {"name": "retry", "max_turns": 3, "max_episode_tokens": 120},
+    }
+    config["training"] |= {"max_steps": 3, "learning_rate": 5e-3}
+    trainer = Trainer(config_from_dict(config), progress=False)
+    first = trainer.collect(0)
+    assert max(len(t.turns) for t in first.rollouts.trajectories) > 1
+    assert gap(trainer, first) < 1e-4
+    metrics = train(config_from_dict(config), progress=False).metrics
+    assert max(abs(m["kl_sample_train"]) for m in metrics) < 1e-3, metrics
+    assert max(m["episode/turns"] for m in metrics) > 1
 
 
 def test_evaluation_decodes_with_the_synced_engine(vllm_config, vllm_models, tmp_path):

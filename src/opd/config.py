@@ -26,6 +26,7 @@ import yaml
 
 from opd.data.tables import PROMPT_KEYS, is_table_source
 from opd.distributed import launched_world
+from opd.envs.registry import EnvConfig, parse_env_config
 from opd.errors import ConfigError
 from opd.locations import device_problem, missing_path_problem, url_problem
 from opd.objectives.base import Objective
@@ -97,6 +98,11 @@ class DatasetConfig:
     read from columns of their own name."""
     grader: Literal["auto", "exact_match", "last_number", "reasoning_gym", "none"] = "auto"
     """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match otherwise."""
+    env: EnvConfig | None = None
+    """Multi-turn episodes: the environment that answers each student turn (a tool's result, a
+    user's reply) until the episode ends: ``calculator``, ``retry`` or ``my_pkg.envs:MyEnv``, with
+    ``max_turns``, ``max_episode_tokens`` and its own options beside the name (docs/environments.md).
+    The teacher scores only the student's turns. Unset: one turn per prompt."""
 
 
 @dataclass(frozen=True)
@@ -356,6 +362,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return {str(k): _coerce(v, value_type, f"{path}.{k}") for k, v in value.items()}
     if tp is Objective:
         return _build_objective(value, path)
+    if tp is EnvConfig:
+        return parse_env_config(value, path)
     if dataclasses.is_dataclass(tp):
         return _build_dataclass(tp, value, path)
     if tp is Any:
@@ -501,6 +509,12 @@ def validate(config: Config) -> Config:
     _positive(training.advantage_clip, "training.advantage_clip")
     _positive(training.max_staleness, "training.max_staleness", allow_zero=True)
     _positive(training.dist_timeout_s, "training.dist_timeout_s")
+    for i, dataset in enumerate(config.datasets):
+        if dataset.env is not None and training.data_source == "dataset":
+            raise ConfigError(
+                f"datasets[{i}].env: training.data_source: dataset gives written completions, which no "
+                "environment can answer; use data_source student, teacher or mixed, or remove env"
+            )
     if training.max_staleness and config.student.lora_rank and config.student.lora_sync == "adapter":
         raise ConfigError(
             "training.max_staleness: collection ahead samples weights published after each update, "
@@ -835,4 +849,7 @@ def config_to_dict(config: Config) -> dict:
     """A plain mapping that :func:`config_from_dict` turns back into an equal config."""
     data = dataclasses.asdict(config)
     data["training"]["objective"] = objective_mapping(config.training.objective)
+    for dataset, written in zip(config.datasets, data["datasets"], strict=True):
+        if dataset.env is not None:
+            written["env"] = dataset.env.mapping()
     return data

@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from opd.config import Config, DatasetConfig, LambdaSchedule, TrainingConfig
+from opd.envs.registry import EnvConfig, environments
 from opd.objectives.registry import objectives
 from opd.policy.config import StudentConfig
 from opd.teachers.config import TeacherConfig
@@ -24,6 +25,12 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("student", StudentConfig, "The model being trained and the engine that samples it."),
     ("teacher", TeacherConfig, "The default teacher; a dataset's own `teacher:` takes the same keys."),
     ("datasets[]", DatasetConfig, "Each entry of the `datasets` list."),
+    (
+        "datasets[].env",
+        EnvConfig,
+        "A dataset's environment (docs/environments.md): these keys and the environment's own options,"
+        " side by side (`env: {name: calculator, max_turns: 3, result_role: user}`).",
+    ),
     ("training", TrainingConfig, "The optimisation loop."),
     (
         "training.lmbda",
@@ -117,6 +124,18 @@ def render() -> str:
         "(e.g. `objective: {name: jsd, beta: 0.9}`).",
     ]
     for name, cls in objectives().items():
+        doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
+        out += ["", f"### {name}", "", doc]
+        if any(field.init for field in dataclasses.fields(cls)):
+            out += ["", *rows("", cls)]
+    out += [
+        "",
+        "## datasets[].env options",
+        "",
+        "Each registered environment's own options, written beside its name",
+        "(`env: {name: retry, hint: true}`).",
+    ]
+    for name, cls in environments().items():
         doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
         out += ["", f"### {name}", "", doc]
         if any(field.init for field in dataclasses.fields(cls)):

@@ -31,6 +31,10 @@ class RolloutServerError(RuntimeError):
     """A rollout server that cannot be used, or failed mid-run; the message names it and what to do."""
 
 
+class EpisodeError(RuntimeError):
+    """An environment that answered a turn with something opd cannot use; names the dataset and step."""
+
+
 class DivergenceError(RuntimeError):
     """A run stopped by ``training.stop_on_divergence``; the message names the symptom and the fix."""
 
@@ -54,6 +58,7 @@ USER_ERRORS = (
     CheckpointError,
     RemoteTeacherError,
     RolloutServerError,
+    EpisodeError,
     DivergenceError,
     StorageError,
     FileNotFoundError,

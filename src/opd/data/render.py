@@ -6,6 +6,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+REPLY_MARK = "\u2063opd-turn\u2063"
+"""Stands in for a student's turn when a conversation is rendered to find what follows the turn."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 PLAIN_STOP_STRING = "\n\nUser:"
 
@@ -67,3 +69,34 @@ class ChatRenderer:
         text = self.render_text(messages)
         add_special = self.plain and self.tokenizer.bos_token_id is not None
         return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def turn_text(self, turn_ids: Sequence[int]) -> str:
+        """A sampled turn as the assistant message a conversation records (special tokens and the
+        plain format's stop string removed)."""
+        text = self.tokenizer.decode(list(turn_ids), skip_special_tokens=True)
+        for stop in self.stop_strings:
+            text = text.removesuffix(stop)
+        return text
+
+    def reply_ids(
+        self, history: Sequence[dict[str, str]], turn_ids: Sequence[int], replies: Sequence[dict[str, str]]
+    ) -> list[int]:
+        """The token ids that follow a sampled turn when ``replies`` answer it: the turn's closing
+        (what its own stop token did not write), the replies, and the next generation prompt.
+
+        ``history`` is the conversation the turn answered. The template renders it with a mark in
+        the turn's place and the replies after; the text after the mark, less what the turn
+        already wrote (its end-of-turn token), is what the student reads next.
+        """
+        mark = {"role": "assistant", "content": REPLY_MARK}
+        rendered = self.render_text([*history, mark, *replies])
+        if REPLY_MARK not in rendered:
+            raise ValueError(
+                "the chat template dropped the assistant's turn; it cannot render a multi-turn episode"
+            )
+        after = rendered[rendered.index(REPLY_MARK) + len(REPLY_MARK) :]
+        written = self.tokenizer.decode(list(turn_ids))
+        overlap = next(
+            (n for n in range(min(len(after), len(written)), 0, -1) if written.endswith(after[:n])), 0
+        )
+        return list(self.tokenizer(after[overlap:], add_special_tokens=False)["input_ids"])

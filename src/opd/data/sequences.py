@@ -9,6 +9,26 @@ import torch
 
 
 @dataclass(frozen=True)
+class Trajectory:
+    """Where a multi-turn episode's turns lie in its completion, and what the environment said.
+
+    The completion is ``turn 1, reply 1, turn 2, ..., turn n``: ``turns[k]`` is the (start, end)
+    of the student's k-th turn in the completion's tokens; ``replies[k]`` the environment's
+    messages after turn k (one fewer than the turns), rendered between them with the student's
+    chat template and never sampled.
+    """
+
+    turns: tuple[tuple[int, int], ...]
+    replies: tuple[tuple[dict[str, str], ...], ...] = ()
+    reward: float | None = None
+    """The environment's reward for the episode (None: it gave none, or the episode was cut)."""
+    ended: str = "done"
+    """``done``: the environment ended it; ``turns``: out of turns; ``tokens``: out of tokens."""
+    metrics: dict[str, float] = field(default_factory=dict, compare=False)
+    """The environment's own figures for the episode (logged as ``env/<name>`` means)."""
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled continuation of a prompt.
 
@@ -23,6 +43,8 @@ class Completion:
     logprobs: list[float]
     finished: bool
     policy_version: int | None = None
+    trajectory: Trajectory | None = None
+    """A multi-turn episode's layout (None: one turn, every token the sampler's)."""
 
 
 def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +63,8 @@ class RolloutBatch:
     """Sequences ``prompt + completion``, right-padded to (B, T).
 
     ``mask_BT`` is 1 exactly on sampled completion tokens (the stop token included) and 0 on
-    prompt and padding; ``sampled_logprobs_BT`` holds the sampler's log-probs there.
+    prompt, padding and an environment's replies within an episode; ``sampled_logprobs_BT``
+    holds the sampler's log-probs there.
     """
 
     input_ids_BT: torch.Tensor
@@ -55,6 +78,8 @@ class RolloutBatch:
     """Each row's conversation, for teachers that render prompts their own way."""
     policy_version_B: torch.Tensor | None = None
     """The student's version that sampled each row (-1 where the student did not)."""
+    trajectories: list[Trajectory | None] = field(default_factory=list)
+    """Each row's episode layout (empty: every row is one turn)."""
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -64,29 +89,22 @@ class RolloutBatch:
 
     def select(self, rows: slice | list[int]) -> RolloutBatch:
         """The sequences of a slice (substeps) or of a list of row indices (micro-batches)."""
-        if isinstance(rows, list):
-            index = torch.tensor(rows, dtype=torch.long)
-            return RolloutBatch(
-                self.input_ids_BT[index],
-                self.attention_mask_BT[index],
-                self.mask_BT[index],
-                self.sampled_logprobs_BT[index],
-                self.dataset_index_B[index],
-                self.finished_B[index],
-                [self.prompt_lengths[i] for i in rows],
-                [self.messages[i] for i in rows] if self.messages else [],
-                None if self.policy_version_B is None else self.policy_version_B[index],
-            )
+        index = torch.tensor(rows, dtype=torch.long) if isinstance(rows, list) else rows
+
+        def pick(values: list) -> list:
+            return [values[i] for i in rows] if isinstance(rows, list) else values[rows]
+
         return RolloutBatch(
-            self.input_ids_BT[rows],
-            self.attention_mask_BT[rows],
-            self.mask_BT[rows],
-            self.sampled_logprobs_BT[rows],
-            self.dataset_index_B[rows],
-            self.finished_B[rows],
-            self.prompt_lengths[rows],
-            self.messages[rows],
-            None if self.policy_version_B is None else self.policy_version_B[rows],
+            self.input_ids_BT[index],
+            self.attention_mask_BT[index],
+            self.mask_BT[index],
+            self.sampled_logprobs_BT[index],
+            self.dataset_index_B[index],
+            self.finished_B[index],
+            pick(self.prompt_lengths),
+            pick(self.messages) if self.messages else [],
+            None if self.policy_version_B is None else self.policy_version_B[index],
+            pick(self.trajectories) if self.trajectories else [],
         )
 
 
@@ -97,7 +115,8 @@ def build_rollout_batch(
     pad_id: int,
     messages: list | None = None,
 ) -> RolloutBatch:
-    """Lay out each prompt followed by its completion; only completion positions are trained."""
+    """Lay out each prompt followed by its completion; only the sampled positions are trained (an
+    episode's environment replies are not)."""
     width = max(len(p) + len(c.token_ids) for p, c in zip(prompts, completions, strict=True))
     batch = len(prompts)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -109,8 +128,10 @@ def build_rollout_batch(
         input_ids[row, :start] = torch.tensor(prompt)
         input_ids[row, start:end] = torch.tensor(completion.token_ids, dtype=torch.long)
         attention[row, :end] = 1
-        mask[row, start:end] = 1.0
         sampled[row, start:end] = torch.tensor(completion.logprobs, dtype=torch.float32)
+        trajectory = completion.trajectory
+        for turn_start, turn_end in trajectory.turns if trajectory else [(0, end - start)]:
+            mask[row, start + turn_start : start + turn_end] = 1.0
     return RolloutBatch(
         input_ids,
         attention,
@@ -121,4 +142,5 @@ def build_rollout_batch(
         [len(p) for p in prompts],
         list(messages) if messages is not None else [],
         torch.tensor([-1 if c.policy_version is None else c.policy_version for c in completions]),
+        [c.trajectory for c in completions] if any(c.trajectory for c in completions) else [],
     )

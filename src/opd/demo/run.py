@@ -21,12 +21,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from opd.config import config_from_dict
 from opd.data.builtin_tasks import generate_task_prompts
+from opd.data.graders import exact_match
 from opd.data.render import ChatRenderer
 from opd.demo.char_tokenizer import build_char_tokenizer
 from opd.models import load_causal_lm
 from opd.runs.checkpoints import latest_model_dir
 from opd.runs.evaluation import EvalSet, accuracy, direct_scorer, evaluate
-from opd.runs.graders import exact_match
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
 from opd.trainer.loop import train

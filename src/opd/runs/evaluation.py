@@ -8,15 +8,18 @@ from dataclasses import dataclass
 import torch
 
 from opd.config import Config, DatasetConfig
+from opd.data.graders import Grader, grader_of
 from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.data.sources import load_prompts
 from opd.data.tables import TableOptions, is_table_source
 from opd.distributed import all_reduce, world
+from opd.envs.base import Environment
+from opd.envs.registry import EnvConfig, make_environment
 from opd.objectives.advantages import reverse_kl_per_token
-from opd.runs.graders import Grader, grader_for
 from opd.sampling.base import Sampler, row_seed
+from opd.sampling.episodes import EpisodeSpec, play_episodes
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest
 
 TeacherScorer = Callable[[RolloutBatch], torch.Tensor]
@@ -32,6 +35,24 @@ class EvalSet:
     prompts: list[Prompt]
     grader: Grader | None
     score: TeacherScorer | None
+    env: EnvConfig | None = None
+    """Its environment: each prompt is an episode, graded by the environment's final reward."""
+    environment: Environment | None = None
+
+    def episodes(self, prompts: list[Prompt], max_tokens: int) -> list[EpisodeSpec] | None:
+        """Fresh episodes of ``prompts`` (None: the set is single-turn)."""
+        if self.environment is None:
+            return None
+        return [
+            EpisodeSpec(
+                self.environment.start(prompt, self.grader),
+                prompt.messages,
+                self.env.max_turns,
+                self.env.episode_tokens(max_tokens),
+                f"{self.name} (evaluation)",
+            )
+            for prompt in prompts
+        ]
 
 
 def direct_scorer(teacher: Teacher) -> TeacherScorer:
@@ -77,23 +98,21 @@ def load_eval_sets(config: Config, score: TeacherScorer | None) -> list[EvalSet]
             task_config=dataset.task_config,
             table=table,
         )[: dataset.eval_num_prompts]
-        grader = grader_for(dataset.grader, source)
-        if (
-            grader is not None
-            and any(p.answer is None for p in prompts)
-            and dataset.grader != "reasoning_gym"
-        ):
-            grader = None
-        eval_sets.append(EvalSet(dataset.name, index, prompts, grader, score))
+        grader = grader_of(dataset.grader, source, prompts)
+        environment = None if dataset.env is None else make_environment(dataset.env, f"datasets[{index}].env")
+        eval_sets.append(EvalSet(dataset.name, index, prompts, grader, score, dataset.env, environment))
     return eval_sets
 
 
 def graded_sum(
-    renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader
+    renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader | None
 ) -> float:
-    """Sum of the grades of completions (special tokens removed) against their prompts."""
+    """Sum of the grades of completions (special tokens removed) against their prompts; an
+    episode's grade is its environment's final reward (0 when it gave none or was cut)."""
     return sum(
-        grader(renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True), p)
+        (c.trajectory.reward or 0.0)
+        if c.trajectory is not None
+        else grader(renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True), p)
         for c, p in zip(completions, prompts, strict=True)
     )
 
@@ -121,6 +140,35 @@ def accuracy(
     return graded(renderer, completions, prompts, grader)
 
 
+def play(
+    sampler: Sampler,
+    renderer: ChatRenderer,
+    eval_set: EvalSet,
+    prompts: list[Prompt],
+    rendered: list[list[int]],
+    seeds: list[int],
+    temperature: float,
+    max_tokens: int,
+    *,
+    greedy: bool = False,
+) -> list[Completion]:
+    """A completion of each prompt (``rendered``: their token ids), or its environment's episode."""
+
+    def turn(rows, turn_prompts, turn_seeds, turn_max_tokens):
+        return sampler.sample(
+            turn_prompts,
+            temperature=temperature,
+            max_tokens=turn_max_tokens,
+            greedy=greedy,
+            seed=None if greedy else turn_seeds,
+        )
+
+    specs = eval_set.episodes(prompts, max_tokens)
+    if specs is None:
+        return turn(None, rendered, seeds, max_tokens)
+    return play_episodes(turn, renderer, rendered, specs, seeds, max_tokens, lockstep=True)
+
+
 def evaluate(
     sampler: Sampler,
     renderer: ChatRenderer,
@@ -132,6 +180,8 @@ def evaluate(
     pad_id: int,
 ) -> dict[str, float]:
     """``test/<name>/accuracy`` (greedy), ``test/<name>/pass@1`` and ``test/<name>/teacher_kl`` (sampled),
+    ``test/<name>/turns`` (an environment's sets: turns of the greedy episodes; their accuracy is
+    the success rate, the environment's final reward),
     and ``test/<name>/num_prompts``, the set's size, which says how far apart two accuracies can be by chance.
 
     Among several processes each evaluates every N-th prompt (each sampled with its own row's
@@ -148,17 +198,17 @@ def evaluate(
         indices = indices or [0]
         prompts = [eval_set.prompts[i] for i in indices]
         rendered = [renderer.prompt_ids(p.messages) for p in prompts]
+        seeds = [row_seed(seed, i) for i in indices]
         sums: dict[str, float] = {"prompts": len(prompts)}
-        if eval_set.grader is not None:
-            greedy = sampler.sample(rendered, temperature=1.0, max_tokens=max_tokens, greedy=True)
+
+        graded = eval_set.grader is not None or eval_set.environment is not None
+        if graded:
+            greedy = play(sampler, renderer, eval_set, prompts, rendered, seeds, 1.0, max_tokens, greedy=True)
             sums["accuracy"] = graded_sum(renderer, greedy, prompts, eval_set.grader)
-        sampled = sampler.sample(
-            rendered,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            seed=[row_seed(seed, i) for i in indices],
-        )
-        if eval_set.grader is not None:
+            if eval_set.environment is not None:
+                sums["turns"] = sum(len(c.trajectory.turns) for c in greedy)
+        sampled = play(sampler, renderer, eval_set, prompts, rendered, seeds, temperature, max_tokens)
+        if graded:
             sums["pass@1"] = graded_sum(renderer, sampled, prompts, eval_set.grader)
         if eval_set.score is not None:
             batch = build_rollout_batch(
@@ -171,7 +221,7 @@ def evaluate(
             kl = reverse_kl_per_token(batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT)
             sums["kl"], sums["tokens"] = float(kl.sum()), float(batch.mask_BT.sum())
         totals = dict(zip(sums, all_reduce([weight * value for value in sums.values()]), strict=True))
-        for key in ("accuracy", "pass@1"):
+        for key in ("accuracy", "pass@1", "turns"):
             if key in totals:
                 metrics[f"{prefix}/{key}"] = totals[key] / totals["prompts"]
         metrics[f"{prefix}/num_prompts"] = round(totals["prompts"])

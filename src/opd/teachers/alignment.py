@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from opd.data.render import ChatRenderer
+from opd.data.sequences import Trajectory
 
 UNCOVERED_CHAR_LOGPROB = -20.0
 
@@ -135,17 +136,27 @@ def student_token_logprobs(
 
 
 @dataclass
-class TeacherInput:
-    """What the teacher scores for one rollout, and how to map its answer back."""
+class TurnPiece:
+    """One student turn as the teacher reads it, and how to map its answer back."""
 
-    token_ids: list[int]
-    score_mask: list[bool]
-    completion_start: int
+    start: int
+    """Where the turn begins in the teacher's token ids."""
+    length: int
+    """The turn's tokens in the teacher's ids (its end of turn included)."""
     text: str | None = None
-    """Cross-tokenizer only: the completion's text (less the end of turn), which both tokenize."""
+    """Cross-tokenizer only: the turn's text (less the end of turn), which both tokenize."""
     teacher_offsets: list[tuple[int, int]] | None = None
     student_ends: list[int] | None = None
     ends_with_stop: bool = False
+
+
+@dataclass
+class TeacherInput:
+    """What the teacher scores for one rollout (one turn, or an episode's), and where its turns lie."""
+
+    token_ids: list[int]
+    score_mask: list[bool]
+    turns: list[TurnPiece]
 
 
 class TeacherFormat:
@@ -183,56 +194,82 @@ class TeacherFormat:
             self._token_texts[token_id] = text[self._anchor_length :]
         return self._token_texts[token_id]
 
-    def build(self, messages, completion_ids: list[int]) -> TeacherInput:
-        """The teacher's token ids for prompt + completion, with the completion positions marked."""
-        prompt_ids = self.renderer.prompt_ids(messages)
-        ends_with_stop = bool(completion_ids) and completion_ids[-1] in self.student_stop_ids
+    def build(
+        self, messages, completion_ids: list[int], trajectory: Trajectory | None = None
+    ) -> TeacherInput:
+        """The teacher's token ids for the prompt and the completion, the student's turns marked.
+
+        An episode (``trajectory``) is re-rendered turn by turn: the environment's replies in the
+        teacher's own template between the student's turns, and never scored.
+        """
+        spans = trajectory.turns if trajectory else ((0, len(completion_ids)),)
+        token_ids = self.renderer.prompt_ids(messages)
+        score_mask = [False] * len(token_ids)
+        history, turns = list(messages), []
+        for index, (start, end) in enumerate(spans):
+            body, piece = self._turn(completion_ids[start:end], len(token_ids))
+            token_ids += body
+            score_mask += [True] * len(body)
+            turns.append(piece)
+            if index + 1 < len(spans):
+                replies = trajectory.replies[index]
+                reply = self.renderer.reply_ids(history, body, replies)
+                text = self.student_tokenizer.decode(completion_ids[start:end], skip_special_tokens=True)
+                history += [{"role": "assistant", "content": text}, *replies]
+                token_ids += reply
+                score_mask += [False] * len(reply)
+        return TeacherInput(token_ids, score_mask, turns)
+
+    def _turn(self, turn_ids: list[int], start: int) -> tuple[list[int], TurnPiece]:
+        """A student turn in the teacher's tokens (its end of turn the teacher's), and its piece."""
+        ends_with_stop = bool(turn_ids) and turn_ids[-1] in self.student_stop_ids
         teacher_stop = self.renderer.stop_token_ids[0]
         if not self.cross_tokenizer:
-            body = [*completion_ids[:-1], teacher_stop] if ends_with_stop else list(completion_ids)
-            return self._input(prompt_ids, body)
-        body_ids = completion_ids[:-1] if ends_with_stop else completion_ids
+            body = [*turn_ids[:-1], teacher_stop] if ends_with_stop else list(turn_ids)
+            return body, TurnPiece(start, len(body))
+        body_ids = turn_ids[:-1] if ends_with_stop else turn_ids
         text = self.student_tokenizer.decode(body_ids)
         teacher_body, teacher_offsets = [], []
         if text:
             encoded = self.renderer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             teacher_body, teacher_offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
-        built = self._input(prompt_ids, [*teacher_body, teacher_stop] if ends_with_stop else teacher_body)
-        built.text, built.teacher_offsets, built.ends_with_stop = text, teacher_offsets, ends_with_stop
-        built.student_ends = token_char_ends(self.student_tokenizer, body_ids)
-        return built
-
-    @staticmethod
-    def _input(prompt_ids: list[int], body: list[int]) -> TeacherInput:
-        ids = prompt_ids + body
-        mask = [False] * len(prompt_ids) + [True] * len(body)
-        return TeacherInput(ids, mask, len(prompt_ids))
+        body = [*teacher_body, teacher_stop] if ends_with_stop else teacher_body
+        piece = TurnPiece(
+            start,
+            len(body),
+            text,
+            teacher_offsets,
+            token_char_ends(self.student_tokenizer, body_ids),
+            ends_with_stop,
+        )
+        return body, piece
 
     def student_view(
         self,
         built: TeacherInput,
+        piece: TurnPiece,
         teacher_logprobs: list[float],
         student_logprobs: list[float],
         teacher_topk: list[list[tuple[int, float]]] | None = None,
     ) -> list[float]:
-        """Teacher log-probs per student completion token, from the teacher's per-position answer
-        (``teacher_topk``: its likely tokens and their log-probs at each completion position; without
-        them a teacher token's characters share its log-prob evenly)."""
-        if built.text is None:
+        """Teacher log-probs per student token of one turn, from the teacher's answer at that turn's
+        positions (``teacher_topk``: its likely tokens and their log-probs there; without them a
+        teacher token's characters share its log-prob evenly)."""
+        if piece.text is None:
             return teacher_logprobs
-        body_ids = built.token_ids[built.completion_start :]
+        body_ids = built.token_ids[piece.start : piece.start + piece.length]
         alternatives = []
-        for position, (start, end) in enumerate(built.teacher_offsets):
+        for position, (start, end) in enumerate(piece.teacher_offsets):
             own = body_ids[position]
-            if teacher_topk is None or self.token_text(own) != built.text[start:end]:
+            if teacher_topk is None or self.token_text(own) != piece.text[start:end]:
                 alternatives.append(None)
                 continue
             others = [(self.token_text(i), lp) for i, lp in teacher_topk[position] if i != own]
             alternatives.append(others)
-        count = len(built.teacher_offsets)
+        count = len(piece.teacher_offsets)
         chars, end_logprob = character_logprobs(
-            built.text, built.teacher_offsets, teacher_logprobs[:count], alternatives
+            piece.text, piece.teacher_offsets, teacher_logprobs[:count], alternatives
         )
-        students = len(built.student_ends)
-        view = student_token_logprobs(chars, built.student_ends, student_logprobs[:students])
-        return [*view, end_logprob + teacher_logprobs[count]] if built.ends_with_stop else view
+        students = len(piece.student_ends)
+        view = student_token_logprobs(chars, piece.student_ends, student_logprobs[:students])
+        return [*view, end_logprob + teacher_logprobs[count]] if piece.ends_with_stop else view

@@ -184,10 +184,13 @@ class TeacherPanel:
         teacher_format: TeacherFormat,
         request: TeacherRequest,
     ) -> None:
-        """Score the rows in the teacher's own format, then map its answer back onto the student's tokens."""
+        """Score the rows in the teacher's own format, then map its answer back onto the student's
+        tokens, turn by turn (an episode's environment replies are the teacher's to render, not to score)."""
         sequences = batch.sequences
+        trajectories = batch.trajectories or [None] * len(sequences)
         built = [
-            teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :]) for r in rows
+            teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :], trajectories[r])
+            for r in rows
         ]
         teacher_request = request
         if teacher_format.cross_tokenizer and teacher_format.character_topk:
@@ -200,23 +203,29 @@ class TeacherPanel:
             teacher_request,
         )
         for i, row in enumerate(rows):
-            start, end = batch.prompt_lengths[row], len(sequences[row])
-            completion = slice(built[i].completion_start, len(built[i].token_ids))
-            taught = answer.logprobs_BT[i, completion]
-            if teacher_format.cross_tokenizer:
-                student = batch.sampled_logprobs_BT[row, start:end].tolist()
-                topk = None
-                if answer.topk_ids_BTK is not None:
-                    topk = [
-                        list(zip(ids, logprobs, strict=True))
-                        for ids, logprobs in zip(
-                            answer.topk_ids_BTK[i, completion].tolist(),
-                            answer.topk_logprobs_BTK[i, completion].tolist(),
-                            strict=True,
-                        )
-                    ]
-                taught = torch.tensor(teacher_format.student_view(built[i], taught.tolist(), student, topk))
-            scores.logprobs_BT[row, start:end] = taught
+            prompt_length = batch.prompt_lengths[row]
+            trajectory = trajectories[row]
+            spans = trajectory.turns if trajectory else ((0, len(sequences[row]) - prompt_length),)
+            for (start, end), piece in zip(spans, built[i].turns, strict=True):
+                student_span = slice(prompt_length + start, prompt_length + end)
+                teacher_span = slice(piece.start, piece.start + piece.length)
+                taught = answer.logprobs_BT[i, teacher_span]
+                if teacher_format.cross_tokenizer:
+                    student = batch.sampled_logprobs_BT[row, student_span].tolist()
+                    topk = None
+                    if answer.topk_ids_BTK is not None:
+                        topk = [
+                            list(zip(ids, logprobs, strict=True))
+                            for ids, logprobs in zip(
+                                answer.topk_ids_BTK[i, teacher_span].tolist(),
+                                answer.topk_logprobs_BTK[i, teacher_span].tolist(),
+                                strict=True,
+                            )
+                        ]
+                    taught = torch.tensor(
+                        teacher_format.student_view(built[i], piece, taught.tolist(), student, topk)
+                    )
+                scores.logprobs_BT[row, student_span] = taught
             scored = batch.mask_BT[row].bool()
             teacher_scored = torch.zeros(answer.logprobs_BT.shape[1], dtype=torch.bool)
             teacher_scored[: len(built[i].token_ids)] = torch.tensor(built[i].score_mask)

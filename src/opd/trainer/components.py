@@ -14,10 +14,14 @@ import torch
 
 from opd.config import Config
 from opd.data.batching import CompositeBatches, rank_rows
+from opd.data.graders import grader_of
 from opd.data.prompts import Prompt
 from opd.data.sources import load_prompts
 from opd.data.tables import TableOptions
 from opd.distributed import init_from_env, launched_world
+from opd.envs.base import Environment
+from opd.envs.registry import make_environment
+from opd.errors import ConfigError
 from opd.models import DTYPES, resolve_device, warn_if_slow_on_this_cpu
 from opd.runs.evaluation import load_eval_sets
 from opd.runs.loggers import check_loggers
@@ -76,6 +80,11 @@ class RunComponents:
         self.vocab_size = len(self.tokenizer)
         device = self.policy.device
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
+        self.graders = [
+            grader_of(d.grader, d.source, prompts)
+            for d, prompts in zip(config.datasets, self.datasets, strict=True)
+        ]
+        self.environments = self._environments()
         self.batching = self._micro_batching()
         warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")
         warn_if_slow_on_this_cpu(DTYPES.get(training.autocast), device, "training.autocast")
@@ -166,8 +175,36 @@ class RunComponents:
             )
             return sized_budget(device_memory(self.policy.device), per_token)
 
-        tokens = resolve_token_budget(training, longest_prompt, size_for_device)
+        tokens = resolve_token_budget(training, longest_prompt, size_for_device, self._longest_completion())
         return MicroBatching(tokens, training.micro_batch_size, self.policy.packed)
+
+    def _longest_completion(self) -> tuple[int, str]:
+        """The most tokens a row's completion can have, and the setting that says so."""
+        max_tokens = self.config.training.max_tokens
+        longest = (max_tokens, "training.max_tokens")
+        for index, dataset in enumerate(self.config.datasets):
+            if dataset.env is not None and dataset.env.episode_tokens(max_tokens) > longest[0]:
+                longest = (dataset.env.episode_tokens(max_tokens), f"datasets[{index}].env's episode budget")
+        return longest
+
+    def _environments(self) -> list[Environment | None]:
+        """Each dataset's environment (None: one turn), each tried on its first prompt now, so that
+        one that cannot start stops the run before any work."""
+        environments: list[Environment | None] = []
+        for index, dataset in enumerate(self.config.datasets):
+            if dataset.env is None:
+                environments.append(None)
+                continue
+            environment = make_environment(dataset.env, f"datasets[{index}].env")
+            try:
+                environment.start(self.datasets[index][0], self.graders[index])
+            except Exception as error:
+                raise ConfigError(
+                    f"datasets[{index}].env: environment {dataset.env.name!r} cannot start an episode "
+                    f"of {dataset.source}: {type(error).__name__}: {error}"
+                ) from None
+            environments.append(environment)
+        return environments
 
     def _load_dataset(self, index: int) -> list[Prompt]:
         dataset = self.config.datasets[index]

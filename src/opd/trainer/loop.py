@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from opd.config import Config, TrainingConfig, recorded_config
 from opd.data.batching import contiguous_slices
+from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, barrier
@@ -56,9 +57,11 @@ from opd.runs.storage import check_log_path, disk_full_error, out_of_space
 from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.runs.watchdog import Watchdog
 from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
+from opd.sampling.episodes import EpisodeSpec, TurnSampler, play_episodes
 from opd.trainer.ahead import AheadCollector
 from opd.trainer.batch import Batch
 from opd.trainer.components import RunComponents
+from opd.trainer.episode_metrics import episode_metrics
 from opd.trainer.sft import completion_tokens
 from opd.trainer.stopping import StopOnSignal
 from opd.trainer.update import policy_gradient, policy_update
@@ -164,7 +167,7 @@ class Trainer(RunComponents):
         already synced (a worker collecting ahead holds published weights).
         """
         source = self.data_source_at(step)
-        prompts, completions, dataset_indices, messages = [], [], [], []
+        prompts, completions, dataset_indices, items = [], [], [], []
         for item in self.batches.batch(step):
             group_size = 1 if source == "dataset" else self.config.datasets[item.dataset_index].group_size
             if source == "dataset":
@@ -174,28 +177,77 @@ class Trainer(RunComponents):
                 prompt_ids = self.renderer.prompt_ids(item.prompt.messages)
             prompts += [prompt_ids] * group_size
             dataset_indices += [item.dataset_index] * group_size
-            messages += [item.prompt.messages] * group_size
+            items += [item.prompt] * group_size
         rows = self.rank_rows
-        prompts, dataset_indices, messages = (
-            [values[r] for r in rows] for values in (prompts, dataset_indices, messages)
+        prompts, dataset_indices, items = (
+            [values[r] for r in rows] for values in (prompts, dataset_indices, items)
         )
         seeds = [row_seed(step_seed(self.config.seed, step), r) for r in rows]
         training = self.config.training
         params = SamplingParams(temperature=training.temperature, max_tokens=training.max_tokens)
         if source == "dataset":
             completions = [completions[r] for r in rows]
-        elif source == "student":
-            if engine is None:
-                engine = self.engine
-                synced = time.perf_counter()
-                engine.sync(self.policy)
-                self.sync_seconds = time.perf_counter() - synced
-            completions = engine.rollout(prompts, params, seeds=seeds)
         else:
-            completions = self.teacher_rollouts(prompts, dataset_indices, params, seeds)
+            if source == "student":
+                if engine is None:
+                    engine = self.engine
+                    synced = time.perf_counter()
+                    engine.sync(self.policy)
+                    self.sync_seconds = time.perf_counter() - synced
+                    lockstep = True
+                else:
+                    lockstep = False  # the worker collecting ahead: no collectives off the main thread
+
+                def sample(turn_rows, turn_prompts, turn_seeds, max_tokens):
+                    return engine.rollout(
+                        turn_prompts, replace(params, max_tokens=max_tokens), seeds=turn_seeds
+                    )
+
+            else:
+                lockstep = True
+
+                def sample(turn_rows, turn_prompts, turn_seeds, max_tokens):
+                    return self.teacher_rollouts(
+                        turn_prompts,
+                        [dataset_indices[r] for r in turn_rows],
+                        replace(params, max_tokens=max_tokens),
+                        turn_seeds,
+                    )
+
+            completions = self.play(sample, prompts, items, dataset_indices, seeds, lockstep=lockstep)
         return build_rollout_batch(
-            prompts, completions, dataset_indices, self.engine.pad_id, messages
+            prompts, completions, dataset_indices, self.engine.pad_id, [p.messages for p in items]
         ), source
+
+    def play(
+        self,
+        sample: TurnSampler,
+        prompts: list[list[int]],
+        items: list[Prompt],
+        dataset_indices: list[int],
+        seeds: list[int],
+        *,
+        lockstep: bool,
+    ) -> list[Completion]:
+        """Each row's completion from ``sample``: one turn, or its dataset's environment's episode."""
+        max_tokens = self.config.training.max_tokens
+        if not any(self.environments):
+            return sample(list(range(len(prompts))), prompts, seeds, max_tokens)
+        specs = [self.episode_spec(index, item) for index, item in zip(dataset_indices, items, strict=True)]
+        return play_episodes(sample, self.renderer, prompts, specs, seeds, max_tokens, lockstep=lockstep)
+
+    def episode_spec(self, dataset_index: int, prompt: Prompt) -> EpisodeSpec:
+        """How a row of dataset ``dataset_index`` is played: an episode of its environment, or one turn."""
+        environment, dataset = self.environments[dataset_index], self.config.datasets[dataset_index]
+        if environment is None:
+            return EpisodeSpec(None, prompt.messages)
+        return EpisodeSpec(
+            environment.start(prompt, self.graders[dataset_index]),
+            prompt.messages,
+            dataset.env.max_turns,
+            dataset.env.episode_tokens(self.config.training.max_tokens),
+            f"datasets[{dataset_index}] ({dataset.name})",
+        )
 
     def teacher_rollouts(
         self,
@@ -264,6 +316,8 @@ class Trainer(RunComponents):
             metrics["lmbda"] = self.config.training.lmbda_at(batch.step)
         if batch.on_policy and teacher is not None:
             metrics |= self.kl_metrics(batch)
+        if any(self.environments):
+            metrics |= episode_metrics(rollouts, batch.reverse_kl_BT if batch.on_policy else None)
         scored = mask.bool()
         finite = (teacher is None or bool(torch.isfinite(teacher.logprobs_BT[scored]).all())) and bool(
             torch.isfinite(rollouts.sampled_logprobs_BT[scored]).all()

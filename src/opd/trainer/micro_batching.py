@@ -57,18 +57,24 @@ def sized_budget(memory: int, bytes_per_token: int) -> int:
 
 
 def resolve_token_budget(
-    training: TrainingConfig, longest_prompt: int, size_for_device: Callable[[], int]
+    training: TrainingConfig,
+    longest_prompt: int,
+    size_for_device: Callable[[], int],
+    longest_completion: tuple[int, str] | None = None,
 ) -> int:
     """The run's tokens per micro-batch: the configured budget (refused when the longest possible
-    row, ``longest_prompt + max_tokens``, does not fit in it), else ``size_for_device()`` (the
-    same on every process: the smallest) raised to the longest possible row."""
-    longest_row = longest_prompt + training.max_tokens
+    row, ``longest_prompt`` plus the longest completion, does not fit in it), else
+    ``size_for_device()`` (the same on every process: the smallest) raised to the longest
+    possible row. ``longest_completion``: its tokens and the setting that bounds it (default
+    ``training.max_tokens``; an environment's episode budget is longer)."""
+    completion, bound = longest_completion or (training.max_tokens, "training.max_tokens")
+    longest_row = longest_prompt + completion
     if training.micro_batch_tokens is not None:
         if training.micro_batch_tokens < longest_row:
             raise ConfigError(
                 f"training.micro_batch_tokens: {training.micro_batch_tokens} tokens cannot hold the "
                 f"longest possible row, {longest_row} tokens (the longest prompt, {longest_prompt} "
-                f"tokens, plus training.max_tokens {training.max_tokens}); raise it to at least "
+                f"tokens, plus {bound} {completion}); raise it to at least "
                 f"{longest_row} or shorten the prompts"
             )
         return training.micro_batch_tokens

@@ -176,6 +176,12 @@ def describe_plan(config: Config, processes: int) -> str:
         f"per step       {sequences} sequences ({sequences // processes} per process), up to "
         f"{training.max_tokens} tokens each; {training.num_substeps} optimizer step(s)"
     )
+    for dataset in config.datasets:
+        if dataset.env is not None:
+            lines.append(
+                f"episodes       {dataset.name}: {dataset.env.name}, up to {dataset.env.max_turns} turns and "
+                f"{dataset.env.episode_tokens(training.max_tokens)} tokens after the prompt"
+            )
     cut = micro_batch_line(training, student_size, dtype, student)
     lines.append(f"micro-batches  {cut}")
     split = processes if sharded else 1

@@ -73,3 +73,12 @@ def grader_for(name: str, source: str) -> Grader | None:
     if name == "auto":
         return reasoning_gym_score if source.startswith("reasoning_gym:") else exact_match
     return GRADERS[name]
+
+
+def grader_of(name: str, source: str, prompts: list[Prompt]) -> Grader | None:
+    """The grader for a dataset's prompts: :func:`grader_for`, or None when some prompt has no
+    answer to grade against (reasoning-gym graders read the entry instead)."""
+    grader = grader_for(name, source)
+    if grader is not None and name != "reasoning_gym" and any(p.answer is None for p in prompts):
+        return None
+    return grader

@@ -1,0 +1,298 @@
+"""Does a student learn to use a tool from a teacher that uses it? Multi-turn distillation in the
+``calculator`` environment.
+
+The task is ``demo:arithmetic`` (2-3 numbers of 3-4 digits added and subtracted, answered
+exactly). The teacher (2 layers, width 128, the demo's character tokenizer) is trained on its
+own episodes: it writes ``<calc>EXPRESSION</calc>``, reads the calculator's result and copies
+it. The student (2 layers, width 96) is trained to answer directly, which a model this small
+cannot do, and, as a small pretrained LM would have learnt elsewhere, to repeat an expression it
+is asked to repeat and to read a calculator's result it is shown after a call; it never calls
+the tool itself and gets almost nothing right. (A student without the two skills has to learn
+to copy during distillation: over a thousand steps at this size, measured as the teacher's own
+supervised training took.) Then the student is distilled
+on-policy in the calculator environment (the teacher scores the student's turns only) and its
+held-out success rate (greedy episodes, exact answers) is measured before and after, per seed.
+The figure: the share of the teacher-student gap closed.
+
+    python bench/tool_use.py --seeds 0 1 2 --steps 60 --out docs/results/tool_use.json
+    python bench/tool_use.py --teacher remote --out docs/results/tool_use_remote.json  # through opd serve
+    python bench/tool_use.py --teacher bpe --out docs/results/tool_use_bpe.json  # another tokenizer
+
+``--teacher remote`` serves the same teacher with ``opd serve`` (loopback) and distils through
+it; ``--teacher bpe`` trains a teacher of the same size on a BPE tokenizer learned on the task's
+text and distils with ``teacher.cross_tokenizer: true``. Each run uses its teacher's default
+objective (opd's unset ``training.objective``), recorded in the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from provenance import write_result
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from opd.config import apply_overrides, config_from_dict
+from opd.data.builtin_tasks import generate_task_prompts
+from opd.data.prompts import Prompt
+from opd.data.render import ChatRenderer
+from opd.demo import run as demo
+from opd.demo.char_tokenizer import SPECIAL_TOKENS, build_char_tokenizer, with_chat_specials
+from opd.trainer.loop import train
+from opd.trainer.sft import supervised_finetune
+
+TASK = "demo:arithmetic"
+CACHE = Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "tool-use-v1"
+MAX_TOKENS = 32
+"""A turn: the longest call, ``<calc>9999+9999-9999</calc>`` and its end of turn, is 28 tokens."""
+TEACHER = demo.DemoModelSpec(hidden_size=128, num_layers=2, sft_steps=1500, sft_learning_rate=1e-3)
+STUDENT = demo.DemoModelSpec(hidden_size=96, num_layers=2, sft_steps=1500, sft_learning_rate=3e-3)
+
+
+def expression(prompt: Prompt) -> str:
+    return prompt.messages[0]["content"].removeprefix("compute ")
+
+
+def tool_turns(prompts: list[Prompt]) -> list[Prompt]:
+    """The teacher's episodes as supervised turns: the call, then the answer after the result."""
+    turns = []
+    for prompt in prompts:
+        call = f"<calc>{expression(prompt)}</calc>"
+        turns.append(Prompt(prompt.messages, completion=call))
+        history = (
+            *prompt.messages,
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": prompt.answer},
+        )
+        turns.append(Prompt(history, completion=prompt.answer))
+    return turns
+
+
+def student_turns(prompts: list[Prompt]) -> list[Prompt]:
+    """The student's supervised turns: direct answers, repeating an expression, and reading a
+    calculator's result after a call (never making one)."""
+    turns = []
+    for index, prompt in enumerate(prompts):
+        kind = index % 3
+        if kind == 0:
+            turns.append(Prompt(prompt.messages, completion=prompt.answer))
+        elif kind == 1:
+            repeat = ({"role": "user", "content": f"repeat {expression(prompt)}"},)
+            turns.append(Prompt(repeat, completion=expression(prompt)))
+        else:
+            turns.append(tool_turns([prompt])[1])
+    return turns
+
+
+def bpe_tokenizer():
+    """A BPE tokenizer learned on the task's text and the tool calls (every printable character kept)."""
+    texts = []
+    for prompt in generate_task_prompts("arithmetic", seed=0, count=4000):
+        texts += [
+            prompt.messages[0]["content"],
+            f"<calc>{expression(prompt)}</calc>",
+            prompt.answer,
+            "user",
+            "assistant",
+            "tool",
+        ]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+|\S+"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=list(string.printable)
+    )
+    backend.train_from_iterator(texts, trainer)
+    return with_chat_specials(backend)
+
+
+def build(name: str, spec: demo.DemoModelSpec, tokenizer, prompts: list[Prompt], seed: int) -> Path:
+    """Train and save a model (cached)."""
+    directory = CACHE / name
+    if (directory / "config.json").exists():
+        return directory
+    model = demo.build_model(spec, tokenizer, seed)
+    model.config.max_position_embeddings = 256
+    started = time.perf_counter()
+    losses = supervised_finetune(
+        model,
+        ChatRenderer(tokenizer),
+        prompts,
+        steps=spec.sft_steps,
+        batch_size=64,
+        learning_rate=spec.sft_learning_rate,
+        seed=seed,
+    )
+    seconds = time.perf_counter() - started
+    print(f"built {name}: {len(losses)} supervised steps in {seconds:.0f}s, last loss {losses[-1]:.3f}")
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_config(
+    log_path: Path, student: Path, teacher: dict, steps: int, seed: int, eval_prompts: int
+) -> dict:
+    return {
+        "log_path": str(log_path),
+        "seed": seed,
+        "eval_every": steps,
+        "student": {"model": str(student), "lora_rank": 0, "dtype": "float32", "device": "cpu"},
+        "teacher": teacher,
+        "datasets": [
+            {
+                "name": "calc",
+                "source": TASK,
+                "groups_per_batch": 16,
+                "group_size": 4,
+                "eval_num_prompts": eval_prompts,
+                "env": {"name": "calculator", "max_turns": 3},
+            }
+        ],
+        "training": {"learning_rate": 1e-3, "max_tokens": MAX_TOKENS, "max_steps": steps},
+    }
+
+
+def serve(teacher: Path) -> tuple[subprocess.Popen, str]:
+    """``opd serve`` the teacher on a loopback port; its base URL once it answers."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "opd.cli",
+            "serve",
+            str(teacher),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "teacher",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return process, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise TimeoutError("opd serve did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--teacher", choices=["local", "remote", "bpe"], default="local")
+    parser.add_argument("--set", nargs="*", default=[], help="dotted overrides of the run config")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    char = build_char_tokenizer()
+    train_prompts = generate_task_prompts("arithmetic", seed=1000, count=4000)
+    student = build("student", STUDENT, char, student_turns(train_prompts), seed=1)
+    if args.teacher == "bpe":
+        teacher_dir = build("teacher-bpe", TEACHER, bpe_tokenizer(), tool_turns(train_prompts), seed=0)
+        teacher = {"model": str(teacher_dir), "cross_tokenizer": True}
+    else:
+        teacher_dir = build("teacher", TEACHER, char, tool_turns(train_prompts), seed=0)
+        teacher = {"model": str(teacher_dir)}
+    server = None
+    if args.teacher == "remote":
+        server, base_url = serve(teacher_dir)
+        teacher = {"backend": "openai", "base_url": base_url, "model": "teacher"}
+
+    results = []
+    try:
+        for seed in args.seeds:
+            log_path = Path(tempfile.mkdtemp(prefix="opd-tool-use-"))
+            config = apply_overrides(
+                run_config(log_path, student, teacher, args.steps, seed, args.eval_prompts), args.set
+            )
+            resolved = config_from_dict(config)
+            run = train(resolved, progress=False)
+            rows = [row for row in run.metrics if "test/calc/accuracy" in row]
+            before, after = rows[0], rows[-1]
+            results.append(
+                {
+                    "seed": seed,
+                    "objective": resolved.training.objective.name,
+                    "success_before": before["test/calc/accuracy"],
+                    "success_after": after["test/calc/accuracy"],
+                    "turns_before": before["test/calc/turns"],
+                    "turns_after": after["test/calc/turns"],
+                    "teacher_kl_before": before["test/calc/teacher_kl"],
+                    "teacher_kl_after": after["test/calc/teacher_kl"],
+                    "tool_calls_last_step": run.metrics[-2].get("env/tool_calls"),
+                }
+            )
+            print(results[-1])
+            shutil.rmtree(log_path, ignore_errors=True)
+        teacher_success = teacher_success_rate(teacher_dir, teacher, args.eval_prompts)
+    finally:
+        if server is not None:
+            server.kill()
+    for row in results:
+        gap = teacher_success - row["success_before"]
+        row["gap_closed"] = (row["success_after"] - row["success_before"]) / gap if gap > 0 else None
+    print(f"teacher success {teacher_success:.3f}; gap closed per seed: {[r['gap_closed'] for r in results]}")
+    write_result(
+        args.out,
+        "tool_use",
+        {
+            "teacher": args.teacher,
+            "steps": args.steps,
+            "seeds": args.seeds,
+            "eval_prompts": args.eval_prompts,
+            "set": args.set,
+        },
+        results,
+        teacher_success=teacher_success,
+        config=run_config(Path("<tmp>"), student, teacher, args.steps, args.seeds[0], args.eval_prompts),
+    )
+
+
+def teacher_success_rate(teacher_dir: Path, teacher: dict, eval_prompts: int) -> float:
+    """The teacher's own held-out success, greedy episodes in the same environment."""
+    from opd.models import load_causal_lm, load_tokenizer
+    from opd.runs.evaluation import evaluate, load_eval_sets
+    from opd.sampling.hf_generate import HFGenerateSampler
+
+    config = config_from_dict(
+        run_config(Path(tempfile.mkdtemp()), teacher_dir, {"model": str(teacher_dir)}, 1, 0, eval_prompts)
+    )
+    tokenizer = load_tokenizer(str(teacher_dir), "teacher")
+    renderer = ChatRenderer(tokenizer)
+    model = load_causal_lm(str(teacher_dir), "teacher", dtype="float32", device="cpu")
+    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+    eval_sets = load_eval_sets(config, None)
+    metrics = evaluate(
+        sampler,
+        renderer,
+        eval_sets,
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        seed=0,
+        pad_id=tokenizer.pad_token_id,
+    )
+    return metrics["test/calc/accuracy"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Every environment opd knows (each module of :mod:`opd.envs` loaded once), a user's own by
+import path, and a dataset's ``env`` setting checked and turned into its environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import pkgutil
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal
+
+import opd.envs
+from opd.envs.base import REGISTRY, Environment
+from opd.errors import ConfigError
+
+SETTINGS = ("name", "max_turns", "max_episode_tokens")
+"""The keys of ``env`` that every environment has; the others are its own options."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """A dataset's environment: ``env: {name: calculator, max_turns: 4, <its options>}``."""
+
+    name: str
+    """A registered environment (``calculator``, ``retry``) or a class by import path,
+    ``my_pkg.envs:MyEnv``."""
+    max_turns: int = 4
+    """Student turns per episode at most; an episode still going after them ends as cut."""
+    max_episode_tokens: int | None = None
+    """Tokens after the first prompt, the student's and the environment's, at most (unset: twice
+    ``max_turns`` x ``training.max_tokens``: room for replies as long as the turns); an episode
+    that would pass it ends as cut. Micro-batches are sized to hold a whole episode."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The environment's own options, written beside ``name`` in the config."""
+
+    def mapping(self) -> dict[str, Any]:
+        """As a config writes it: the settings and the options side by side."""
+        return {
+            "name": self.name,
+            "max_turns": self.max_turns,
+            "max_episode_tokens": self.max_episode_tokens,
+            **self.options,
+        }
+
+    def episode_tokens(self, max_tokens: int) -> int:
+        """The episode's token budget, given ``training.max_tokens`` per turn."""
+        return self.max_episode_tokens or 2 * self.max_turns * max_tokens
+
+
+@cache
+def environments() -> dict[str, type[Environment]]:
+    """Name -> class for every registered environment, by name."""
+    for module in pkgutil.iter_modules(opd.envs.__path__):
+        importlib.import_module(f"opd.envs.{module.name}")
+    return dict(sorted(REGISTRY.items()))
+
+
+def environment_class(name: str, path: str) -> type:
+    """The class ``name`` means: a registered name, or ``module:Class`` (``module.Class``)."""
+    registered = environments()
+    if name in registered:
+        return registered[name]
+    if ":" not in name and "." not in name:
+        hint = difflib.get_close_matches(name, list(registered), n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(
+            f"{path}: {name!r} is not a registered environment{suggestion}; registered: {list(registered)}, "
+            "or give a class by import path, e.g. my_pkg.envs:MyEnv"
+        )
+    module_name, _, attribute = name.partition(":") if ":" in name else name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise ConfigError(
+            f"{path}: cannot import module {module_name!r} for {name!r}: {type(error).__name__}: {error}"
+        ) from None
+    cls = getattr(module, attribute, None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "start", None)):
+        found = (
+            "no such name"
+            if cls is None
+            else f"{type(cls).__name__}, not a class with a start(prompt, grader) method"
+        )
+        raise ConfigError(f"{path}: {module_name}.{attribute}: {found}")
+    return cls
+
+
+def _check_option(cls: type, key: str, value: Any, hint: Any, path: str) -> None:
+    if typing.get_origin(hint) is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{path}.{key}: {value!r} is not one of {list(typing.get_args(hint))}")
+        return
+    expected = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}.get(hint)
+    if expected and (not isinstance(value, expected) or (hint is not bool and isinstance(value, bool))):
+        raise ConfigError(f"{path}.{key}: expected {hint.__name__}, got {value!r}")
+
+
+def make_environment(config: EnvConfig, path: str = "env") -> Environment:
+    """The environment ``config`` names, built with its options (each checked, named by field)."""
+    cls = environment_class(config.name, f"{path}.name")
+    if dataclasses.is_dataclass(cls):
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        for key, value in config.options.items():
+            if key not in known:
+                listed = ", ".join(known) or "none"
+                raise ConfigError(
+                    f"{path}.{key}: not an option of environment {config.name!r} (its options: {listed})"
+                )
+            _check_option(cls, key, value, hints[key], path)
+    try:
+        environment = cls(**config.options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: environment {config.name!r} refused its options: {error}") from None
+    for option, problem in getattr(environment, "option_problems", lambda: iter(()))():
+        raise ConfigError(f"{path}.{option}: {problem}")
+    return environment
+
+
+def parse_env_config(value: Any, path: str) -> EnvConfig:
+    """``env: calculator`` or ``env: {name: ..., max_turns: ..., <options>}``, checked now (the
+    environment is built once, so a bad option or import path stops the run before any work)."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{path}: expected an environment's name or a mapping {{name: ..., options}}, got {value!r}"
+        )
+    if "name" not in value or not isinstance(value["name"], str):
+        raise ConfigError(
+            f"{path}.name: required, a registered environment ({list(environments())}) or module:Class"
+        )
+    options = dict(value.get("options") or {})
+    options |= {k: v for k, v in value.items() if k not in (*SETTINGS, "options")}
+    max_turns = value.get("max_turns", 4)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ConfigError(f"{path}.max_turns: must be an integer >= 1, got {max_turns!r}")
+    budget = value.get("max_episode_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ConfigError(f"{path}.max_episode_tokens: must be an integer >= 1, got {budget!r}")
+    config = EnvConfig(value["name"], max_turns, budget, options)
+    make_environment(config, path)
+    return config

@@ -1,0 +1,184 @@
+"""Playing multi-turn episodes with any rollout engine: every episode of a batch advances one
+turn at a time, the environment's replies rendered with the student's chat template between the
+student's turns.
+
+Each turn is one call of the engine (HF generate, colocated vLLM, rollout servers, a teacher's
+sampler) on the rows still playing, each row's prompt being its whole episode so far; a row's
+turn k is drawn with a seed made from its own seed and k only, so a row samples the same
+whatever rows share its batch or process. Rows without an environment play one turn and come
+back exactly as the engine wrote them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from opd.data.prompts import VALID_ROLES
+from opd.data.render import ChatRenderer
+from opd.data.sequences import Completion, Trajectory
+from opd.distributed import all_reduce
+from opd.envs.base import Episode, Step
+from opd.errors import EpisodeError
+from opd.sampling.base import row_seed
+
+TurnSampler = Callable[[list[int], list[list[int]], list[int], int], list[Completion]]
+"""``(rows, prompts, seeds, max_tokens)``: one completion per row of the batch, of its prompt."""
+
+
+@dataclass
+class EpisodeSpec:
+    """One row to play: its environment's episode (None: one plain turn) and its limits."""
+
+    episode: Episode | None
+    messages: Sequence[dict[str, str]]
+    """The conversation the first turn answers."""
+    max_turns: int = 1
+    max_episode_tokens: int = 0
+    """Tokens after the prompt (student's and environment's) at most; 0 for a plain row."""
+    where: str = ""
+    """The dataset, for errors: ``datasets[0] (calc)``."""
+
+
+@dataclass
+class _Played:
+    """An episode in progress."""
+
+    spec: EpisodeSpec
+    history: list[dict[str, str]]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[tuple[int, int]] = field(default_factory=list)
+    replies: list[tuple[dict[str, str], ...]] = field(default_factory=list)
+    reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    ended: str | None = None
+    version: int | None = None
+    plain: Completion | None = None
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Turn ``turn``'s seed of a row seeded ``seed``: the first turn keeps the row's own."""
+    return seed if turn == 0 else row_seed(seed, turn)
+
+
+def _checked(step: object, spec: EpisodeSpec, turn: int) -> Step:
+    """The environment's answer, or an error naming the dataset and the turn."""
+    where = f"{spec.where}: the environment's answer to turn {turn + 1}"
+    if not isinstance(step, Step):
+        raise EpisodeError(f"{where} is {type(step).__name__} {step!r}, not an opd.envs.base.Step")
+    messages = step.messages
+    if not isinstance(messages, list | tuple) or not all(
+        isinstance(m, dict) and m.get("role") in VALID_ROLES and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise EpisodeError(
+            f"{where}: messages must be a list of {{role, content}} (roles {VALID_ROLES}), got {messages!r}"
+        )
+    if not step.done and not messages:
+        raise EpisodeError(f"{where} neither ends the episode nor gives the student messages to answer")
+    if step.reward is not None and not isinstance(step.reward, int | float):
+        raise EpisodeError(f"{where}: reward must be a number or None, got {step.reward!r}")
+    return step
+
+
+def _take_turn(
+    played: _Played, completion: Completion, limit: int, renderer: ChatRenderer, turn: int
+) -> None:
+    """Add a sampled turn to its episode, ask the environment, and add its reply or end it."""
+    spec = played.spec
+    if spec.episode is None:
+        played.plain, played.ended = completion, "done"
+        return
+    tokens, logprobs = completion.token_ids[:limit], completion.logprobs[:limit]
+    finished = completion.finished and len(completion.token_ids) <= limit
+    start = len(played.token_ids)
+    played.turns.append((start, start + len(tokens)))
+    played.token_ids += tokens
+    played.logprobs += logprobs
+    played.version = completion.policy_version
+    if not finished:
+        played.ended = "tokens"
+        return
+    text = renderer.turn_text(tokens)
+    step = _checked(spec.episode.step(text), spec, turn)
+    if step.reward is not None:
+        played.reward = float(step.reward)
+    played.metrics |= {key: float(value) for key, value in step.metrics.items()}
+    if step.done:
+        played.ended = "done"
+        return
+    if len(played.turns) >= spec.max_turns:
+        played.ended = "turns"
+        return
+    reply = renderer.reply_ids(played.history, tokens, list(step.messages))
+    if len(played.token_ids) + len(reply) >= spec.max_episode_tokens:
+        played.ended = "tokens"
+        return
+    played.history += [{"role": "assistant", "content": text}, *(dict(m) for m in step.messages)]
+    played.replies.append(tuple(dict(m) for m in step.messages))
+    played.token_ids += reply
+    played.logprobs += [0.0] * len(reply)
+
+
+def _result(played: _Played) -> Completion:
+    if played.plain is not None:
+        return played.plain
+    return Completion(
+        played.token_ids,
+        played.logprobs,
+        finished=played.ended == "done",
+        policy_version=played.version,
+        trajectory=Trajectory(
+            tuple(played.turns), tuple(played.replies), played.reward, played.ended or "done", played.metrics
+        ),
+    )
+
+
+def play_episodes(
+    sample: TurnSampler,
+    renderer: ChatRenderer,
+    prompts: list[list[int]],
+    specs: list[EpisodeSpec],
+    seeds: list[int],
+    max_tokens: int,
+    *,
+    lockstep: bool = False,
+) -> list[Completion]:
+    """Every row's completion: one turn for a plain row, a whole episode for one with an environment.
+
+    ``max_tokens`` bounds each turn. ``lockstep``: every process makes as many engine calls (a
+    sharded student's sampling is a collective), a process whose episodes have ended sampling a
+    token of its first row for nothing while another's still play.
+    """
+    playing = [_Played(spec, list(spec.messages)) for spec in specs]
+    active = list(range(len(prompts)))
+    turn = 0
+    while True:
+        if lockstep:
+            (anyone,) = all_reduce([float(len(active))], op="max")
+        else:
+            anyone = len(active)
+        if not anyone:
+            break
+        if not active:
+            sample([0], [prompts[0]], [turn_seed(seeds[0], turn)], 1)
+            turn += 1
+            continue
+        limits = [
+            max_tokens
+            if playing[r].spec.episode is None
+            else min(max_tokens, playing[r].spec.max_episode_tokens - len(playing[r].token_ids))
+            for r in active
+        ]
+        completions = sample(
+            active,
+            [prompts[r] + playing[r].token_ids for r in active],
+            [turn_seed(seeds[r], turn) for r in active],
+            max(limits),
+        )
+        for row, completion, limit in zip(active, completions, limits, strict=True):
+            _take_turn(playing[row], completion, limit, renderer, turn)
+        active = [r for r in active if playing[r].ended is None]
+        turn += 1
+    return [_result(played) for played in playing]

@@ -1,0 +1,42 @@
+"""Environments the tests name by import path (``multi_turn_envs:ReplyOnce``), as a user's own would be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opd.envs.base import Environment, Episode, Step
+
+
+@dataclass
+class ReplyOnceEpisode(Episode):
+    reply: str
+    turns: int = 0
+
+    def step(self, reply: str) -> Step:
+        self.turns += 1
+        if self.turns == 1:
+            return Step(messages=({"role": "user", "content": self.reply},), reward=0.0)
+        return Step(done=True, reward=float(len(reply) % 2), metrics={"second_len": float(len(reply))})
+
+
+@dataclass(frozen=True)
+class ReplyOnce(Environment):
+    """Answers the first turn with ``reply``, then ends the episode: every finished episode has two turns."""
+
+    reply: str = "go on"
+
+    def start(self, prompt, grader) -> ReplyOnceEpisode:
+        return ReplyOnceEpisode(self.reply)
+
+
+class TextAnswerEpisode(Episode):
+    def step(self, reply: str):
+        return "the tool says 42"
+
+
+@dataclass(frozen=True)
+class AnswersText(Environment):
+    """Answers with a string where a Step belongs: the run must stop and name it."""
+
+    def start(self, prompt, grader) -> TextAnswerEpisode:
+        return TextAnswerEpisode()
