@@ -14,14 +14,17 @@ on-policy in the calculator environment (the teacher scores the student's turns 
 held-out success rate (greedy episodes, exact answers) is measured before and after, per seed.
 The figure: the share of the teacher-student gap closed.
 
-    python bench/tool_use.py --seeds 0 1 2 --steps 60 --out docs/results/tool_use.json
+    python bench/tool_use.py --seeds 0 1 2 --steps 200 --out docs/results/tool_use.json
     python bench/tool_use.py --teacher remote --out docs/results/tool_use_remote.json  # through opd serve
     python bench/tool_use.py --teacher bpe --out docs/results/tool_use_bpe.json  # another tokenizer
 
 ``--teacher remote`` serves the same teacher with ``opd serve`` (loopback) and distils through
 it; ``--teacher bpe`` trains a teacher of the same size on a BPE tokenizer learned on the task's
 text and distils with ``teacher.cross_tokenizer: true``. Each run uses its teacher's default
-objective (opd's unset ``training.objective``), recorded in the result.
+objective (opd's unset ``training.objective``), recorded in the result, and starts from the
+teacher's episodes (``data_source: mixed``, the student's share going from 0 to 1 over the first
+half of the steps). Remote and cross-tokenizer teachers cannot write episodes in the trainer's
+process, so those two runs are on-policy from the start.
 """
 
 from __future__ import annotations
@@ -156,7 +159,16 @@ def run_config(
                 "env": {"name": "calculator", "max_turns": 3},
             }
         ],
-        "training": {"learning_rate": 1e-3, "max_tokens": MAX_TOKENS, "max_steps": steps},
+        "training": {
+            "learning_rate": 1e-3,
+            "max_tokens": MAX_TOKENS,
+            "max_steps": steps,
+            # the teacher's episodes first, then more and more of the student's: a student that
+            # never calls the tool writes nothing the teacher can judge (measured: 0 calls in 60
+            # on-policy steps from the start)
+            "data_source": "mixed",
+            "lmbda": {"start": 0.0, "end": 1.0, "steps": steps // 2},
+        },
     }
 
 
@@ -197,7 +209,7 @@ def serve(teacher: Path) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--teacher", choices=["local", "remote", "bpe"], default="local")
     parser.add_argument("--set", nargs="*", default=[], help="dotted overrides of the run config")
@@ -217,6 +229,8 @@ def main() -> None:
     if args.teacher == "remote":
         server, base_url = serve(teacher_dir)
         teacher = {"backend": "openai", "base_url": base_url, "model": "teacher"}
+    if args.teacher != "local":
+        args.set = ["training.data_source=student", *args.set]
 
     results = []
     try:

@@ -103,6 +103,17 @@ def rows(prefix: str, cls: type) -> list[str]:
     return lines
 
 
+def component_sections(registered: dict[str, type]) -> list[str]:
+    """A section per registered component (objective, environment): its docstring and its options."""
+    out = []
+    for name, cls in registered.items():
+        doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
+        out += ["", f"### {name}", "", doc]
+        if any(field.init for field in dataclasses.fields(cls)):
+            out += ["", *rows("", cls)]
+    return out
+
+
 def render() -> str:
     """docs/config.md: every key with its type, default and documentation."""
     out = [
@@ -123,11 +134,7 @@ def render() -> str:
         "`training.objective` is a name, or `{name: ..., option: value}` with the options below",
         "(e.g. `objective: {name: jsd, beta: 0.9}`).",
     ]
-    for name, cls in objectives().items():
-        doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
-        out += ["", f"### {name}", "", doc]
-        if any(field.init for field in dataclasses.fields(cls)):
-            out += ["", *rows("", cls)]
+    out += component_sections(objectives())
     out += [
         "",
         "## datasets[].env options",
@@ -135,11 +142,7 @@ def render() -> str:
         "Each registered environment's own options, written beside its name",
         "(`env: {name: retry, hint: true}`).",
     ]
-    for name, cls in environments().items():
-        doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
-        out += ["", f"### {name}", "", doc]
-        if any(field.init for field in dataclasses.fields(cls)):
-            out += ["", *rows("", cls)]
+    out += component_sections(environments())
     return "\n".join(out) + "\n"
 
 
