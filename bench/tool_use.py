@@ -4,12 +4,13 @@
 The task is ``demo:arithmetic`` (2-3 numbers of 3-4 digits added and subtracted, answered
 exactly). The teacher (2 layers, width 128, the demo's character tokenizer) is trained on its
 own episodes: it writes ``<calc>EXPRESSION</calc>``, reads the calculator's result and copies
-it. The student (2 layers, width 96) is trained to answer directly, which a model this small
-cannot do, and, as a small pretrained LM would have learnt elsewhere, to repeat an expression it
-is asked to repeat and to read a calculator's result it is shown after a call; it never calls
-the tool itself and gets almost nothing right. (A student without the two skills has to learn
-to copy during distillation: over a thousand steps at this size, measured as the teacher's own
-supervised training took.) Then the student is distilled
+it. The student (2 layers, width 96) is given the two skills a small pretrained LM would bring
+from elsewhere: to repeat an expression it is asked to repeat, and to read a calculator's result
+it is shown after a call. It has never written a call itself, and answers a question directly
+(wrong: a model this small cannot add 4-digit numbers). A student also trained to answer
+directly learnt neither skill well enough (0% reading a result after 1,500 supervised steps),
+and one without them has to learn to copy during distillation, which takes this size over a
+thousand steps. Then the student is distilled
 on-policy in the calculator environment (the teacher scores the student's turns only) and its
 held-out success rate (greedy episodes, exact answers) is measured before and after, per seed.
 The figure: the share of the teacher-student gap closed.
@@ -52,7 +53,7 @@ from opd.trainer.loop import train
 from opd.trainer.sft import supervised_finetune
 
 TASK = "demo:arithmetic"
-CACHE = Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "tool-use-v1"
+CACHE = Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "tool-use-v2"
 MAX_TOKENS = 32
 """A turn: the longest call, ``<calc>9999+9999-9999</calc>`` and its end of turn, is 28 tokens."""
 TEACHER = demo.DemoModelSpec(hidden_size=128, num_layers=2, sft_steps=1500, sft_learning_rate=1e-3)
@@ -79,14 +80,11 @@ def tool_turns(prompts: list[Prompt]) -> list[Prompt]:
 
 
 def student_turns(prompts: list[Prompt]) -> list[Prompt]:
-    """The student's supervised turns: direct answers, repeating an expression, and reading a
-    calculator's result after a call (never making one)."""
+    """The student's supervised turns: repeating an expression, and reading a calculator's result
+    after a call (never making one)."""
     turns = []
     for index, prompt in enumerate(prompts):
-        kind = index % 3
-        if kind == 0:
-            turns.append(Prompt(prompt.messages, completion=prompt.answer))
-        elif kind == 1:
+        if index % 2:
             repeat = ({"role": "user", "content": f"repeat {expression(prompt)}"},)
             turns.append(Prompt(repeat, completion=expression(prompt)))
         else:
@@ -167,7 +165,7 @@ def run_config(
             # never calls the tool writes nothing the teacher can judge (measured: 0 calls in 60
             # on-policy steps from the start)
             "data_source": "mixed",
-            "lmbda": {"start": 0.0, "end": 1.0, "steps": steps // 2},
+            "lmbda": {"start": 0.0, "end": 1.0, "steps": max(steps // 2, 1)},
         },
     }
 
