@@ -40,12 +40,12 @@ from transformers import PreTrainedTokenizerFast
 
 from opd.config import apply_overrides, config_from_dict
 from opd.data.builtin_tasks import generate_task_prompts
+from opd.data.graders import exact_match
 from opd.data.render import ChatRenderer
 from opd.demo import run as demo
 from opd.demo.char_tokenizer import SPECIAL_TOKENS, with_chat_specials
 from opd.models import load_causal_lm
 from opd.runs.evaluation import accuracy
-from opd.data.graders import exact_match
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
 from opd.trainer.loop import train

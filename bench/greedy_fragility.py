@@ -24,8 +24,8 @@ from provenance import write_result
 from sample_efficiency import SWEEP, cache_root, float32_sampler, task_files
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from opd.data.sources import load_prompts
 from opd.data.graders import GRADERS
+from opd.data.sources import load_prompts
 
 
 class LogitNoise(LogitsProcessor):

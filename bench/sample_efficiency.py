@@ -210,9 +210,9 @@ def run_trl(task: str, spec: dict, student: Path, teacher: Path, args, directory
     from trl_setup import distillation_config, lora_config
 
     from opd.config import config_from_dict
+    from opd.data.graders import GRADERS
     from opd.data.sources import load_prompts
     from opd.runs.evaluation import EvalSet, direct_scorer, evaluate
-    from opd.data.graders import GRADERS
     from opd.teachers.local import LocalTeacher
 
     # TRL gets the learning rate, schedule and LoRA rank the opd methods are given

@@ -1,0 +1,87 @@
+"""Teachers reading multi-turn episodes: a teacher with another tokenizer reads each student turn
+and none of the environment's, and a teacher behind ``opd serve`` scores a multi-turn run as the
+same teacher in process does."""
+
+from __future__ import annotations
+
+import pytest
+
+from opd.config import config_from_dict
+from opd.data.render import ChatRenderer
+from opd.data.sequences import Trajectory
+from opd.teachers.alignment import TeacherFormat
+from opd.trainer.loop import train
+from tests.conftest import quick_to_stop, tiny_llama
+from tests.servers import free_port, start_opd_serve
+from tests.test_alignment import bpe_tokenizer
+
+
+def test_a_cross_tokenizer_teacher_reads_each_turn_and_none_of_the_replies(char_tokenizer):
+    """The teacher's ids are its own rendering of the whole conversation; each student turn is one
+    piece, re-tokenized from the turn's text; without its likely tokens each turn's teacher
+    log-probs are shared out over that turn's student tokens, their total kept turn by turn."""
+    teacher_tokenizer = bpe_tokenizer()
+    fmt = TeacherFormat(ChatRenderer(teacher_tokenizer), char_tokenizer, [2], cross_tokenizer=True)
+    student = ChatRenderer(char_tokenizer)
+    messages = ({"role": "user", "content": "reverse abc"},)
+    reply = [{"role": "user", "content": "its a test"}]
+    turn1 = char_tokenizer("abc", add_special_tokens=False)["input_ids"] + [2]
+    between = student.reply_ids(list(messages), turn1, reply)
+    turn2 = char_tokenizer("cba", add_special_tokens=False)["input_ids"] + [2]
+    second = len(turn1) + len(between)
+    trajectory = Trajectory(((0, len(turn1)), (second, second + len(turn2))), (tuple(reply),))
+    built = fmt.build(messages, turn1 + between + turn2, trajectory)
+
+    conversation = [
+        *messages,
+        {"role": "assistant", "content": "abc"},
+        *reply,
+        {"role": "assistant", "content": "cba"},
+    ]
+    rendered = teacher_tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert teacher_tokenizer.decode(built.token_ids) == rendered.removesuffix("\n")
+    assert [piece.text for piece in built.turns] == ["abc", "cba"]
+    scored = [t for t, m in zip(built.token_ids, built.score_mask, strict=True) if m]
+    assert teacher_tokenizer.decode(scored) == "abc<|im_end|>cba<|im_end|>"
+    for piece, turn in zip(built.turns, (turn1, turn2), strict=True):
+        teacher = [-0.25 * (i + 1) for i in range(piece.length)]
+        view = fmt.student_view(built, piece, teacher, [-0.1] * len(turn))
+        assert len(view) == len(turn)
+        assert sum(view) == pytest.approx(sum(teacher))
+
+
+def test_a_multi_turn_run_through_opd_serve_reproduces_the_local_run(
+    base_config, model_dirs, tmp_path, char_tokenizer
+):
+    quick = tmp_path / "quick_student"
+    quick_to_stop(tiny_llama(len(char_tokenizer), seed=1)).save_pretrained(quick)
+    char_tokenizer.save_pretrained(quick)
+    base_config["student"]["model"] = str(quick)
+    base_config["datasets"][0] |= {
+        "num_prompts": 6,
+        "env": {"name": "retry", "max_turns": 2, "max_episode_tokens": 80},
+    }
+    local = train(config_from_dict(base_config), progress=False)
+    port = free_port()
+    server = start_opd_serve(model_dirs["teacher"], port)
+    try:
+        remote_config = dict(
+            base_config,
+            log_path=str(tmp_path / "remote"),
+            teacher={
+                "model": "teacher",
+                "backend": "openai",
+                "base_url": f"http://127.0.0.1:{port}/v1",
+                "tokenizer": base_config["teacher"]["model"],
+            },
+        )
+        remote = train(config_from_dict(remote_config), progress=False)
+    finally:
+        server.kill()
+        server.wait()
+    assert max(row["episode/turns"] for row in local.metrics) > 1
+    for a, b in zip(local.metrics, remote.metrics, strict=True):
+        for key in ("teacher_kl", "teacher_kl/turn_1", "loss", "grad_norm", "episode/len"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+        if "teacher_kl/turn_2" in a:
+            assert a["teacher_kl/turn_2"] == pytest.approx(b["teacher_kl/turn_2"], abs=1e-5)
