@@ -48,3 +48,17 @@ def start_opd_serve(model_dir, port, *extra):
     )
     wait_until_up(port, process)
     return process
+
+
+def through_server(config: dict, port: int, log_path) -> dict:
+    """``config`` with its local teacher replaced by the same model behind ``opd serve`` on ``port``."""
+    return dict(
+        config,
+        log_path=str(log_path),
+        teacher={
+            "model": "teacher",
+            "backend": "openai",
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "tokenizer": config["teacher"]["model"],
+        },
+    )

@@ -12,7 +12,7 @@ from opd.data.sequences import Trajectory
 from opd.teachers.alignment import TeacherFormat
 from opd.trainer.loop import train
 from tests.conftest import quick_to_stop, tiny_llama
-from tests.servers import free_port, start_opd_serve
+from tests.servers import free_port, start_opd_serve, through_server
 from tests.test_alignment import bpe_tokenizer
 
 
@@ -65,16 +65,7 @@ def test_a_multi_turn_run_through_opd_serve_reproduces_the_local_run(
     port = free_port()
     server = start_opd_serve(model_dirs["teacher"], port)
     try:
-        remote_config = dict(
-            base_config,
-            log_path=str(tmp_path / "remote"),
-            teacher={
-                "model": "teacher",
-                "backend": "openai",
-                "base_url": f"http://127.0.0.1:{port}/v1",
-                "tokenizer": base_config["teacher"]["model"],
-            },
-        )
+        remote_config = through_server(base_config, port, tmp_path / "remote")
         remote = train(config_from_dict(remote_config), progress=False)
     finally:
         server.kill()

@@ -18,7 +18,7 @@ from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher, RemoteTeacherError
 from opd.trainer.loop import Trainer, train
-from tests.servers import free_port, start_opd_serve, wait_until_up
+from tests.servers import free_port, start_opd_serve, through_server, wait_until_up
 
 HERE = Path(__file__).parent
 
@@ -75,17 +75,7 @@ def test_remote_scores_equal_local(served_teacher, model_dirs, backend):
 def test_a_run_through_the_server_reproduces_the_local_run(served_teacher, base_config, tmp_path):
     port, _ = served_teacher
     local = train(config_from_dict(base_config), progress=False)
-    remote_config = dict(
-        base_config,
-        log_path=str(tmp_path / "remote"),
-        teacher={
-            "model": "teacher",
-            "backend": "openai",
-            "base_url": f"http://127.0.0.1:{port}/v1",
-            "tokenizer": base_config["teacher"]["model"],
-        },
-    )
-    remote = train(config_from_dict(remote_config), progress=False)
+    remote = train(config_from_dict(through_server(base_config, port, tmp_path / "remote")), progress=False)
     for a, b in zip(local.metrics, remote.metrics, strict=True):
         for key in ("teacher_kl", "loss", "entropy", "grad_norm", "num_tokens"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key

@@ -47,6 +47,12 @@ class Completion:
     """A multi-turn episode's layout (None: one turn, every token the sampler's)."""
 
 
+def turn_spans(trajectory: Trajectory | None, length: int) -> tuple[tuple[int, int], ...]:
+    """The (start, end) of each sampled turn in a completion of ``length`` tokens: an episode's
+    turns, or the whole completion."""
+    return trajectory.turns if trajectory else ((0, length),)
+
+
 def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) ids and attention mask, right-padded."""
     width = max(len(s) for s in sequences)
@@ -129,8 +135,7 @@ def build_rollout_batch(
         input_ids[row, start:end] = torch.tensor(completion.token_ids, dtype=torch.long)
         attention[row, :end] = 1
         sampled[row, start:end] = torch.tensor(completion.logprobs, dtype=torch.float32)
-        trajectory = completion.trajectory
-        for turn_start, turn_end in trajectory.turns if trajectory else [(0, end - start)]:
+        for turn_start, turn_end in turn_spans(completion.trajectory, end - start):
             mask[row, start + turn_start : start + turn_end] = 1.0
     return RolloutBatch(
         input_ids,

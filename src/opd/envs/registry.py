@@ -88,7 +88,7 @@ def environment_class(name: str, path: str) -> type:
     return cls
 
 
-def _check_option(cls: type, key: str, value: Any, hint: Any, path: str) -> None:
+def _check_option(key: str, value: Any, hint: Any, path: str) -> None:
     if typing.get_origin(hint) is Literal:
         if value not in typing.get_args(hint):
             raise ConfigError(f"{path}.{key}: {value!r} is not one of {list(typing.get_args(hint))}")
@@ -110,7 +110,7 @@ def make_environment(config: EnvConfig, path: str = "env") -> Environment:
                 raise ConfigError(
                     f"{path}.{key}: not an option of environment {config.name!r} (its options: {listed})"
                 )
-            _check_option(cls, key, value, hints[key], path)
+            _check_option(key, value, hints[key], path)
     try:
         environment = cls(**config.options)
     except (TypeError, ValueError) as error:
@@ -135,12 +135,12 @@ def parse_env_config(value: Any, path: str) -> EnvConfig:
         )
     options = dict(value.get("options") or {})
     options |= {k: v for k, v in value.items() if k not in (*SETTINGS, "options")}
-    max_turns = value.get("max_turns", 4)
-    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-        raise ConfigError(f"{path}.max_turns: must be an integer >= 1, got {max_turns!r}")
-    budget = value.get("max_episode_tokens")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ConfigError(f"{path}.max_episode_tokens: must be an integer >= 1, got {budget!r}")
-    config = EnvConfig(value["name"], max_turns, budget, options)
+    limits = {key: value[key] for key in SETTINGS[1:] if key in value}
+    for key, limit in limits.items():
+        if (limit is not None or key == "max_turns") and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ConfigError(f"{path}.{key}: must be an integer >= 1, got {limit!r}")
+    config = EnvConfig(value["name"], options=options, **limits)
     make_environment(config, path)
     return config

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from opd.data.render import ChatRenderer
-from opd.data.sequences import Trajectory
+from opd.data.sequences import Trajectory, turn_spans
 
 UNCOVERED_CHAR_LOGPROB = -20.0
 
@@ -202,7 +202,7 @@ class TeacherFormat:
         An episode (``trajectory``) is re-rendered turn by turn: the environment's replies in the
         teacher's own template between the student's turns, and never scored.
         """
-        spans = trajectory.turns if trajectory else ((0, len(completion_ids)),)
+        spans = turn_spans(trajectory, len(completion_ids))
         token_ids = self.renderer.prompt_ids(messages)
         score_mask = [False] * len(token_ids)
         history, turns = list(messages), []

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from opd.data.render import ChatRenderer
-from opd.data.sequences import RolloutBatch
+from opd.data.sequences import RolloutBatch, turn_spans
 from opd.distributed import launched_world
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
 from opd.teachers.alignment import TeacherFormat
@@ -204,8 +204,7 @@ class TeacherPanel:
         )
         for i, row in enumerate(rows):
             prompt_length = batch.prompt_lengths[row]
-            trajectory = trajectories[row]
-            spans = trajectory.turns if trajectory else ((0, len(sequences[row]) - prompt_length),)
+            spans = turn_spans(trajectories[row], len(sequences[row]) - prompt_length)
             for (start, end), piece in zip(spans, built[i].turns, strict=True):
                 student_span = slice(prompt_length + start, prompt_length + end)
                 teacher_span = slice(piece.start, piece.start + piece.length)

@@ -181,11 +181,12 @@ class RunComponents:
     def _longest_completion(self) -> tuple[int, str]:
         """The most tokens a row's completion can have, and the setting that says so."""
         max_tokens = self.config.training.max_tokens
-        longest = (max_tokens, "training.max_tokens")
-        for index, dataset in enumerate(self.config.datasets):
-            if dataset.env is not None and dataset.env.episode_tokens(max_tokens) > longest[0]:
-                longest = (dataset.env.episode_tokens(max_tokens), f"datasets[{index}].env's episode budget")
-        return longest
+        bounds = [(max_tokens, "training.max_tokens")] + [
+            (dataset.env.episode_tokens(max_tokens), f"datasets[{index}].env's episode budget")
+            for index, dataset in enumerate(self.config.datasets)
+            if dataset.env is not None
+        ]
+        return max(bounds, key=lambda bound: bound[0])
 
     def _environments(self) -> list[Environment | None]:
         """Each dataset's environment (None: one turn), each tried on its first prompt now, so that
