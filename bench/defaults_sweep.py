@@ -13,10 +13,13 @@ entropy, gradient norm, advantages) are kept to show how a run goes wrong.
     python bench/defaults_sweep.py --tasks short --modes full --lrs 5e-5 --label no-warmup \\
         --set training.warmup_steps=0
     python bench/defaults_sweep.py --tasks products --modes lora --sft-steps 20 --label sft20
+    python bench/defaults_sweep.py --tasks products --modes lora --sft-steps 20 --label sft20-slower \\
+        --then-set training.learning_rate=1e-4
     python bench/defaults_sweep.py --report-only --out docs/results/defaults
 
 ``--sft-steps`` runs the published pipeline: that many steps of NLL on the teacher's samples
-first (same mode and rate), then ``--steps`` on-policy from the merged result, one curve.
+first (same mode and rate), then ``--steps`` on-policy from the merged result, one curve;
+``--then-set`` changes the second stage only.
 Each finished run is a JSON file in ``--out`` (an interrupted sweep resumes) with its commit,
 resolved config, environment, curve and per-step metrics; ``defaults.md`` (tables) is rebuilt
 from all of them.
@@ -49,6 +52,8 @@ KEPT_METRICS = (
     "advantage/std",
     "advantage/min",
     "advantage/max",
+    "on_policy",
+    "lmbda",
 )
 
 
@@ -109,7 +114,7 @@ def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list
         return train_stage(task, spec, student, teacher, overrides, args.steps, args, None)
     merged = cache_root() / "runs" / "defaults-sweep-sft-student"
     first = train_stage(task, spec, student, teacher, overrides + SFT_OVERRIDES, args.sft_steps, args, merged)
-    second = train_stage(task, spec, merged, teacher, overrides, args.steps, args, None)
+    second = train_stage(task, spec, merged, teacher, overrides + args.then_set, args.steps, args, None)
     shutil.rmtree(merged, ignore_errors=True)
 
     def shifted(rows: list[dict]) -> list[dict]:
@@ -220,6 +225,12 @@ def main() -> None:
         " --steps on-policy from the merged result: the published pipeline",
     )
     parser.add_argument("--set", nargs="*", default=[], help="overrides of the variant (after the mode's)")
+    parser.add_argument(
+        "--then-set",
+        nargs="*",
+        default=[],
+        help="with --sft-steps: overrides of the on-policy stage only (a lower rate after the switch)",
+    )
     parser.add_argument("--label", default="defaults", help="names the variant in the tables")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "defaults")
     parser.add_argument("--report-only", action="store_true")
@@ -264,6 +275,7 @@ def main() -> None:
                             "seed": seed,
                             "steps": steps,
                             "sft_steps": args.sft_steps,
+                            "then_overrides": args.then_set,
                             "teacher": str(teacher),
                             "teacher_accuracy": teacher_accuracy,
                             "config": run["config"],
