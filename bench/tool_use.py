@@ -81,15 +81,51 @@ def tool_turns(prompts: list[Prompt]) -> list[Prompt]:
 
 def student_turns(prompts: list[Prompt]) -> list[Prompt]:
     """The student's supervised turns: repeating an expression, and reading a calculator's result
-    after a call (never making one)."""
+    after a call (never making one). The result shown is another question's value, so copying it
+    is the only rule that fits: with the right value a small student learns to guess the sum
+    from the question instead, and reads none (measured: 0 of 40 right results copied)."""
     turns = []
     for index, prompt in enumerate(prompts):
         if index % 2:
             repeat = ({"role": "user", "content": f"repeat {expression(prompt)}"},)
             turns.append(Prompt(repeat, completion=expression(prompt)))
         else:
-            turns.append(tool_turns([prompt])[1])
+            shown = prompts[(index + 1) % len(prompts)].answer
+            history = (
+                *prompt.messages,
+                {"role": "assistant", "content": f"<calc>{expression(prompt)}</calc>"},
+                {"role": "tool", "content": shown},
+            )
+            turns.append(Prompt(history, completion=shown))
     return turns
+
+
+def reading_rate(model_dir: Path, prompts: list[Prompt]) -> float:
+    """The share of right-call histories (the call, the calculator's right result) after which a
+    model's greedy answer is that result: the skill a student must bring."""
+    import torch
+
+    from opd.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir), "student")
+    renderer = ChatRenderer(tokenizer)
+    model = load_causal_lm(str(model_dir), "student", dtype="float32", device="cpu").eval()
+    copied = 0
+    for prompt in prompts:
+        reading = tool_turns([prompt])[1]
+        ids = torch.tensor([renderer.prompt_ids(reading.messages)])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=renderer.stop_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        copied += (
+            tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip() == reading.completion
+        )
+    return copied / len(prompts)
 
 
 def bpe_tokenizer():
@@ -216,7 +252,9 @@ def main() -> None:
 
     char = build_char_tokenizer()
     train_prompts = generate_task_prompts("arithmetic", seed=1000, count=4000)
-    student = build("student", STUDENT, char, student_turns(train_prompts), seed=1)
+    student = build("student-copying", STUDENT, char, student_turns(train_prompts), seed=1)
+    student_reads = reading_rate(student, generate_task_prompts("arithmetic", seed=7, count=100))
+    print(f"the student copies the calculator's result after {student_reads:.0%} of right calls")
     if args.teacher == "bpe":
         teacher_dir = build("teacher-bpe", TEACHER, bpe_tokenizer(), tool_turns(train_prompts), seed=0)
         teacher = {"model": str(teacher_dir), "cross_tokenizer": True}
@@ -276,6 +314,7 @@ def main() -> None:
         },
         results,
         teacher_success=teacher_success,
+        student_reading_rate=student_reads,
         config=run_config(Path("<tmp>"), student, teacher, args.steps, args.seeds[0], args.eval_prompts),
     )
 
