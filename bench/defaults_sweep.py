@@ -42,6 +42,7 @@ from smollm2 import converted_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 KEPT_METRICS = (
+    "loss",
     "teacher_kl",
     "entropy",
     "grad_norm",
@@ -102,7 +103,11 @@ def train_stage(
     key = f"test/{task}/accuracy"
     return {
         "config": config_to_dict(config),
-        "curve": [{"step": row["step"], "accuracy": row[key]} for row in metrics if key in row],
+        "curve": [
+            {"step": row["step"], "accuracy": row[key], "teacher_kl": row.get(f"test/{task}/teacher_kl")}
+            for row in metrics
+            if key in row
+        ],
         "steps": [{"step": row["step"], **{k: row[k] for k in KEPT_METRICS if k in row}} for row in metrics],
     }
 
