@@ -5,12 +5,10 @@ The task is ``demo:arithmetic`` (2-3 numbers of 3-4 digits added and subtracted,
 exactly). The teacher (2 layers, width 128, the demo's character tokenizer) is trained on its
 own episodes: it writes ``<calc>EXPRESSION</calc>``, reads the calculator's result and copies
 it. The student (2 layers, width 96) is given the two skills a small pretrained LM would bring
-from elsewhere: to repeat an expression it is asked to repeat, and to read a calculator's result
-it is shown after a call. It has never written a call itself, and answers a question directly
-(wrong: a model this small cannot add 4-digit numbers). A student also trained to answer
-directly learnt neither skill well enough (0% reading a result after 1,500 supervised steps),
-and one without them has to learn to copy during distillation, which takes this size over a
-thousand steps. Then the student is distilled
+from elsewhere: to repeat an expression it is asked to repeat, and to copy a calculator's result
+it is shown after a call (measured before distillation and recorded). It has never written a
+call itself, and answers a question directly (wrong: a model this small cannot add 4-digit
+numbers). Then the student is distilled
 on-policy in the calculator environment (the teacher scores the student's turns only) and its
 held-out success rate (greedy episodes, exact answers) is measured before and after, per seed.
 The figure: the share of the teacher-student gap closed.
