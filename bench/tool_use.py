@@ -62,18 +62,22 @@ def expression(prompt: Prompt) -> str:
     return prompt.messages[0]["content"].removeprefix("compute ")
 
 
+def reading_turn(prompt: Prompt, shown: str) -> Prompt:
+    """After the question's call and the calculator's answer ``shown``, the turn that copies it."""
+    history = (
+        *prompt.messages,
+        {"role": "assistant", "content": f"<calc>{expression(prompt)}</calc>"},
+        {"role": "tool", "content": shown},
+    )
+    return Prompt(history, completion=shown)
+
+
 def tool_turns(prompts: list[Prompt]) -> list[Prompt]:
     """The teacher's episodes as supervised turns: the call, then the answer after the result."""
     turns = []
     for prompt in prompts:
-        call = f"<calc>{expression(prompt)}</calc>"
-        turns.append(Prompt(prompt.messages, completion=call))
-        history = (
-            *prompt.messages,
-            {"role": "assistant", "content": call},
-            {"role": "tool", "content": prompt.answer},
-        )
-        turns.append(Prompt(history, completion=prompt.answer))
+        turns.append(Prompt(prompt.messages, completion=f"<calc>{expression(prompt)}</calc>"))
+        turns.append(reading_turn(prompt, prompt.answer))
     return turns
 
 
@@ -88,42 +92,32 @@ def student_turns(prompts: list[Prompt]) -> list[Prompt]:
             repeat = ({"role": "user", "content": f"repeat {expression(prompt)}"},)
             turns.append(Prompt(repeat, completion=expression(prompt)))
         else:
-            shown = prompts[(index + 1) % len(prompts)].answer
-            history = (
-                *prompt.messages,
-                {"role": "assistant", "content": f"<calc>{expression(prompt)}</calc>"},
-                {"role": "tool", "content": shown},
-            )
-            turns.append(Prompt(history, completion=shown))
+            turns.append(reading_turn(prompt, prompts[(index + 1) % len(prompts)].answer))
     return turns
 
 
 def reading_rate(model_dir: Path, prompts: list[Prompt]) -> float:
     """The share of right-call histories (the call, the calculator's right result) after which a
     model's greedy answer is that result: the skill a student must bring."""
-    import torch
-
     from opd.models import load_causal_lm, load_tokenizer
+    from opd.sampling.hf_generate import HFGenerateSampler
 
     tokenizer = load_tokenizer(str(model_dir), "student")
     renderer = ChatRenderer(tokenizer)
-    model = load_causal_lm(str(model_dir), "student", dtype="float32", device="cpu").eval()
-    copied = 0
-    for prompt in prompts:
-        reading = tool_turns([prompt])[1]
-        ids = torch.tensor([renderer.prompt_ids(reading.messages)])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=renderer.stop_token_ids,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        copied += (
-            tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip() == reading.completion
-        )
-    return copied / len(prompts)
+    model = load_causal_lm(str(model_dir), "student", dtype="float32", device="cpu")
+    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+    readings = [reading_turn(prompt, prompt.answer) for prompt in prompts]
+    completions = sampler.sample(
+        [renderer.prompt_ids(reading.messages) for reading in readings],
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        greedy=True,
+    )
+    copied = [
+        tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip() == reading.completion
+        for completion, reading in zip(completions, readings, strict=True)
+    ]
+    return sum(copied) / len(copied)
 
 
 def bpe_tokenizer():
