@@ -22,8 +22,8 @@ it; ``--teacher bpe`` trains a teacher of the same size on a BPE tokenizer learn
 text and distils with ``teacher.cross_tokenizer: true``. Each run uses its teacher's default
 objective (opd's unset ``training.objective``), recorded in the result, and starts from the
 teacher's episodes (``data_source: mixed``, the student's share going from 0 to 1 over the first
-half of the steps). Remote and cross-tokenizer teachers cannot write episodes in the trainer's
-process, so those two runs are on-policy from the start.
+half of the steps), which the served teacher writes on its server and the BPE teacher in its own
+tokens (the student learns their text by its likelihood: ``training.off_policy_objective: nll``).
 """
 
 from __future__ import annotations
@@ -250,6 +250,7 @@ def main() -> None:
     if args.teacher == "bpe":
         teacher_dir = build("teacher-bpe", TEACHER, bpe_tokenizer(), tool_turns(train_prompts), seed=0)
         teacher = {"model": str(teacher_dir), "cross_tokenizer": True}
+        args.set = ["training.off_policy_objective=nll", *args.set]
     else:
         teacher_dir = build("teacher", TEACHER, char, tool_turns(train_prompts), seed=0)
         teacher = {"model": str(teacher_dir)}
@@ -257,8 +258,6 @@ def main() -> None:
     if args.teacher == "remote":
         server, base_url = serve(teacher_dir)
         teacher = {"backend": "openai", "base_url": base_url, "model": "teacher"}
-    if args.teacher != "local":
-        args.set = ["training.data_source=student", *args.set]
 
     results = []
     try:
@@ -275,6 +274,7 @@ def main() -> None:
                 {
                     "seed": seed,
                     "objective": resolved.training.objective.name,
+                    "off_policy_objective": resolved.training.objective_for("teacher").name,
                     "success_before": before["test/calc/accuracy"],
                     "success_after": after["test/calc/accuracy"],
                     "turns_before": before["test/calc/turns"],

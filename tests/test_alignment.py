@@ -10,15 +10,19 @@ from transformers import PreTrainedTokenizerFast
 from opd.config import ConfigError, config_from_dict
 from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.render import ChatRenderer
+from opd.data.sequences import Completion
 from opd.demo.char_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, build_char_tokenizer
-from opd.demo.run import TEACHER_SPEC, build_model, demo_config
+from opd.demo.run import MAX_TOKENS, TEACHER_SPEC, build_model, demo_config
+from opd.sampling.base import row_seed
+from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import (
     TeacherFormat,
     character_logprobs,
     student_token_logprobs,
     token_char_ends,
 )
-from opd.trainer.loop import Trainer
+from opd.teachers.writer import TeacherWriter
+from opd.trainer.loop import Trainer, step_seed
 from opd.trainer.sft import supervised_finetune
 from tests.servers import free_port, start_opd_serve
 
@@ -211,6 +215,67 @@ def test_cross_tokenizer_refuses_full_distribution_objectives(base_config):
     base_config["teacher"]["cross_tokenizer"] = True
     base_config["training"]["objective"] = "jsd"
     with pytest.raises(
-        ConfigError, match=r"teacher\.cross_tokenizer: supported with objective sampled_reverse_kl or k3"
+        ConfigError,
+        match=r"teacher\.cross_tokenizer: on the student's samples it serves objective sampled_reverse_kl or "
+        r"k3",
     ):
         config_from_dict(base_config)
+
+
+def test_a_bpe_teacher_writes_its_own_text_in_the_students_tokens(demo_models, bpe_model, tmp_path):
+    """``mixed`` with a BPE teacher: its steps are the teacher's own samples (its template, its
+    tokens, the row's seed), tokenized by the character-level student and ended with the student's
+    end of turn; the student learns them by their likelihood, with no teacher forward."""
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_model), 1, 0)
+    config["teacher"]["cross_tokenizer"] = True
+    config["training"] |= {"data_source": "mixed", "lmbda": 0.0}
+    with pytest.raises(ConfigError, match=r"set training\.off_policy_objective to one that works off-policy"):
+        config_from_dict(config)
+    config["training"]["off_policy_objective"] = "topk_forward_kl"
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher\.cross_tokenizer: on the teacher's own samples .*set "
+        r"training\.off_policy_objective: nll",
+    ):
+        config_from_dict(config)
+    config["training"]["off_policy_objective"] = "nll"
+    trainer = Trainer(config_from_dict(config), progress=False)
+    batch, source = trainer.sample_batch(0)
+    assert source == "teacher"
+    teacher_tokenizer = PreTrainedTokenizerFast.from_pretrained(bpe_model)
+    student_tokenizer = build_char_tokenizer()
+    model = trainer.teachers.per_dataset[0].model
+    stop = teacher_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampler = HFGenerateSampler(model, teacher_tokenizer, stop_token_ids=[stop])
+    seeds = [row_seed(step_seed(0, 0), row) for row in range(len(batch.sequences))]
+    ended = 0
+    for row, (sequence, messages) in enumerate(zip(batch.sequences, batch.messages, strict=True)):
+        prompt = teacher_tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = teacher_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        (written,) = sampler.sample([prompt_ids], temperature=1.0, max_tokens=MAX_TOKENS, seed=[seeds[row]])
+        ends_turn = written.token_ids[-1:] == [stop]
+        text = teacher_tokenizer.decode(written.token_ids[:-1] if ends_turn else written.token_ids)
+        expected = student_tokenizer(text, add_special_tokens=False)["input_ids"] + [2] * ends_turn
+        completion = sequence[batch.prompt_lengths[row] :]
+        assert completion == expected[:MAX_TOKENS], row
+        assert bool(batch.finished_B[row]) == (ends_turn and len(expected) <= MAX_TOKENS)
+        ended += ends_turn
+    assert ended > 0
+    metrics = trainer.train_step(0)
+    assert metrics["on_policy"] == 0 and "objective/nll" in metrics and "teacher_kl" not in metrics
+    assert metrics["time/teacher"] < 0.05  # the likelihood needs no teacher forward
+
+
+def test_a_teacher_turn_cut_at_the_students_budget_is_unfinished():
+    teacher_tokenizer, student_tokenizer = bpe_tokenizer(), build_char_tokenizer()
+    stop = teacher_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    fmt = TeacherFormat(ChatRenderer(teacher_tokenizer), student_tokenizer, [2], cross_tokenizer=True)
+    writer = TeacherWriter(None, fmt, student_tokenizer, [2])
+    body = teacher_tokenizer("cba dd", add_special_tokens=False)["input_ids"]
+    whole = writer.in_student_ids(Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 7)
+    chars = student_tokenizer("cba dd", add_special_tokens=False)["input_ids"]
+    assert (whole.token_ids, whole.finished, whole.logprobs) == ([*chars, 2], True, [0.0] * 7)
+    cut = writer.in_student_ids(Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 5)
+    assert (cut.token_ids, cut.finished) == (chars[:5], False)

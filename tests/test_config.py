@@ -134,9 +134,49 @@ def test_an_unset_learning_rate_is_the_default_of_the_mode_and_is_recorded():
 
 def test_the_reverse_kl_is_refused_on_batches_the_student_did_not_sample():
     with pytest.raises(
-        ConfigError, match=r"training\.data_source: 'teacher' .* objective 'sampled_reverse_kl'"
+        ConfigError, match=r"training\.data_source: 'teacher' .* training\.objective 'sampled_reverse_kl'"
     ):
         config_from_dict(MINIMAL, ["training.objective=sampled_reverse_kl", "training.data_source=teacher"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["training.off_policy_objective=nll"],
+            r"training\.off_policy_objective: applies to the teacher's steps of data_source: mixed; with "
+            r"'student'",
+        ),
+        (
+            ["training.data_source=mixed", "training.off_policy_objective=sampled_reverse_kl"],
+            r"training\.off_policy_objective 'sampled_reverse_kl' is a policy gradient on the student's own "
+            r"samples; set training\.off_policy_objective to one that works off-policy",
+        ),
+        (
+            ["training.data_source=mixed", "training.objective=nll"],
+            r"training\.objective 'nll' on them would fit .* or name it in training\.off_policy_objective",
+        ),
+    ],
+)
+def test_an_objective_per_source_is_checked_against_its_batches(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(MINIMAL, overrides)
+
+
+def test_mixed_runs_one_objective_on_each_source_and_records_both():
+    config = config_from_dict(
+        MINIMAL,
+        [
+            "training.data_source=mixed",
+            "training.objective=sampled_reverse_kl",
+            "training.off_policy_objective=nll",
+        ],
+    )
+    training = config.training
+    assert [training.objective_for(s).name for s in ("student", "teacher")] == ["sampled_reverse_kl", "nll"]
+    again = config_from_dict(config_to_dict(config))
+    assert again.training.off_policy_objective == training.off_policy_objective
+    assert config_from_dict(MINIMAL).training.objective_for("teacher").name == "topk_forward_kl"
 
 
 def test_an_unset_objective_is_the_topk_forward_kl_where_it_can_serve():

@@ -86,8 +86,8 @@ def scripted(turns: list[list[str]], tokenizer, logprob: float = -0.5):
     end of turn), recording what it was asked."""
     asked = []
 
-    def sample(rows, prompts, seeds, max_tokens):
-        asked.append((list(rows), [len(p) for p in prompts], list(seeds), max_tokens))
+    def sample(rows, prompts, conversations, seeds, max_tokens):
+        asked.append((list(rows), [len(p) for p in prompts], list(seeds), max_tokens, conversations))
         completions = []
         for row in rows:
             ids = tokenizer(turns[len(asked) - 1][row], add_special_tokens=False)["input_ids"] + [2]
@@ -120,6 +120,13 @@ def test_a_two_turn_episode_by_hand(char_tokenizer):
     assert two.trajectory.replies == (({"role": "tool", "content": "3"},),)
     assert (two.trajectory.reward, two.trajectory.ended, two.finished) == (1.0, "done", True)
     assert asked[1][1] == [len(prompt_ids) + turn1 + reply]  # turn 2 continues the whole episode
+    assert asked[1][4] == [  # and as messages: what a teacher with its own template renders
+        [
+            *prompt.messages,
+            {"role": "assistant", "content": "<calc>1+2</calc>"},
+            {"role": "tool", "content": "3"},
+        ]
+    ]
     assert (one.trajectory.turns, one.trajectory.reward) == (((0, 2),), 0.0)
     batch = build_rollout_batch([prompt_ids] * 2, [two, one], [0, 0], 0)
     start = len(prompt_ids)

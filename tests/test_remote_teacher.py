@@ -14,6 +14,7 @@ import torch
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import list_checkpoints
 from opd.runs.metrics import read_jsonl
+from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher, RemoteTeacherError
@@ -255,7 +256,8 @@ def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(base_conf
         (
             {"backend": "sglang", "base_url": "http://x"},
             {"objective": "nll", "data_source": "teacher"},
-            r"training\.data_source: 'teacher' samples from the teacher model in process",
+            r"training\.data_source: 'teacher' has the teacher write completions, which teacher \(backend "
+            r"'sglang'\) cannot",
         ),
     ],
 )
@@ -289,3 +291,94 @@ def test_api_key_comes_from_the_named_variable_and_is_never_written(
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert b"sk-secret-value-42" not in path.read_bytes()
+
+
+def naive_greedy(model, prompt: list[int], steps: int, stop: int) -> list[int]:
+    """Greedy decoding one full forward a token: the most likely id until the stop id."""
+    ids = list(prompt)
+    for _ in range(steps):
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(token)
+        if token == stop:
+            break
+    return ids[len(prompt) :]
+
+
+def test_served_samples_are_the_local_teachers(served_teacher, model_dirs, char_tokenizer):
+    """The served teacher writes what the same model writes in process from the same seeds; its
+    log-probs are the model's own scores of those tokens; at temperature 0 it decodes greedily."""
+    port, _ = served_teacher
+    remote = RemoteTeacher(backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="teacher")
+    prompts = [[1, 5, 6, 7], [1, 9, 10], [1, 11, 12, 13, 14]]
+    seeds = [5, 6, 2**62 + 7]
+    served = remote.sample(
+        prompts, temperature=1.0, max_tokens=12, seeds=seeds, stop_token_ids=[2], stop_strings=[]
+    )
+    model = local_teacher(model_dirs).model
+    local = HFGenerateSampler(model, char_tokenizer, stop_token_ids=[2]).sample(
+        prompts, temperature=1.0, max_tokens=12, seed=seeds
+    )
+    assert [c.token_ids for c in served] == [c.token_ids for c in local]
+    assert [c.finished for c in served] == [c.finished for c in local]
+    scored = local_teacher(model_dirs).score(
+        TeacherInput.from_sequences(
+            [p + c.token_ids for p, c in zip(prompts, served, strict=True)],
+            [[0] * len(p) + [1] * len(c.token_ids) for p, c in zip(prompts, served, strict=True)],
+            pad_id=0,
+        ),
+        TeacherRequest(),
+    )
+    for row, (prompt, completion) in enumerate(zip(prompts, served, strict=True)):
+        width = len(completion.token_ids)
+        expected = scored.logprobs_BT[row, len(prompt) : len(prompt) + width]
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0)
+    (greedy,) = remote.sample(
+        prompts[:1], temperature=0.0, max_tokens=12, seeds=[0], stop_token_ids=[2], stop_strings=[]
+    )
+    assert greedy.token_ids == naive_greedy(model, prompts[0], 12, 2)
+
+
+def test_a_run_on_a_served_teachers_samples_reproduces_the_local_run(served_teacher, base_config, tmp_path):
+    """``mixed``: the teacher's steps written on the server are the local teacher's, so every step's
+    figures match (the top-k forward KL on both sources, scored through the server)."""
+    port, _ = served_teacher
+    base_config["training"] |= {
+        "objective": {"name": "topk_forward_kl", "topk": 5},
+        "data_source": "mixed",
+        "lmbda": 0.5,
+        "max_steps": 4,
+    }
+    local = train(config_from_dict(base_config), progress=False)
+    remote = train(config_from_dict(through_server(base_config, port, tmp_path / "remote")), progress=False)
+    assert {row["on_policy"] for row in local.metrics if "on_policy" in row} == {0, 1}
+    for a, b in zip(local.metrics, remote.metrics, strict=True):
+        assert a.get("on_policy") == b.get("on_policy")
+        for key in ("loss", "entropy", "grad_norm", "num_tokens"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], abs=1e-5), key
+
+
+def test_sampling_settings_the_server_does_not_serve_are_refused(served_teacher):
+    port, process = served_teacher
+    refused = [
+        ({"top_p": 0.9}, "top_p"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"n": 2}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"temperature": "hot"}, "temperature"),
+    ]
+    for change, field in refused:
+        body = {"model": "teacher", "prompt": [1, 5, 6], "max_tokens": 4} | change
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+        assert caught.value.code == 400, change
+        assert f"'{field}'" in json.loads(caught.value.read())["error"]["message"], change
+    assert process.poll() is None

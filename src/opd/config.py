@@ -151,6 +151,11 @@ class TrainingConfig:
     """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
     (sequence-level KD), ``mixed`` (on-policy with probability ``lmbda`` per step, else
     teacher), or ``dataset`` (each prompt's ``completion``, else ``answer``; one per prompt)."""
+    off_policy_objective: Objective | None = None
+    """``mixed`` only: the objective of the steps whose batch the teacher wrote (``objective``
+    then applies to the student's own steps); unset: ``objective`` on both. ``nll`` here lets a
+    teacher that scores only sampled tokens (``cross_tokenizer``) start the student on its own
+    episodes, with ``sampled_reverse_kl`` on the student's."""
     lmbda: float | LambdaSchedule = 0.5
     """``mixed`` only: the chance that a step's batch is the student's own samples, else the
     teacher's (GKD's lambda), drawn per step from the run's seed; or a schedule,
@@ -266,6 +271,17 @@ class TrainingConfig:
     i+1..i+k are sampled and scored by a background worker (with its own copy of the weights,
     refreshed after every update) while step i learns, so a batch may come from weights up to k
     updates old (its recorded log-probs make the importance ratio correct). 0: the synchronous loop."""
+
+    def objective_for(self, source: str) -> Objective:
+        """The objective of a batch written by ``source`` (``student``, ``teacher`` or ``dataset``)."""
+        if source == "student" or self.off_policy_objective is None:
+            return self.objective
+        return self.off_policy_objective
+
+    def objectives_by_source(self) -> dict[str, Objective]:
+        """The objective of each source this run's batches come from."""
+        sources = {"mixed": ("student", "teacher")}.get(self.data_source, (self.data_source,))
+        return {source: self.objective_for(source) for source in sources}
 
     def lmbda_at(self, step: int) -> float:
         """``lmbda`` at step ``step`` (a schedule's value there, or the constant)."""
@@ -536,17 +552,11 @@ def validate(config: Config) -> Config:
         default = _default_objective(training, [teacher for _, teacher in teachers])
         training.objective = _kept_or_default(config, resumed, "objective", default)
     _check_objective(training)
-    objective = training.objective
+    by_source = training.objectives_by_source()
     for where, teacher in teachers:
         _positive(teacher.character_topk, f"{where}.character_topk", allow_zero=True)
         if teacher.cross_tokenizer:
-            if objective.teacher_signal != "logprobs" or training.data_source != "student":
-                raise ConfigError(
-                    f"{where}.cross_tokenizer: supported with objective "
-                    f"{' or '.join(objective_names(teacher_signal='logprobs'))} on student samples; "
-                    f"'{objective.name}' on '{training.data_source}' data needs the student's token ids "
-                    "(full distributions and top-k are over the student's vocabulary)"
-                )
+            _check_cross_tokenizer_objectives(training, where)
             if teacher.backend != "local" and not teacher.tokenizer:
                 raise ConfigError(f"{where}.tokenizer: required for cross_tokenizer with a remote teacher")
         if teacher.chat_template_kwargs and not teacher.chat_template:
@@ -563,21 +573,24 @@ def validate(config: Config) -> Config:
             continue
         if not teacher.base_url:
             raise ConfigError(f"{where}.base_url: required for backend '{teacher.backend}'")
-        if objective.teacher_signal == "distribution":
+        for source, objective in by_source.items():
+            field = _objective_field(training, source)
+            if objective.teacher_signal == "distribution":
+                raise ConfigError(
+                    f"{field}: '{objective.name}' needs the teacher's full distribution, which "
+                    f"{where} (backend '{teacher.backend}') does not send; use "
+                    f"{' or '.join(objective_names(teacher_signal='topk'))}, or a local teacher"
+                )
+            if objective.teacher_signal == "topk" and training.temperature != 1.0:
+                raise ConfigError(
+                    "training.temperature: remote servers send top-k log-probs at temperature 1; "
+                    f"{objective.name} with a remote teacher needs temperature: 1.0"
+                )
+        if "teacher" in by_source and teacher.backend != "openai":
             raise ConfigError(
-                f"training.objective: '{objective.name}' needs the teacher's full distribution, which "
-                f"{where} (backend '{teacher.backend}') does not send; use "
-                f"{' or '.join(objective_names(teacher_signal='topk'))}, or a local teacher"
-            )
-        if training.data_source in ("teacher", "mixed"):
-            raise ConfigError(
-                f"training.data_source: '{training.data_source}' samples from the teacher model in process; "
-                f"{where} is remote (backend '{teacher.backend}')"
-            )
-        if objective.teacher_signal == "topk" and training.temperature != 1.0:
-            raise ConfigError(
-                "training.temperature: remote servers send top-k log-probs at temperature 1; "
-                f"{objective.name} with a remote teacher needs temperature: 1.0"
+                f"training.data_source: '{training.data_source}' has the teacher write completions, "
+                f"which {where} (backend '{teacher.backend}') cannot: a remote teacher samples through "
+                "the OpenAI completions route (backend: openai; vLLM, SGLang's OpenAI server or opd serve)"
             )
         for key in ("timeout_s", "max_retries", "max_concurrency", "request_batch_size"):
             _positive(getattr(teacher, key), f"{where}.{key}", allow_zero=key == "max_retries")
@@ -717,21 +730,75 @@ def _default_objective(training: TrainingConfig, teachers: list[TeacherConfig]) 
     return objectives()["topk_forward_kl"](topk=DEFAULT_TOPK)
 
 
+def _objective_field(training: TrainingConfig, source: str) -> str:
+    """The setting that names the objective of ``source``'s batches."""
+    if source != "student" and training.off_policy_objective is not None:
+        return "training.off_policy_objective"
+    return "training.objective"
+
+
+def _check_cross_tokenizer_objectives(training: TrainingConfig, where: str) -> None:
+    """A teacher with another tokenizer scores sampled text only: log-probs of the student's
+    samples, or nothing (the student learns the teacher's own text by its likelihood)."""
+    for source, objective in training.objectives_by_source().items():
+        wanted = "logprobs" if source == "student" else "none"
+        if objective.teacher_signal == wanted:
+            continue
+        field = _objective_field(training, source)
+        if source == "student":
+            raise ConfigError(
+                f"{where}.cross_tokenizer: on the student's samples it serves objective "
+                f"{' or '.join(objective_names(teacher_signal='logprobs'))}; {field} '{objective.name}' "
+                "needs the student's token ids (full distributions and top-k are over the student's "
+                "vocabulary)"
+            )
+        fix = (
+            "training.off_policy_objective: nll (the student learns the teacher's text)"
+            if training.data_source == "mixed"
+            else "training.objective: nll"
+        )
+        raise ConfigError(
+            f"{where}.cross_tokenizer: on the teacher's own samples ({training.data_source}) the student "
+            f"learns the text the teacher wrote; {field} '{objective.name}' needs the teacher's answer in "
+            f"the student's token ids; set {fix}"
+        )
+
+
 def _check_objective(training: TrainingConfig) -> None:
-    """The objective can learn from ``data_source``'s completions, and no setting it ignores is set."""
-    objective, source = training.objective, training.data_source
-    if objective.samples == "student" and source != "student":
-        off_policy = objective_names(samples="any") + objective_names(samples="reference")
+    """Each objective can learn from the completions it is given, and no setting it ignores is set."""
+    if training.off_policy_objective is not None and training.data_source != "mixed":
         raise ConfigError(
-            f"training.data_source: '{source}' gives batches the student did not sample, but objective "
-            f"'{objective.name}' {objective.samples_reason}; use data_source: student, or an objective "
-            f"that works off-policy ({', '.join(off_policy)})"
+            "training.off_policy_objective: applies to the teacher's steps of data_source: mixed; with "
+            f"'{training.data_source}' training.objective applies to every batch: remove it, or set the "
+            "objective there"
         )
-    if objective.samples == "reference" and source in ("student", "mixed"):
-        raise ConfigError(
-            f"training.data_source: '{source}' includes student samples, and objective '{objective.name}' "
-            f"on them {objective.samples_reason}; use data_source: teacher or dataset"
-        )
+    source = training.data_source
+    for batch_source, objective in training.objectives_by_source().items():
+        field = _objective_field(training, batch_source)
+        if objective.samples == "student" and batch_source != "student":
+            off_policy = objective_names(samples="any") + objective_names(samples="reference")
+            works = f"one that works off-policy ({', '.join(off_policy)})"
+            fix = (
+                f"set training.off_policy_objective to {works}"
+                if source == "mixed"
+                else f"use data_source: student, or {works}"
+            )
+            raise ConfigError(
+                f"training.data_source: '{source}' gives batches the student did not sample, but {field} "
+                f"'{objective.name}' {objective.samples_reason}; {fix}"
+            )
+        if objective.samples == "reference" and batch_source == "student":
+            fix = (
+                "use data_source: teacher or dataset, or name it in training.off_policy_objective "
+                "(the teacher's steps only)"
+                if source == "mixed"
+                else "use data_source: teacher or dataset"
+            )
+            raise ConfigError(
+                f"training.data_source: '{source}' includes student samples, and {field} '{objective.name}' "
+                f"on them {objective.samples_reason}; {fix}"
+            )
+    objective = training.objective
     ignored = [] if objective.uses_advantages else _policy_gradient_keys_set(training)
     if ignored:
         raise ConfigError(
@@ -793,8 +860,9 @@ def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
 def _objective_as_mapping(data: dict) -> dict:
     """``training.objective: jsd`` as ``{name: jsd}``, so that ``training.objective.beta=...`` applies."""
     training = data.get("training")
-    if isinstance(training, dict) and isinstance(training.get("objective"), str):
-        training["objective"] = {"name": training["objective"]}
+    for key in ("objective", "off_policy_objective"):
+        if isinstance(training, dict) and isinstance(training.get(key), str):
+            training[key] = {"name": training[key]}
     return data
 
 
@@ -849,6 +917,8 @@ def config_to_dict(config: Config) -> dict:
     """A plain mapping that :func:`config_from_dict` turns back into an equal config."""
     data = dataclasses.asdict(config)
     data["training"]["objective"] = objective_mapping(config.training.objective)
+    if config.training.off_policy_objective is not None:
+        data["training"]["off_policy_objective"] = objective_mapping(config.training.off_policy_objective)
     for dataset, written in zip(config.datasets, data["datasets"], strict=True):
         if dataset.env is not None:
             written["env"] = dataset.env.mapping()

@@ -154,7 +154,7 @@ def play(
 ) -> list[Completion]:
     """A completion of each prompt (``rendered``: their token ids), or its environment's episode."""
 
-    def turn(rows, turn_prompts, turn_seeds, turn_max_tokens):
+    def turn(rows, turn_prompts, conversations, turn_seeds, turn_max_tokens):
         return sampler.sample(
             turn_prompts,
             temperature=temperature,
@@ -165,7 +165,7 @@ def play(
 
     specs = eval_set.episodes(prompts, max_tokens)
     if specs is None:
-        return turn(None, rendered, seeds, max_tokens)
+        return turn(None, rendered, None, seeds, max_tokens)
     return play_episodes(turn, renderer, rendered, specs, seeds, max_tokens, lockstep=True)
 
 

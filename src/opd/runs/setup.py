@@ -43,8 +43,11 @@ def load_student(config: Config) -> Student:
     tokenizer = load_tokenizer(
         student.tokenizer or student.model, "student.model", trust_remote_code=student.trust_remote_code
     )
-    for option, problem in config.training.objective.vocabulary_problems(len(tokenizer)):
-        raise ConfigError(f"training.objective.{option}: {problem}")
+    training = config.training
+    for field in ("objective", "off_policy_objective"):
+        objective = getattr(training, field)
+        for option, problem in objective.vocabulary_problems(len(tokenizer)) if objective else ():
+            raise ConfigError(f"training.{field}.{option}: {problem}")
     policy = Policy.load(student, len(tokenizer))
     renderer = ChatRenderer(
         tokenizer,

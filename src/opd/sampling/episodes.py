@@ -22,8 +22,11 @@ from opd.envs.base import Episode, Step
 from opd.errors import EpisodeError
 from opd.sampling.base import row_seed
 
-TurnSampler = Callable[[list[int], list[list[int]], list[int], int], list[Completion]]
-"""``(rows, prompts, seeds, max_tokens)``: one completion per row of the batch, of its prompt."""
+TurnSampler = Callable[
+    [list[int], list[list[int]], list[list[dict[str, str]]], list[int], int], list[Completion]
+]
+"""``(rows, prompts, conversations, seeds, max_tokens)``: one completion per row of the batch, of
+its prompt (``conversations``: the same prompts as messages, for a teacher with its own format)."""
 
 
 @dataclass
@@ -162,7 +165,7 @@ def play_episodes(
         if not anyone:
             break
         if not active:
-            sample([0], [prompts[0]], [turn_seed(seeds[0], turn)], 1)
+            sample([0], [prompts[0]], [playing[0].history], [turn_seed(seeds[0], turn)], 1)
             turn += 1
             continue
         limits = [
@@ -174,6 +177,7 @@ def play_episodes(
         completions = sample(
             active,
             [prompts[r] + playing[r].token_ids for r in active],
+            [playing[r].history for r in active],
             [turn_seed(seeds[r], turn) for r in active],
             max(limits),
         )

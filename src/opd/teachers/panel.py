@@ -17,11 +17,13 @@ from opd.data.render import ChatRenderer
 from opd.data.sequences import RolloutBatch, turn_spans
 from opd.distributed import launched_world
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
+from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import TeacherFormat
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores
 from opd.teachers.config import TeacherConfig
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher
+from opd.teachers.writer import TeacherSample, TeacherWriter
 
 
 class TeacherPanel:
@@ -146,6 +148,25 @@ class TeacherPanel:
             )
         return teacher
 
+    def writers(self) -> list[TeacherWriter]:
+        """Each dataset's teacher as the writer of the completions of ``data_source: teacher`` (and
+        ``mixed``'s teacher steps): one per distinct teacher and format, stopping where the
+        teacher's turns end (its own template's, or the student's)."""
+        built: dict[tuple[int, int], TeacherWriter] = {}
+        writers = []
+        for teacher, teacher_format in zip(self.per_dataset, self.formats, strict=True):
+            key = (id(teacher), id(teacher_format))
+            if key not in built:
+                renderer = teacher_format.renderer if teacher_format else self.renderer
+                built[key] = TeacherWriter(
+                    _teacher_sample(teacher, renderer),
+                    teacher_format,
+                    self.tokenizer,
+                    self.renderer.stop_token_ids,
+                )
+            writers.append(built[key])
+        return writers
+
     def rows_by_teacher(self, dataset_indices: list[int]) -> dict[int, list[int]]:
         """Row indices grouped by the teacher that scores them, in first-seen order."""
         groups: dict[int, list[int]] = {}
@@ -234,3 +255,28 @@ class TeacherPanel:
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers applied)."""
         return self.score(batch, TeacherRequest()).logprobs_BT
+
+
+def _teacher_sample(teacher: Teacher, renderer: ChatRenderer) -> TeacherSample:
+    """How ``teacher`` samples in its own ids, stopping where ``renderer``'s turns end: on its
+    server, or with the sampler that samples the student."""
+    stops, strings = renderer.stop_token_ids, renderer.stop_strings
+    if isinstance(teacher, RemoteTeacher):
+
+        def sample_remote(prompts, temperature, max_tokens, seeds):
+            return teacher.sample(
+                prompts,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                seeds=seeds,
+                stop_token_ids=stops,
+                stop_strings=strings,
+            )
+
+        return sample_remote
+    sampler = HFGenerateSampler(teacher.model, renderer.tokenizer, stop_token_ids=stops, stop_strings=strings)
+
+    def sample_local(prompts, temperature, max_tokens, seeds):
+        return sampler.sample(prompts, temperature=temperature, max_tokens=max_tokens, seed=seeds)
+
+    return sample_local

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from opd.data.sequences import Completion
 from opd.errors import RemoteTeacherError
 from opd.secrets import redact
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
@@ -173,6 +174,69 @@ class RemoteTeacher:
                 scores.topk_ids_BTK[row, :length][scored] = top_ids[scored]
                 scores.topk_logprobs_BTK[row, :length][scored] = top_values[scored]
         return scores
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        *,
+        temperature: float,
+        max_tokens: int,
+        seeds: list[int],
+        stop_token_ids: list[int],
+        stop_strings: list[str],
+    ) -> list[Completion]:
+        """One completion per prompt written by the served model (OpenAI completions route), a
+        request a row with its own seed, so a row draws the same whatever rows share its batch.
+
+        Every sampling setting is sent, so a server's own generation defaults (a checkpoint's
+        top-p, say) do not apply: the teacher samples ``softmax(logits / temperature)``.
+        """
+        if self.backend != "openai":
+            raise RemoteTeacherError(
+                f"teacher server {self.endpoint}: backend '{self.backend}' only scores; a teacher that "
+                "writes completions is reached through the OpenAI completions route (backend: openai)"
+            )
+        body = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "logprobs": 0,
+            "stop_token_ids": stop_token_ids,
+            "stop": stop_strings or None,
+            "include_stop_str_in_output": True,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "return_token_ids": True,
+        }
+
+        def one(row: int) -> Completion:
+            answer = self._post(body | {"prompt": prompts[row], "seed": seeds[row]})
+            choices = answer.get("choices") if isinstance(answer, dict) else None
+            choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
+            if not isinstance(choice, dict):
+                raise self._fail(prompts[row], "sent no single choice for a sampled completion")
+            token_ids = choice.get("token_ids")
+            if not isinstance(token_ids, list) or not all(self._is_id(t) for t in token_ids):
+                raise self._fail(
+                    prompts[row],
+                    "sent no 'token_ids' with its completion (return_token_ids: vLLM 0.10 or later, "
+                    "or opd serve)",
+                )
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
+                count = len(logprobs) if isinstance(logprobs, list) else "no"
+                raise self._fail(prompts[row], f"sent {count} log-probs for {len(token_ids)} sampled tokens")
+            values = [self._logprob(value, prompts[row], position) for position, value in enumerate(logprobs)]
+            return Completion(list(token_ids), values, finished=choice.get("finish_reason") == "stop")
+
+        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            return list(pool.map(one, range(len(prompts))))
 
     def _score_batch(
         self, batch: list[list[int]], topk: int

@@ -5,7 +5,11 @@ For CPU development and tests; a real deployment points the same client at vLLM 
 - ``POST /v1/completions`` (vLLM OpenAI-compatible): ``prompt`` is a list of token ids or a
   list of such lists; ``prompt_logprobs: k`` returns, for every prompt position, the
   prompt token's log-prob and the top-k (``null`` at position 0); ``max_tokens`` 0 or 1,
-  ``echo`` accepted. ``k`` above ``--max-logprobs`` is refused, as vLLM does.
+  ``echo`` accepted. ``k`` above ``--max-logprobs`` is refused, as vLLM does. Without
+  ``prompt_logprobs`` it samples (a teacher writing completions): ``max_tokens``,
+  ``temperature`` (0: greedy), ``seed``, ``stop_token_ids``, ``stop``, ``ignore_eos``,
+  ``logprobs: 0`` and ``return_token_ids`` as vLLM reads them, from ``softmax(logits /
+  temperature)`` only (other sampling settings at their neutral values).
 - ``POST /generate`` (SGLang): ``input_ids``, ``return_logprob``, ``logprob_start_len``,
   ``top_logprobs_num``; answers ``meta_info.input_token_logprobs``.
 - ``GET /v1/models``, ``GET /health``.
@@ -27,8 +31,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from opd.data.sequences import Completion
 from opd.logprobs import chunk_logits, head_weights
 from opd.models import load_causal_lm, load_tokenizer
+from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 
@@ -59,6 +65,29 @@ class ScoringModel:
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.teacher = LocalTeacher(model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0)
         self.lock = threading.Lock()
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        temperature: float,
+        max_tokens: int,
+        seeds: list[int] | None,
+        stop_token_ids: list[int],
+        stop_strings: list[str],
+    ) -> list[Completion]:
+        """One completion per prompt from ``softmax(logits / temperature)`` (greedy at 0), sampled
+        by the code that samples a local teacher, each row from its seed (None: a fresh one)."""
+        sampler = HFGenerateSampler(
+            self.teacher.model, self.tokenizer, stop_token_ids=stop_token_ids, stop_strings=stop_strings
+        )
+        with self.lock:
+            return sampler.sample(
+                prompts,
+                temperature=temperature or 1.0,
+                max_tokens=max_tokens,
+                greedy=temperature == 0,
+                seed=seeds,
+            )
 
     def score(
         self, prompts: list[list[int]], k: int
@@ -127,7 +156,7 @@ def _count(body: dict, field: str, default: int, most: int | None = None) -> int
 
 
 def completions_response(scorer: ScoringModel, body: dict) -> dict:
-    """The answer to ``POST /v1/completions``."""
+    """The answer to ``POST /v1/completions``: prompts scored, or completions sampled."""
     if body.get("model") not in (None, scorer.name):
         raise RequestError(
             f"The model `{body.get('model')}` does not exist. Valid aliases: {scorer.name}.", 404, "model"
@@ -137,9 +166,7 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
     prompts = [_token_ids(p, "prompt", scorer) for p in prompts]
     k = body.get("prompt_logprobs")
     if k is None:
-        raise RequestError(
-            "this server only scores prompts: set 'prompt_logprobs' (0 for the prompt tokens alone)"
-        )
+        return sampled_response(scorer, body, prompts)
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise RequestError("'prompt_logprobs' must be a non-negative integer")
     if k > scorer.max_logprobs:
@@ -193,6 +220,119 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "metrics": None,
+    }
+
+
+NEUTRAL_SAMPLING = {
+    "top_p": (1, 1.0),
+    "top_k": (0, -1),
+    "min_p": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+}
+"""Sampling settings this server accepts only at these values (absent or null: the same)."""
+
+
+def _sampling(body: dict, scorer: ScoringModel) -> tuple[float, int, int | None, list[int], list[str]]:
+    """``(temperature, max_tokens, seed, stop ids, stop strings)`` of a sampling request, checked."""
+    for field, neutral in NEUTRAL_SAMPLING.items():
+        value = body.get(field)
+        if value is not None and (
+            isinstance(value, bool) != isinstance(neutral[0], bool) or value not in neutral
+        ):
+            raise RequestError(
+                f"'{field}' must be {neutral[0]!r} here (this server samples softmax(logits / temperature) "
+                f"only), got {json.dumps(value)[:40]}",
+                param=field,
+            )
+    if body.get("logprobs") not in (None, 0) or body.get("allowed_token_ids") is not None:
+        field = "logprobs" if body.get("logprobs") not in (None, 0) else "allowed_token_ids"
+        raise RequestError(
+            f"'{field}' is not served here: the sampled tokens' log-probs only (logprobs: 0)", param=field
+        )
+    temperature = body.get("temperature", 1.0)
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, int | float)
+        or not 0 <= temperature < 1e6
+    ):
+        raise RequestError(
+            f"'temperature' must be a number >= 0, got {json.dumps(temperature)[:40]}", param="temperature"
+        )
+    max_tokens = _count(body, "max_tokens", 16)
+    if max_tokens < 1:
+        raise RequestError("'max_tokens' must be at least 1 to sample (or set 'prompt_logprobs' to score)")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise RequestError(
+            f"'seed' must be an integer in [0, 2**63), got {json.dumps(seed)[:40]}", param="seed"
+        )
+    stops = body.get("stop_token_ids") or []
+    if stops:
+        stops = _token_ids(stops, "stop_token_ids", scorer)
+    strings = body.get("stop") or []
+    strings = [strings] if isinstance(strings, str) else strings
+    if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
+        raise RequestError("'stop' must be a string or a list of non-empty strings", param="stop")
+    eos = scorer.tokenizer.eos_token_id
+    if not body.get("ignore_eos") and eos is not None and eos not in stops:
+        stops = [*stops, eos]
+    if not stops:
+        raise RequestError("nothing ends a completion: give 'stop_token_ids', or leave 'ignore_eos' false")
+    return float(temperature), max_tokens, seed, stops, strings
+
+
+def sampled_response(scorer: ScoringModel, body: dict, prompts: list[list[int]]) -> dict:
+    """The answer to a ``POST /v1/completions`` that samples: one choice per prompt, in vLLM's shape
+    (``token_ids`` with ``return_token_ids``; the stop token kept in them)."""
+    temperature, max_tokens, seed, stops, strings = _sampling(body, scorer)
+    seeds = None if seed is None else [seed] * len(prompts)
+    completions = scorer.sample(prompts, temperature, max_tokens, seeds, stops, strings)
+    decode = scorer.tokenizer.decode
+    choices = []
+    for index, completion in enumerate(completions):
+        ids = completion.token_ids
+        shown = ids[:-1] if completion.finished and ids and ids[-1] in stops else ids
+        logprobs = None
+        if body.get("logprobs") is not None:
+            tokens = [decode([token]) for token in ids]
+            offsets = [sum(len(text) for text in tokens[:i]) for i in range(len(tokens))]
+            logprobs = {
+                "text_offset": offsets,
+                "token_logprobs": completion.logprobs,
+                "tokens": tokens,
+                "top_logprobs": None,
+            }
+        choices.append(
+            {
+                "index": index,
+                "text": decode(shown, skip_special_tokens=body.get("skip_special_tokens", True)),
+                "logprobs": logprobs,
+                "finish_reason": "stop" if completion.finished else "length",
+                "stop_reason": None,
+                "token_ids": ids if body.get("return_token_ids") else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompts[index] if body.get("return_token_ids") else None,
+            }
+        )
+    prompt_tokens = sum(len(p) for p in prompts)
+    sampled = sum(len(c.token_ids) for c in completions)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:16]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": scorer.name,
+        "choices": choices,
+        "system_fingerprint": "opd-serve",
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + sampled,
+            "completion_tokens": sampled,
+        },
     }
 
 

@@ -30,7 +30,6 @@ from opd.runs.setup import load_student, load_teachers
 from opd.runs.sharded_state import has_sharded_state, load_sharded_state
 from opd.sampling.engines import build_rollout_engine
 from opd.sampling.hf_generate import HFEngine
-from opd.teachers.local import LocalTeacher
 from opd.trainer.micro_batching import (
     MicroBatching,
     activation_bytes_per_token,
@@ -52,10 +51,11 @@ class RunComponents:
 
     ``engine`` samples the student's rollouts (from the student, a sampling copy or vLLM);
     ``sampler`` decodes for evaluation: the engine where it serves evaluation (vLLM, or the
-    copy of a sharded student), else the student; ``teacher_samplers`` write completions for
-    the off-policy data sources, one per local teacher; ``ahead_engine`` (``max_staleness`` > 0)
-    is the worker's sampling copy, which samples published weights only. Under torchrun the process joins its
-    group first (:mod:`opd.distributed`) and each process loads its models on its own device.
+    copy of a sharded student), else the student; ``teacher_writers`` write completions for
+    the off-policy data sources, one per dataset (shared where teacher and format are);
+    ``ahead_engine`` (``max_staleness`` > 0) is the worker's sampling copy, which samples
+    published weights only. Under torchrun the process joins its group first
+    (:mod:`opd.distributed`) and each process loads its models on its own device.
     A one-process checkpoint the run resumes from (``resumed_model_dir``) has its weights loaded
     before the student is sharded; a sharded one's are loaded by :meth:`opd.trainer.loop.Trainer.run`.
     """
@@ -128,11 +128,7 @@ class RunComponents:
         )
         if shards_its_teacher(config, parallel):
             self.teachers.per_dataset[0].shard()
-        self.teacher_samplers = {
-            id(teacher): student.sampler_for(teacher.model)
-            for teacher in self.teachers.per_dataset
-            if isinstance(teacher, LocalTeacher)
-        }
+        self.teacher_writers = self.teachers.writers()
         self.eval_sets = load_eval_sets(config, self.teachers.logprobs)
         check_loggers(config)
         self.num_steps = training.max_steps or len(self.batches)

@@ -198,7 +198,7 @@ class Trainer(RunComponents):
                 else:
                     lockstep = False  # the worker collecting ahead: no collectives off the main thread
 
-                def sample(turn_rows, turn_prompts, turn_seeds, max_tokens):
+                def sample(turn_rows, turn_prompts, conversations, turn_seeds, max_tokens):
                     return engine.rollout(
                         turn_prompts, replace(params, max_tokens=max_tokens), seeds=turn_seeds
                     )
@@ -206,9 +206,10 @@ class Trainer(RunComponents):
             else:
                 lockstep = True
 
-                def sample(turn_rows, turn_prompts, turn_seeds, max_tokens):
+                def sample(turn_rows, turn_prompts, conversations, turn_seeds, max_tokens):
                     return self.teacher_rollouts(
                         turn_prompts,
+                        conversations,
                         [dataset_indices[r] for r in turn_rows],
                         replace(params, max_tokens=max_tokens),
                         turn_seeds,
@@ -232,7 +233,7 @@ class Trainer(RunComponents):
         """Each row's completion from ``sample``: one turn, or its dataset's environment's episode."""
         max_tokens = self.config.training.max_tokens
         if not any(self.environments):
-            return sample(list(range(len(prompts))), prompts, seeds, max_tokens)
+            return sample(list(range(len(prompts))), prompts, [p.messages for p in items], seeds, max_tokens)
         specs = [self.episode_spec(index, item) for index, item in zip(dataset_indices, items, strict=True)]
         return play_episodes(sample, self.renderer, prompts, specs, seeds, max_tokens, lockstep=lockstep)
 
@@ -252,19 +253,21 @@ class Trainer(RunComponents):
     def teacher_rollouts(
         self,
         prompts: list[list[int]],
+        conversations: list[list[dict[str, str]]],
         dataset_indices: list[int],
         params: SamplingParams,
         seeds: list[int],
     ) -> list[Completion]:
-        """Each prompt's completion written by its dataset's (local) teacher, with that row's seed."""
+        """Each prompt's completion written by its dataset's teacher (in process or on a server, in
+        its own format or the student's), with that row's seed, in the student's token ids."""
         completions: list[Completion] = [None] * len(prompts)
-        for rows in self.teachers.rows_by_teacher(dataset_indices).values():
-            sampler = self.teacher_samplers[id(self.teachers.per_dataset[dataset_indices[rows[0]]])]
-            sampled = sampler.sample(
-                [prompts[r] for r in rows],
-                temperature=params.temperature,
-                max_tokens=params.max_tokens,
-                seed=[seeds[r] for r in rows],
+        groups: dict[int, list[int]] = {}
+        for row, index in enumerate(dataset_indices):
+            groups.setdefault(id(self.teacher_writers[index]), []).append(row)
+        for rows in groups.values():
+            writer = self.teacher_writers[dataset_indices[rows[0]]]
+            sampled = writer.write(
+                [prompts[r] for r in rows], [conversations[r] for r in rows], params, [seeds[r] for r in rows]
             )
             for row, completion in zip(rows, sampled, strict=True):
                 completions[row] = completion
@@ -278,9 +281,10 @@ class Trainer(RunComponents):
             rollouts, source = self.sample_batch(step, engine)
         sampled_at = time.perf_counter()
         teacher = None
-        if self.teachers.request is not None:  # SFT reads only the tokens: no teacher forward to pay for
+        request = self.config.training.objective_for(source).teacher_request(self.config.training.temperature)
+        if request is not None:  # SFT reads only the tokens: no teacher forward to pay for
             with self.spans.span(step, "teacher"):
-                teacher = self.teachers.score(rollouts)
+                teacher = self.teachers.score(rollouts, request)
         seconds = {
             "time/sample": sampled_at - started,
             "time/teacher": time.perf_counter() - sampled_at,
@@ -309,6 +313,7 @@ class Trainer(RunComponents):
         """Advantages and the update from a finished batch; returns the step's metrics (the whole
         batch's, reduced over processes, but for times, which are this process's)."""
         training, rollouts, teacher = self.config.training, batch.rollouts, batch.teacher
+        objective = training.objective_for(batch.source)
         mask = rollouts.mask_BT
         lengths = mask.sum(-1)
         metrics: dict[str, float] = {"step": batch.step, "on_policy": int(batch.on_policy)}
@@ -350,7 +355,7 @@ class Trainer(RunComponents):
             student_logprobs = rollouts.sampled_logprobs_BT
             if training.advantage_source == "current" and batch.on_policy:
                 student_logprobs = self.policy_logprobs(rollouts).to(student_logprobs.device)
-            shaped = self.objective.advantages(student_logprobs, teacher, mask, policy_gradient(training))
+            shaped = objective.advantages(student_logprobs, teacher, mask, policy_gradient(training))
             if shaped is not None:
                 spread = advantage_metrics(shaped, mask)
                 metrics |= spread
@@ -363,7 +368,7 @@ class Trainer(RunComponents):
         with self.spans.span(batch.step, "train"):
             stats = policy_update(
                 self.policy,
-                self.objective,
+                objective,
                 self.optimizer,
                 self.scheduler,
                 rollouts,
@@ -375,7 +380,7 @@ class Trainer(RunComponents):
         train_seconds = time.perf_counter() - started
         metrics |= {
             "loss": stats.loss,
-            f"objective/{self.objective.name}": stats.objective_value,
+            f"objective/{objective.name}": stats.objective_value,
             "entropy": stats.entropy,
             "grad_norm": stats.grad_norm,
             "skipped": int(stats.applied_substeps == 0),
