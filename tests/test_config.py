@@ -177,6 +177,11 @@ def test_mixed_runs_one_objective_on_each_source_and_records_both():
     again = config_from_dict(config_to_dict(config))
     assert again.training.off_policy_objective == training.off_policy_objective
     assert config_from_dict(MINIMAL).training.objective_for("teacher").name == "topk_forward_kl"
+    crossed = config_from_dict(
+        MINIMAL, ["teacher.cross_tokenizer=true", "training.data_source=mixed"]
+    ).training
+    # nothing set: the reverse KL on the student's steps, the teacher's text learnt by its likelihood
+    assert [crossed.objective_for(s).name for s in ("student", "teacher")] == ["sampled_reverse_kl", "nll"]
 
 
 def test_an_unset_objective_is_the_topk_forward_kl_where_it_can_serve():

@@ -50,17 +50,26 @@ def test_a_cross_tokenizer_teacher_reads_each_turn_and_none_of_the_replies(char_
         assert sum(view) == pytest.approx(sum(teacher))
 
 
-def test_a_multi_turn_run_through_opd_serve_reproduces_the_local_run(
-    base_config, model_dirs, tmp_path, char_tokenizer
-):
-    quick = tmp_path / "quick_student"
-    quick_to_stop(tiny_llama(len(char_tokenizer), seed=1)).save_pretrained(quick)
-    char_tokenizer.save_pretrained(quick)
-    base_config["student"]["model"] = str(quick)
-    base_config["datasets"][0] |= {
+def quick_model(directory, tokenizer, seed: int):
+    """A tiny model that ends most turns within a few tokens, saved with ``tokenizer``."""
+    quick_to_stop(tiny_llama(len(tokenizer), seed=seed)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def as_episodes(config: dict) -> None:
+    """The config's dataset played as ``retry`` episodes of at most 2 turns."""
+    config["datasets"][0] |= {
         "num_prompts": 6,
         "env": {"name": "retry", "max_turns": 2, "max_episode_tokens": 80},
     }
+
+
+def test_a_multi_turn_run_through_opd_serve_reproduces_the_local_run(
+    base_config, model_dirs, tmp_path, char_tokenizer
+):
+    base_config["student"]["model"] = str(quick_model(tmp_path / "quick_student", char_tokenizer, seed=1))
+    as_episodes(base_config)
     local = train(config_from_dict(base_config), progress=False)
     port = free_port()
     server = start_opd_serve(model_dirs["teacher"], port)
@@ -76,3 +85,33 @@ def test_a_multi_turn_run_through_opd_serve_reproduces_the_local_run(
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
         if "teacher_kl/turn_2" in a:
             assert a["teacher_kl/turn_2"] == pytest.approx(b["teacher_kl/turn_2"], abs=1e-5)
+
+
+def test_a_served_teacher_plays_the_same_episodes_as_in_process(base_config, tmp_path, char_tokenizer):
+    """``mixed`` from the teacher's episodes (lmbda 0): the teacher behind ``opd serve`` plays each
+    turn on its server, and the run's episodes and figures are those of the teacher in process."""
+    quick = quick_model(tmp_path / "quick_teacher", char_tokenizer, seed=2)
+    base_config["teacher"]["model"] = str(quick)
+    as_episodes(base_config)
+    base_config["training"] |= {
+        "objective": {"name": "topk_forward_kl", "topk": 5},
+        "data_source": "mixed",
+        "lmbda": 0.0,
+    }
+    local = train(config_from_dict(base_config), progress=False)
+    port = free_port()
+    server = start_opd_serve(quick, port)
+    try:
+        remote = train(
+            config_from_dict(through_server(base_config, port, tmp_path / "remote")), progress=False
+        )
+    finally:
+        server.kill()
+        server.wait()
+    steps = [row for row in local.metrics if "episode/turns" in row]
+    assert steps and all(row["on_policy"] == 0 for row in steps)
+    assert max(row["episode/turns"] for row in steps) > 1
+    for a, b in zip(local.metrics, remote.metrics, strict=True):
+        for key in ("loss", "grad_norm", "episode/len", "episode/turns", "num_tokens"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], abs=1e-5), key

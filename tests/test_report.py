@@ -109,3 +109,17 @@ def test_the_time_plot_smooths_with_a_trailing_mean():
 
     assert smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert smoothed([2.0, 4.0], 1) == [2.0, 4.0]
+
+
+def test_the_summary_names_the_objective_of_each_source(tmp_path):
+    from opd.runs.report import _summary
+    from opd.runs.resume import CONFIG_NAME
+
+    training = {
+        "objective": {"name": "sampled_reverse_kl"},
+        "off_policy_objective": {"name": "nll"},
+        "data_source": "mixed",
+    }
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"training": training}))
+    text = _summary(tmp_path, [], [])
+    assert "<td>sampled_reverse_kl; on the teacher&#x27;s steps nll / mixed</td>" in text

@@ -134,7 +134,7 @@ def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     monkeypatch.setattr(
         trainer.teachers,
         "score",
-        lambda batch: TeacherScores(torch.full_like(batch.sampled_logprobs_BT, float("nan"))),
+        lambda batch, request=None: TeacherScores(torch.full_like(batch.sampled_logprobs_BT, float("nan"))),
     )
     with pytest.warns(UserWarning, match="non-finite log-probs"):
         metrics = trainer.train_step(0)

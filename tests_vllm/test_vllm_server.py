@@ -21,7 +21,7 @@ from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher, RemoteTeacherError
 from opd.trainer.loop import train
-from tests.test_remote_teacher import free_port, start_opd_serve, wait_until_up
+from tests.test_remote_teacher import free_port, naive_greedy, start_opd_serve, wait_until_up
 
 MAX_LOGPROBS = 20
 SEQUENCES = [[1, 5, 6, 7, 8, 2], [1, 9, 10], [1, 11, 12, 13, 14, 15, 16, 40, 50, 60, 70]]
@@ -285,3 +285,58 @@ def test_opd_serve_lists_its_model_like_vllm(vllm_server, opd_server):
     ours, theirs = models(opd_server), models(vllm_server)
     assert shape(ours) == shape(theirs)
     assert ours["data"][0]["id"] == theirs["data"][0]["id"] == "teacher"
+
+
+def test_vllm_writes_the_teachers_completions(vllm_server, vllm_models):
+    """A served teacher that writes (``data_source: teacher`` / ``mixed``): a row's seed decides
+    its tokens, the log-probs are the model's own, the stop id ends a completion and is kept, and
+    at temperature 0 it decodes greedily."""
+    remote = RemoteTeacher(backend="openai", base_url=vllm_server, model="teacher")
+    prompts = [[1, 5, 6, 7], [1, 9, 10], [1, 11, 12, 13, 14]]
+
+    def sample(seeds, temperature=1.0):
+        return remote.sample(
+            prompts, temperature=temperature, max_tokens=12, seeds=seeds, stop_token_ids=[2], stop_strings=[]
+        )
+
+    first, again, other = sample([5, 6, 7]), sample([5, 6, 7]), sample([8, 9, 10])
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+    model = AutoModelForCausalLM.from_pretrained(vllm_models["teacher"], dtype=torch.float32)
+    for completion in first + other:
+        ids = completion.token_ids
+        assert completion.finished == (ids[-1] == 2) and 2 not in ids[:-1]
+        assert completion.finished or len(ids) == 12
+    rows = [p + c.token_ids for p, c in zip(prompts, first, strict=True)]
+    masks = [[0] * len(p) + [1] * len(c.token_ids) for p, c in zip(prompts, first, strict=True)]
+    scored = LocalTeacher(model, vocab_size=103, pad_id=0).score(
+        TeacherInput.from_sequences(rows, masks, pad_id=0), TeacherRequest()
+    )
+    for row, (prompt, completion) in enumerate(zip(prompts, first, strict=True)):
+        expected = scored.logprobs_BT[row, len(prompt) : len(prompt) + len(completion.token_ids)]
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-3, rtol=0)
+    greedy = sample([0, 0, 0], temperature=0.0)
+    assert [c.token_ids for c in greedy] == [naive_greedy(model, p, 12, 2) for p in prompts]
+
+
+def test_opd_serve_samples_like_vllm(vllm_server, opd_server):
+    body = {
+        "model": "teacher",
+        "prompt": [1, 11, 12, 13, 14],
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    vllm_status, vllm_answer = post(f"{vllm_server}/completions", body)
+    opd_status, opd_answer = post(f"{opd_server}/completions", body)
+    assert vllm_status == opd_status == 200
+    assert set(opd_answer) == set(vllm_answer)
+    (ours,), (theirs,) = opd_answer["choices"], vllm_answer["choices"]
+    assert set(ours) == set(theirs)
+    assert ours["token_ids"] == theirs["token_ids"] and ours["finish_reason"] == theirs["finish_reason"]
+    assert ours["text"] == theirs["text"]
+    assert ours["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-3)

@@ -153,9 +153,10 @@ class TrainingConfig:
     teacher), or ``dataset`` (each prompt's ``completion``, else ``answer``; one per prompt)."""
     off_policy_objective: Objective | None = None
     """``mixed`` only: the objective of the steps whose batch the teacher wrote (``objective``
-    then applies to the student's own steps); unset: ``objective`` on both. ``nll`` here lets a
-    teacher that scores only sampled tokens (``cross_tokenizer``) start the student on its own
-    episodes, with ``sampled_reverse_kl`` on the student's."""
+    then applies to the student's own steps); unset: ``objective`` on both, or ``nll`` where an
+    unset ``objective`` becomes ``sampled_reverse_kl`` (which learns from the student's samples
+    only). ``nll`` here lets a teacher that scores only sampled tokens (``cross_tokenizer``)
+    start the student on its own episodes, with ``sampled_reverse_kl`` on the student's."""
     lmbda: float | LambdaSchedule = 0.5
     """``mixed`` only: the chance that a step's batch is the student's own samples, else the
     teacher's (GKD's lambda), drawn per step from the run's seed; or a schedule,
@@ -551,6 +552,9 @@ def validate(config: Config) -> Config:
     if training.objective is None:
         default = _default_objective(training, [teacher for _, teacher in teachers])
         training.objective = _kept_or_default(config, resumed, "objective", default)
+        if training.data_source == "mixed" and training.objective.samples == "student":
+            # the unset objective learns from the student's samples only: the teacher's are learnt as text
+            training.off_policy_objective = training.off_policy_objective or objectives()["nll"]()
     _check_objective(training)
     by_source = training.objectives_by_source()
     for where, teacher in teachers:

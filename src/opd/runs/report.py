@@ -294,16 +294,23 @@ def build_report(
     return out
 
 
+def _objective_text(objective) -> str:
+    """``name (option value, ...)`` of an objective as a run's config records it."""
+    if not isinstance(objective, dict):
+        return str(objective)
+    options = ", ".join(f"{k} {v}" for k, v in objective.items() if k != "name")
+    return f"{objective.get('name', '?')} ({options})" if options else str(objective.get("name", "?"))
+
+
 def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
     import yaml
 
     config_path = run_dir / CONFIG_NAME
     config = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
     training = config.get("training") or {}
-    objective = training.get("objective", "?")
-    if isinstance(objective, dict):  # {name: ..., option: value}
-        options = ", ".join(f"{k} {v}" for k, v in objective.items() if k != "name")
-        objective = f"{objective.get('name', '?')} ({options})" if options else objective.get("name", "?")
+    objective = _objective_text(training.get("objective", "?"))
+    if training.get("off_policy_objective"):
+        objective += f"; on the teacher's steps {_objective_text(training['off_policy_objective'])}"
     facts = {
         "student": (config.get("student") or {}).get("model", "?"),
         "teacher": (config.get("teacher") or {}).get("model", "?"),

@@ -201,7 +201,13 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
                 "routed_experts": None,
             }
         )
-    prompt_tokens = sum(len(p) for p in prompts)
+    return completion_body(scorer, choices, sum(len(p) for p in prompts), 0)
+
+
+def completion_body(
+    scorer: ScoringModel, choices: list[dict], prompt_tokens: int, sampled_tokens: int
+) -> dict:
+    """A ``/v1/completions`` answer around its choices, in vLLM's shape."""
     return {
         "id": f"cmpl-{uuid.uuid4().hex[:16]}",
         "object": "text_completion",
@@ -212,8 +218,8 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
         "system_fingerprint": "opd-serve",
         "usage": {
             "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens,
-            "completion_tokens": 0,
+            "total_tokens": prompt_tokens + sampled_tokens,
+            "completion_tokens": sampled_tokens,
             "prompt_tokens_details": None,
             "completion_tokens_details": None,
         },
@@ -317,23 +323,11 @@ def sampled_response(scorer: ScoringModel, body: dict, prompts: list[list[int]])
                 "token_ids": ids if body.get("return_token_ids") else None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": prompts[index] if body.get("return_token_ids") else None,
+                "routed_experts": None,
             }
         )
-    prompt_tokens = sum(len(p) for p in prompts)
     sampled = sum(len(c.token_ids) for c in completions)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex[:16]}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": scorer.name,
-        "choices": choices,
-        "system_fingerprint": "opd-serve",
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + sampled,
-            "completion_tokens": sampled,
-        },
-    }
+    return completion_body(scorer, choices, sum(len(p) for p in prompts), sampled)
 
 
 def generate_response(scorer: ScoringModel, body: dict) -> dict:
