@@ -23,7 +23,11 @@ text and distils with ``teacher.cross_tokenizer: true``. Each run uses its teach
 objective (opd's unset ``training.objective``), recorded in the result, and starts from the
 teacher's episodes (``data_source: mixed``, the student's share going from 0 to 1 over the first
 half of the steps), which the served teacher writes on its server and the BPE teacher in its own
-tokens (the student learns their text by its likelihood: ``training.off_policy_objective: nll``).
+tokens (the student learns their text by its likelihood: the unset ``off_policy_objective`` of a
+cross-tokenizer teacher is ``nll``).
+
+    python bench/tool_use.py --teacher bpe --set "training.lmbda={start: 0, end: 0.5, steps: 300}"
+    python bench/tool_use.py --teacher bpe --set training.data_source=teacher training.objective=nll
 """
 
 from __future__ import annotations
@@ -250,7 +254,6 @@ def main() -> None:
     if args.teacher == "bpe":
         teacher_dir = build("teacher-bpe", TEACHER, bpe_tokenizer(), tool_turns(train_prompts), seed=0)
         teacher = {"model": str(teacher_dir), "cross_tokenizer": True}
-        args.set = ["training.off_policy_objective=nll", *args.set]
     else:
         teacher_dir = build("teacher", TEACHER, char, tool_turns(train_prompts), seed=0)
         teacher = {"model": str(teacher_dir)}
