@@ -40,9 +40,11 @@ class TeacherConfig:
     max_retries: int = 4
     """Remote: retries after a connection error, timeout or 5xx (exponential backoff with jitter)."""
     max_concurrency: int = 4
-    """Remote: requests in flight at once."""
+    """Remote: scoring requests in flight at once."""
     request_batch_size: int = 8
-    """Remote (openai): sequences per request."""
+    """Remote (openai): sequences per scoring request. A teacher that writes completions sends
+    one request a row (each with its own seed), ``max_concurrency`` x ``request_batch_size`` in
+    flight at once: as many sequences as scoring has in flight."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Local: weights dtype, as for the student."""
     device: str = "auto"

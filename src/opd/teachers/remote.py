@@ -235,7 +235,8 @@ class RemoteTeacher:
             values = [self._logprob(value, prompts[row], position) for position, value in enumerate(logprobs)]
             return Completion(list(token_ids), values, finished=choice.get("finish_reason") == "stop")
 
-        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+        in_flight = self.max_concurrency * self.request_batch_size  # as many rows as scoring sends
+        with ThreadPoolExecutor(max_workers=max(1, min(in_flight, len(prompts)))) as pool:
             return list(pool.map(one, range(len(prompts))))
 
     def _score_batch(

@@ -54,6 +54,16 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+@dataclass
+class _SampleJob:
+    """One request's rows to sample, and what they became."""
+
+    settings: tuple
+    prompts: list[list[int]]
+    seeds: list[int]
+    completions: list[Completion] | None = None
+
+
 class ScoringModel:
     """Prompt log-probs and top-k of a causal LM, scored by the same code as a local teacher."""
 
@@ -65,6 +75,9 @@ class ScoringModel:
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.teacher = LocalTeacher(model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0)
         self.lock = threading.Lock()
+        self.pending: list[_SampleJob] = []
+        """Sampling requests waiting for the model: the next to hold ``lock`` samples them all."""
+        self.pending_lock = threading.Lock()
 
     def sample(
         self,
@@ -76,18 +89,40 @@ class ScoringModel:
         stop_strings: list[str],
     ) -> list[Completion]:
         """One completion per prompt from ``softmax(logits / temperature)`` (greedy at 0), sampled
-        by the code that samples a local teacher, each row from its seed (None: a fresh one)."""
-        sampler = HFGenerateSampler(
-            self.teacher.model, self.tokenizer, stop_token_ids=stop_token_ids, stop_strings=stop_strings
+        by the code that samples a local teacher, each row from its seed (None: a fresh one).
+
+        Requests with the same settings that wait while the model is busy are sampled together
+        in one batch (a client sends a request a row, as vLLM's per-request seed asks); each row
+        draws from its own seed, so its tokens do not depend on the rows it is batched with.
+        """
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        job = _SampleJob(
+            (temperature, max_tokens, tuple(stop_token_ids), tuple(stop_strings)), prompts, seeds
         )
+        with self.pending_lock:
+            self.pending.append(job)
         with self.lock:
-            return sampler.sample(
-                prompts,
-                temperature=temperature or 1.0,
-                max_tokens=max_tokens,
-                greedy=temperature == 0,
-                seed=seeds,
-            )
+            if job.completions is None:
+                with self.pending_lock:
+                    batch = [j for j in self.pending if j.settings == job.settings]
+                    self.pending = [j for j in self.pending if j.settings != job.settings]
+                sampler = HFGenerateSampler(
+                    self.teacher.model,
+                    self.tokenizer,
+                    stop_token_ids=stop_token_ids,
+                    stop_strings=stop_strings,
+                )
+                sampled = sampler.sample(
+                    [p for j in batch for p in j.prompts],
+                    temperature=temperature or 1.0,
+                    max_tokens=max_tokens,
+                    greedy=temperature == 0,
+                    seed=[s for j in batch for s in j.seeds],
+                )
+                for j in batch:
+                    j.completions, sampled = sampled[: len(j.prompts)], sampled[len(j.prompts) :]
+        return job.completions
 
     def score(
         self, prompts: list[list[int]], k: int
