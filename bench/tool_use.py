@@ -244,7 +244,16 @@ def main() -> None:
     parser.add_argument("--teacher", choices=["local", "remote", "bpe"], default="local")
     parser.add_argument("--set", nargs="*", default=[], help="dotted overrides of the run config")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--teacher-reads",
+        nargs="+",
+        metavar="TEXT",
+        help="only print the BPE teacher's log-prob per character of each TEXT as a first turn",
+    )
     args = parser.parse_args()
+    if args.teacher_reads:
+        print_teacher_reading(args.teacher_reads)
+        return
 
     char = build_char_tokenizer()
     train_prompts = generate_task_prompts("arithmetic", seed=1000, count=4000)
@@ -312,6 +321,49 @@ def main() -> None:
         student_reading_rate=student_reads,
         config=run_config(Path("<tmp>"), student, teacher, args.steps, args.seeds[0], args.eval_prompts),
     )
+
+
+def print_teacher_reading(texts: list[str]) -> None:
+    """How the cached BPE teacher reads texts the character-level student might write as its
+    first turn (``compute 8703+8754+9870``): its mean log-prob per character, as opd reads a
+    cross-tokenizer teacher's answer (its tokens split over characters by its 20 likely ones)."""
+    from opd.models import load_causal_lm, load_tokenizer
+    from opd.teachers.alignment import TeacherFormat
+    from opd.teachers.base import TeacherInput, TeacherRequest
+    from opd.teachers.local import LocalTeacher
+
+    directory = CACHE / "teacher-bpe"
+    tokenizer, char = load_tokenizer(str(directory), "teacher"), build_char_tokenizer()
+    teacher_format = TeacherFormat(
+        ChatRenderer(tokenizer), char, [2], cross_tokenizer=True, character_topk=20
+    )
+    teacher = LocalTeacher(
+        load_causal_lm(str(directory), "teacher", dtype="float32", device="cpu"),
+        vocab_size=len(tokenizer),
+        pad_id=0,
+    )
+    messages = ({"role": "user", "content": "compute 8703+8754+9870"},)
+    for text in texts:
+        ids = char(text, add_special_tokens=False)["input_ids"] + [2]
+        built = teacher_format.build(messages, ids)
+        (piece,) = built.turns
+        answer = teacher.score(
+            TeacherInput.from_sequences([built.token_ids], [built.score_mask], 0), TeacherRequest(topk=20)
+        )
+        span = slice(piece.start, piece.start + piece.length)
+        topk = [
+            list(zip(i, lp, strict=True))
+            for i, lp in zip(
+                answer.topk_ids_BTK[0, span].tolist(), answer.topk_logprobs_BTK[0, span].tolist(), strict=True
+            )
+        ]
+        per_char = teacher_format.student_view(
+            built, piece, answer.logprobs_BT[0, span].tolist(), [0.0] * len(ids), topk
+        )
+        pieces = [tokenizer.decode([token]) for token in built.token_ids[span]]
+        print(
+            f"{text!r}: {sum(per_char) / len(per_char):.2f} nats per character; the teacher's tokens {pieces}"
+        )
 
 
 def teacher_success_rate(teacher_dir: Path, teacher: dict, eval_prompts: int) -> float:
