@@ -279,3 +279,25 @@ def test_a_teacher_turn_cut_at_the_students_budget_is_unfinished():
     assert (whole.token_ids, whole.finished, whole.logprobs) == ([*chars, 2], True, [0.0] * 7)
     cut = writer.in_student_ids(Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 5)
     assert (cut.token_ids, cut.finished) == (chars[:5], False)
+
+
+def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(demo_models, bpe_model, tmp_path):
+    """Its top-k rows, in the student's ids, hold at most all the mass and give the sampled token
+    its per-character log-prob; a step learns from them."""
+    config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_model), 1, 0)
+    config["teacher"].update(cross_tokenizer=True, character_topk=8)
+    config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 6}
+    trainer = Trainer(config_from_dict(config), progress=False)
+    batch, _ = trainer.sample_batch(0)
+    scores = trainer.teachers.score(batch, trainer.config.training.objective.teacher_request(1.0))
+    mask = batch.mask_BT.bool()
+    ids_NK, logprobs_NK = scores.topk_ids_BTK[mask], scores.topk_logprobs_BTK[mask]
+    assert ids_NK.shape[1] == 6 and (logprobs_NK.exp().sum(-1) <= 1 + 1e-5).all()
+    assert (logprobs_NK[:, 0] > math.log(0.05)).float().mean() > 0.5  # the teacher says something
+    sampled = batch.input_ids_BT[mask]
+    found = (ids_NK == sampled[:, None]).any(-1)
+    at = (ids_NK == sampled[:, None]).float().argmax(-1)
+    picked = logprobs_NK.gather(-1, at[:, None]).squeeze(-1)
+    torch.testing.assert_close(picked[found], scores.logprobs_BT[mask][found], atol=1e-5, rtol=0)
+    metrics = trainer.train_step(0)
+    assert math.isfinite(metrics["loss"]) and metrics["objective/topk_forward_kl"] > 0

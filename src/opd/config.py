@@ -560,7 +560,7 @@ def validate(config: Config) -> Config:
     for where, teacher in teachers:
         _positive(teacher.character_topk, f"{where}.character_topk", allow_zero=True)
         if teacher.cross_tokenizer:
-            _check_cross_tokenizer_objectives(training, where)
+            _check_cross_tokenizer_objectives(training, teacher, where)
             if teacher.backend != "local" and not teacher.tokenizer:
                 raise ConfigError(f"{where}.tokenizer: required for cross_tokenizer with a remote teacher")
         if teacher.chat_template_kwargs and not teacher.chat_template:
@@ -741,20 +741,33 @@ def _objective_field(training: TrainingConfig, source: str) -> str:
     return "training.objective"
 
 
-def _check_cross_tokenizer_objectives(training: TrainingConfig, where: str) -> None:
-    """A teacher with another tokenizer scores sampled text only: log-probs of the student's
-    samples, or nothing (the student learns the teacher's own text by its likelihood)."""
+def _check_cross_tokenizer_objectives(training: TrainingConfig, teacher: TeacherConfig, where: str) -> None:
+    """A teacher with another tokenizer scores sampled text: log-probs of the student's samples, or
+    its likely next tokens mapped onto the student's (from the ``character_topk`` it is asked for),
+    or nothing (the student learns the teacher's own text by its likelihood)."""
     for source, objective in training.objectives_by_source().items():
+        field = _objective_field(training, source)
+        if source == "student" and objective.teacher_signal == "topk":
+            if not teacher.character_topk:
+                raise ConfigError(
+                    f"{where}.character_topk: {field} '{objective.name}' reads the teacher's likely tokens "
+                    "in the student's; set character_topk > 0 (e.g. 20)"
+                )
+            if training.temperature != 1.0:
+                raise ConfigError(
+                    f"training.temperature: a cross_tokenizer teacher's likely tokens are read at "
+                    f"temperature 1; {objective.name} with it needs temperature: 1.0"
+                )
+            continue
         wanted = "logprobs" if source == "student" else "none"
         if objective.teacher_signal == wanted:
             continue
-        field = _objective_field(training, source)
         if source == "student":
+            served = [*objective_names(teacher_signal="logprobs"), *objective_names(teacher_signal="topk")]
             raise ConfigError(
                 f"{where}.cross_tokenizer: on the student's samples it serves objective "
-                f"{' or '.join(objective_names(teacher_signal='logprobs'))}; {field} '{objective.name}' "
-                "needs the student's token ids (full distributions and top-k are over the student's "
-                "vocabulary)"
+                f"{' or '.join(served)}; {field} '{objective.name}' needs the teacher's full distribution "
+                "over the student's vocabulary"
             )
         fix = (
             "training.off_policy_objective: nll (the student learns the teacher's text)"

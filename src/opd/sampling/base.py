@@ -52,6 +52,31 @@ def row_seeds(seed: int | list[int], count: int) -> list[int]:
     return list(seed)
 
 
+def neutral_sampling_body(
+    max_tokens: int, temperature: float, stop_token_ids: list[int], stop_strings: list[str]
+) -> dict:
+    """A vLLM ``/v1/completions`` body that samples ``softmax(logits / temperature)`` and nothing
+    else: every setting a server's generation defaults could change is sent, stops are kept in
+    the output and the token ids come back."""
+    return {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "logprobs": 0,
+        "stop_token_ids": stop_token_ids,
+        "stop": stop_strings or None,
+        "include_stop_str_in_output": True,
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "return_token_ids": True,
+    }
+
+
 def pad_id_for(tokenizer, stop_token_ids: list[int]) -> int:
     """The id a sampler pads with: the tokenizer's pad token, else the first stop id."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]

@@ -40,7 +40,7 @@ from opd.distributed import broadcast_object, new_group, world
 from opd.errors import ConfigError, RolloutServerError
 from opd.models import DTYPES
 from opd.policy.config import StudentConfig
-from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
+from opd.sampling.base import SamplingParams, neutral_sampling_body, pad_id_for, row_seeds
 
 if TYPE_CHECKING:
     from opd.policy.policy import Policy
@@ -321,24 +321,9 @@ class VLLMServerEngine:
         chosen = [self.servers[(self.processes.rank + i) % len(self.servers)] for i in range(len(prompts))]
         used = list({id(s): s for s in chosen}.values())
         self._check_versions(used)
-        body = {
-            "max_tokens": max_tokens,
-            "temperature": 0.0 if greedy else temperature,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "logprobs": 0,
-            "stop_token_ids": self.stop_token_ids,
-            "stop": self.stop_strings or None,
-            "include_stop_str_in_output": True,
-            "ignore_eos": True,
-            "skip_special_tokens": False,
-            "return_token_ids": True,
-            "allowed_token_ids": self.allowed_token_ids,
-        }
+        temperature = 0.0 if greedy else temperature
+        body = neutral_sampling_body(max_tokens, temperature, self.stop_token_ids, self.stop_strings)
+        body["allowed_token_ids"] = self.allowed_token_ids
 
         def one(row: int) -> Completion:
             server = chosen[row]

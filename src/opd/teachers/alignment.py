@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Trajectory, turn_spans
+from opd.teachers.next_tokens import Candidate, StudentVocabulary, going_on, pad_topk, student_topk
 
 UNCOVERED_CHAR_LOGPROB = -20.0
 
@@ -181,7 +182,9 @@ class TeacherFormat:
         self.character_topk = character_topk
         self.student_tokenizer = student_tokenizer
         self.student_stop_ids = set(student_stop_ids)
+        self.student_stop_id = student_stop_ids[0]
         self.cross_tokenizer = cross_tokenizer
+        self._vocabulary: StudentVocabulary | None = None
         self._anchor = renderer.tokenizer("a", add_special_tokens=False)["input_ids"]
         self._anchor_length = len(renderer.tokenizer.decode(self._anchor))
         self._token_texts: dict[int, str] = {}
@@ -273,3 +276,65 @@ class TeacherFormat:
         students = len(piece.student_ends)
         view = student_token_logprobs(chars, piece.student_ends, student_logprobs[:students])
         return [*view, end_logprob + teacher_logprobs[count]] if piece.ends_with_stop else view
+
+    def student_next_tokens(
+        self,
+        built: TeacherInput,
+        piece: TurnPiece,
+        teacher_logprobs: list[float],
+        teacher_topk: list[list[tuple[int, float]]],
+        turn_ids: list[int],
+        view: list[float],
+        k: int,
+    ) -> list[tuple[list[int], list[float]]]:
+        """The teacher's top-``k`` over the student's tokens at each token of one turn
+        (:mod:`opd.teachers.next_tokens`). Where its likely tokens cannot be read (a token that is
+        not its text's, a character it does not cover), the student's own token with ``view``'s
+        log-prob (the teacher's per student token) stands alone."""
+        if self._vocabulary is None:
+            self._vocabulary = StudentVocabulary(self.student_tokenizer, self.student_stop_id)
+        vocabulary, text, offsets = self._vocabulary, piece.text, piece.teacher_offsets
+        body_ids = built.token_ids[piece.start : piece.start + piece.length]
+        count = len(offsets)
+        candidates = [
+            self._candidates(body_ids[p], teacher_logprobs[p], teacher_topk[p], text[start:end])
+            for p, (start, end) in enumerate(offsets)
+        ]
+        covering: dict[int, int] = {}
+        for p, (start, end) in enumerate(offsets):
+            for char in range(start, min(end, len(text))):
+                covering.setdefault(char, p)
+        stops = set(self.renderer.stop_token_ids)
+
+        def previous(p: int, at: int):
+            if p == 0 or offsets[p - 1][1] != at or candidates[p - 1] is None:
+                return None
+            return text[offsets[p - 1][0] : at], candidates[p - 1]
+
+        rows, start = [], 0
+        for j, end in enumerate(piece.student_ends):
+            p = covering.get(start)
+            if end <= start or p is None or candidates[p] is None:
+                rows.append(pad_topk([turn_ids[j]], [view[j]], k, vocabulary.size))
+            else:
+                ways = going_on(text, offsets[p][0], start, candidates[p], previous(p, start))
+                rows.append(student_topk(ways, vocabulary, stops, k))
+            start = max(start, end)
+        if piece.ends_with_stop:
+            stop, end = body_ids[count], len(text)
+            own = self.token_text(stop)
+            at_end = self._candidates(stop, teacher_logprobs[count], teacher_topk[count], own)
+            ways = going_on(text, end, end, at_end, previous(count, end) if count else None)
+            rows.append(student_topk(ways, vocabulary, stops, k))
+        return rows
+
+    def _candidates(
+        self, own: int, logprob: float, topk: list[tuple[int, float]], text: str
+    ) -> list[Candidate] | None:
+        """The teacher's likely tokens at a position, its own first (None where its own token does
+        not read as ``text``, the characters it covers)."""
+        if self.token_text(own) != text:
+            return None
+        return [Candidate(own, text, logprob)] + [
+            Candidate(token_id, self.token_text(token_id), lp) for token_id, lp in topk if token_id != own
+        ]

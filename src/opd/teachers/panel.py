@@ -242,10 +242,18 @@ class TeacherPanel:
                                 strict=True,
                             )
                         ]
-                    taught = torch.tensor(
-                        teacher_format.student_view(built[i], piece, taught.tolist(), student, topk)
-                    )
+                    view = teacher_format.student_view(built[i], piece, taught.tolist(), student, topk)
+                    if request.topk:
+                        turn_ids = sequences[row][student_span]
+                        rows_K = teacher_format.student_next_tokens(
+                            built[i], piece, taught.tolist(), topk, turn_ids, view, request.topk
+                        )
+                        scores.topk_ids_BTK[row, student_span] = torch.tensor([ids for ids, _ in rows_K])
+                        scores.topk_logprobs_BTK[row, student_span] = torch.tensor([lps for _, lps in rows_K])
+                    taught = torch.tensor(view)
                 scores.logprobs_BT[row, student_span] = taught
+            if teacher_format.cross_tokenizer:
+                continue  # its top-k is in the student's tokens above, and it sends no hidden states
             scored = batch.mask_BT[row].bool()
             teacher_scored = torch.zeros(answer.logprobs_BT.shape[1], dtype=torch.bool)
             teacher_scored[: len(built[i].token_ids)] = torch.tensor(built[i].score_mask)

@@ -23,6 +23,7 @@ import torch
 
 from opd.data.sequences import Completion
 from opd.errors import RemoteTeacherError
+from opd.sampling.base import neutral_sampling_body
 from opd.secrets import redact
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
@@ -196,24 +197,8 @@ class RemoteTeacher:
                 f"teacher server {self.endpoint}: backend '{self.backend}' only scores; a teacher that "
                 "writes completions is reached through the OpenAI completions route (backend: openai)"
             )
-        body = {
-            "model": self.model,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "logprobs": 0,
-            "stop_token_ids": stop_token_ids,
-            "stop": stop_strings or None,
-            "include_stop_str_in_output": True,
-            "ignore_eos": True,
-            "skip_special_tokens": False,
-            "return_token_ids": True,
-        }
+        sampling = neutral_sampling_body(max_tokens, temperature, stop_token_ids, stop_strings)
+        body = {"model": self.model} | sampling
 
         def one(row: int) -> Completion:
             answer = self._post(body | {"prompt": prompts[row], "seed": seeds[row]})
