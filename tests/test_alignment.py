@@ -283,7 +283,7 @@ def test_a_teacher_turn_cut_at_the_students_budget_is_unfinished():
 
 def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(demo_models, bpe_model, tmp_path):
     """Its top-k rows, in the student's ids, hold at most all the mass and give the sampled token
-    its per-character log-prob; a step learns from them."""
+    at least its per-character log-prob; a step learns from them."""
     config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_model), 1, 0)
     config["teacher"].update(cross_tokenizer=True, character_topk=8)
     config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 6}
@@ -298,6 +298,8 @@ def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(demo
     found = (ids_NK == sampled[:, None]).any(-1)
     at = (ids_NK == sampled[:, None]).float().argmax(-1)
     picked = logprobs_NK.gather(-1, at[:, None]).squeeze(-1)
-    torch.testing.assert_close(picked[found], scores.logprobs_BT[mask][found], atol=1e-5, rtol=0)
+    assert found.float().mean() > 0.9  # the sampled characters are among the teacher's likely ones
+    # its share of the mass the teacher's likely tokens place: at least its per-character log-prob
+    assert (picked[found] >= scores.logprobs_BT[mask][found] - 1e-5).all()
     metrics = trainer.train_step(0)
     assert math.isfinite(metrics["loss"]) and metrics["objective/topk_forward_kl"] > 0

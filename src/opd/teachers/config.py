@@ -29,11 +29,13 @@ class TeacherConfig:
     """With ``chat_template``: variables its template reads (``{enable_thinking: true}``)."""
     cross_tokenizer: bool = False
     """The teacher's tokenizer differs from the student's: completions are re-tokenized for it
-    and aligned on character offsets (``sampled_reverse_kl`` and ``k3`` on student samples only)."""
+    and aligned on character offsets (``sampled_reverse_kl``, ``k3`` and ``topk_forward_kl`` on
+    student samples, ``nll`` on the teacher's own)."""
     character_topk: int = 20
     """Cross-tokenizer only: the teacher's likely tokens per position, from which its answer is
     read per character, so each student token is credited for its own characters (0: a token's
-    characters share its log-prob evenly). A remote server must send this many (vLLM
+    characters share its log-prob evenly), and ``topk_forward_kl`` reads its next-token
+    distribution in the student's tokens. A remote server must send this many (vLLM
     ``--max-logprobs``, 20 by default)."""
     timeout_s: float = 60.0
     """Remote: seconds to wait for one answer before retrying."""

@@ -16,8 +16,12 @@ onto the student token that writes its first characters:
 So a character-level student gets the teacher's next-character distribution, and a student
 whose tokens match the teacher's gets the teacher's own top-k (the exact-match mapping). What
 falls outside (a continuation no student token starts, a teacher token that ends exactly where
-the student's starts, what is below the top-k) is the tail. Approximation: a longer student
-token is scored by the teacher's token it starts, not by the teacher's path through several.
+the student's starts, what is below the top-k) is not known to fall outside the student tokens
+the rest reaches, so those are given the teacher's mass *among the ways they place*: the tail is
+only what lies beyond the student's ``k`` (a tail of unknown mass would tell the student to
+spread its own over every other token wherever the teacher is unsure). Approximation: a longer
+student token is scored by the teacher's token it starts, not by the teacher's path through
+several.
 """
 
 from __future__ import annotations
@@ -100,7 +104,8 @@ def student_topk(
     teacher_stop_ids: set[int],
     k: int,
 ) -> tuple[list[int], list[float]]:
-    """The ``k`` student tokens the ways going on start with the most mass, padded to ``k``."""
+    """The ``k`` student tokens the ways going on start with the most mass, as shares of the mass
+    every way that a student token starts places, padded to ``k``."""
     masses: dict[int, list[float]] = {}
     for candidate, rest, logprob in ways:
         if candidate is not None and candidate.token_id in teacher_stop_ids:
@@ -109,7 +114,10 @@ def student_topk(
             token_id = vocabulary.writing(rest)
         if token_id is not None:
             masses.setdefault(token_id, []).append(logprob)
-    ranked = sorted(((_logsumexp(v), i) for i, v in masses.items()), reverse=True)[:k]
+    if not masses:
+        return pad_topk([], [], k, vocabulary.size)
+    placed = _logsumexp([lp for values in masses.values() for lp in values])
+    ranked = sorted(((_logsumexp(v) - placed, i) for i, v in masses.items()), reverse=True)[:k]
     return pad_topk([i for _, i in ranked], [lp for lp, _ in ranked], k, vocabulary.size)
 
 
