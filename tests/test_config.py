@@ -198,13 +198,13 @@ def test_an_unset_objective_is_the_topk_forward_kl_where_it_can_serve():
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["teacher.cross_tokenizer=true"],  # top-k ids would be the teacher's vocabulary
+        ["teacher.cross_tokenizer=true"],  # its defaults were measured with the reverse KL
         ["training.loss_fn=ppo"],  # a policy-gradient setting asks for the policy gradient
         ["training.kl_penalty_coef=0.5"],
         ["teacher.backend=sglang", "teacher.base_url=http://127.0.0.1:30000", "training.temperature=0.7"],
     ],
 )
-def test_an_unset_objective_is_the_reverse_kl_where_the_top_k_cannot_serve(overrides):
+def test_an_unset_objective_is_the_reverse_kl_where_the_top_k_cannot_serve_or_was_not_measured(overrides):
     objective = config_from_dict(MINIMAL, overrides).training.objective
     assert objective.name == "sampled_reverse_kl"
     named = config_from_dict(MINIMAL, [*overrides, "training.objective=sampled_reverse_kl"])

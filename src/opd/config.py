@@ -142,8 +142,9 @@ class TrainingConfig:
     only; ``topk_forward_kl``: forward KL over the teacher's ``topk`` tokens plus a tail bucket;
     ``nll``: negative log-likelihood of the tokens (SFT on teacher or dataset completions).
     Unset: ``topk_forward_kl`` with ``topk: 20`` (what a vLLM server sends by default), which
-    shows even a far-off student the token the teacher wants; ``sampled_reverse_kl`` where that
-    cannot serve: a ``cross_tokenizer`` teacher, a policy-gradient setting given
+    shows even a far-off student the token the teacher wants; ``sampled_reverse_kl`` with a
+    ``cross_tokenizer`` teacher (what its defaults were measured with; its top-k in the student's
+    tokens is asked for by name) and where top-k cannot serve: a policy-gradient setting given
     (``kl_penalty_coef``, ``kl_discount_factor``, ``advantage_clip``, ``normalize_advantages``,
     ``advantage_logprobs``, ``loss_fn``, ``loss_fn_config``), or a remote
     teacher with ``temperature`` other than 1 (docs/defaults.md)."""
