@@ -34,7 +34,14 @@ from typing import NamedTuple
 
 from opd.data.render import ChatRenderer
 from opd.data.sequences import Trajectory, turn_spans
-from opd.teachers.next_tokens import Candidate, StudentVocabulary, going_on, pad_topk, student_topk
+from opd.teachers.next_tokens import (
+    Candidate,
+    StudentVocabulary,
+    TeacherReading,
+    TeacherStep,
+    pad_topk,
+    student_topk,
+)
 
 UNCOVERED_CHAR_LOGPROB = -20.0
 
@@ -188,6 +195,8 @@ class TeacherFormat:
         self._anchor = renderer.tokenizer("a", add_special_tokens=False)["input_ids"]
         self._anchor_length = len(renderer.tokenizer.decode(self._anchor))
         self._token_texts: dict[int, str] = {}
+        # the teacher's special tokens other than its end of turn: no text the student could write
+        self._unwritten = set(renderer.tokenizer.all_special_ids) - set(renderer.stop_token_ids)
 
     def token_text(self, token_id: int) -> str:
         """A teacher token's text as it reads inside a text (decoded after another token, so that
@@ -295,46 +304,40 @@ class TeacherFormat:
             self._vocabulary = StudentVocabulary(self.student_tokenizer, self.student_stop_id)
         vocabulary, text, offsets = self._vocabulary, piece.text, piece.teacher_offsets
         body_ids = built.token_ids[piece.start : piece.start + piece.length]
-        count = len(offsets)
-        candidates = [
-            self._candidates(body_ids[p], teacher_logprobs[p], teacher_topk[p], text[start:end])
+        steps = [
+            TeacherStep(
+                start,
+                end,
+                teacher_logprobs[p],
+                self._candidates(body_ids[p], teacher_logprobs[p], teacher_topk[p], text[start:end]),
+            )
             for p, (start, end) in enumerate(offsets)
         ]
-        covering: dict[int, int] = {}
-        for p, (start, end) in enumerate(offsets):
-            for char in range(start, min(end, len(text))):
-                covering.setdefault(char, p)
-        stops = set(self.renderer.stop_token_ids)
-
-        def previous(p: int, at: int):
-            if p == 0 or offsets[p - 1][1] != at or candidates[p - 1] is None:
-                return None
-            return text[offsets[p - 1][0] : at], candidates[p - 1]
-
-        rows, start = [], 0
-        for j, end in enumerate(piece.student_ends):
-            p = covering.get(start)
-            if end <= start or p is None or candidates[p] is None:
-                rows.append(pad_topk([turn_ids[j]], [view[j]], k, vocabulary.size))
-            else:
-                ways = going_on(text, offsets[p][0], start, candidates[p], previous(p, start))
-                rows.append(student_topk(ways, vocabulary, stops, k))
-            start = max(start, end)
-        if piece.ends_with_stop:
-            stop, end = body_ids[count], len(text)
+        if piece.ends_with_stop:  # the end of turn is read after the text, a way from its end on
+            p, stop = len(offsets), body_ids[len(offsets)]
             own = self.token_text(stop)
-            at_end = self._candidates(stop, teacher_logprobs[count], teacher_topk[count], own)
-            ways = going_on(text, end, end, at_end, previous(count, end) if count else None)
-            rows.append(student_topk(ways, vocabulary, stops, k))
+            candidates = self._candidates(stop, teacher_logprobs[p], teacher_topk[p], own)
+            steps.append(TeacherStep(len(text), len(text) + 1, teacher_logprobs[p], candidates))
+        reading = TeacherReading(text, steps)
+        turn_ends = [*piece.student_ends, len(text) + 1][: len(piece.student_ends) + piece.ends_with_stop]
+        rows, start = [], 0
+        for j, end in enumerate(turn_ends):
+            row = student_topk(reading.ways(start), vocabulary, k) if end > start else None
+            rows.append(row or pad_topk([turn_ids[j]], [view[j]], k, vocabulary.size))
+            start = max(start, end)
         return rows
 
     def _candidates(
         self, own: int, logprob: float, topk: list[tuple[int, float]], text: str
     ) -> list[Candidate] | None:
         """The teacher's likely tokens at a position, its own first (None where its own token does
-        not read as ``text``, the characters it covers)."""
+        not read as ``text``, the characters it covers), less special tokens that are not its end
+        of turn."""
         if self.token_text(own) != text:
             return None
-        return [Candidate(own, text, logprob)] + [
-            Candidate(token_id, self.token_text(token_id), lp) for token_id, lp in topk if token_id != own
+        stops = self.renderer.stop_token_ids
+        return [Candidate(own, text, logprob, own in stops)] + [
+            Candidate(token_id, self.token_text(token_id), lp, token_id in stops)
+            for token_id, lp in topk
+            if token_id != own and token_id not in self._unwritten
         ]

@@ -1,27 +1,26 @@
 """A teacher with another tokenizer as a top-k over the *student's* next tokens.
 
-The teacher's likely tokens at a position (its own and the top ``character_topk``) say how the
-text goes on; where a student token starts, the teacher's chance of each way to go on is mapped
-onto the student token that writes its first characters:
+The teacher scores the sampled text in its own tokens and sends its likely tokens at each
+position (its own and the top ``character_topk``). After ``text[:at]`` the text may go on along
+any likely token of a position at or before ``at`` whose text agrees with the text from there
+to ``at`` and goes on past it: its mass is the teacher's own tokens' up to that position times
+its own. So where the student's text still agrees with a long token the teacher would have
+written from an earlier position (its ``<calc>8`` when the student's text, cut otherwise later
+on, reads ``<ca``), that token says how it goes on, not only the token the teacher's tokenizer
+happened to cut there. With one position back this is the per-character split of
+:func:`opd.teachers.alignment.character_logprobs`.
 
-- mid teacher token (the student token starts at ``text[a:c]`` inside a teacher token covering
-  ``text[a:b]``): the teacher's likely tokens that start with ``text[a:c]`` and go on past it, each
-  with its probability given that prefix;
-- at a teacher token's start: that position's likely tokens, times the chance that the token
-  before ended there, plus the token before's longer alternatives that go on past it (as
-  :func:`opd.teachers.alignment.character_logprobs` splits the sampled text);
-- the teacher's end of turn is the student's; any other way to go on is written by the longest
-  student token that is a prefix of it, and the masses of one student token add up.
-
-So a character-level student gets the teacher's next-character distribution, and a student
-whose tokens match the teacher's gets the teacher's own top-k (the exact-match mapping). What
-falls outside (a continuation no student token starts, a teacher token that ends exactly where
-the student's starts, what is below the top-k) is not known to fall outside the student tokens
-the rest reaches, so those are given the teacher's mass *among the ways they place*: the tail is
-only what lies beyond the student's ``k`` (a tail of unknown mass would tell the student to
-spread its own over every other token wherever the teacher is unsure). Approximation: a longer
-student token is scored by the teacher's token it starts, not by the teacher's path through
-several.
+Each way is credited to the student token that writes its first characters: the teacher's end
+of turn is the student's, any other way goes to the longest student token that is a prefix of
+it, and the masses of one student token add up. A character-level student so gets the teacher's
+next-character distribution, a student whose tokens match the teacher's gets its own top-k.
+What no way places (a continuation no student token starts, a likely token that ends exactly at
+``at``, what is below the top-k) is not known to fall outside the student tokens the ways reach,
+so those get shares of the mass the ways place: the tail is only what lies beyond the student's
+``k`` (a tail of unknown mass would tell the student to spread its own over every other token
+wherever the teacher is unsure). Approximations: paths through the teacher's other tokens than
+its own (and their likely tokens) are not known and not counted; a longer student token is
+scored by the teacher's token it starts.
 """
 
 from __future__ import annotations
@@ -40,6 +39,8 @@ class Candidate:
     token_id: int
     text: str
     logprob: float
+    ends_turn: bool = False
+    """The teacher's end of turn: a way only where it is sent, never read as its text."""
 
 
 class StudentVocabulary:
@@ -70,52 +71,67 @@ class StudentVocabulary:
         return None
 
 
-def going_on(
-    text: str, start: int, at: int, candidates: list[Candidate], previous: tuple[str, list[Candidate]] | None
-) -> list[tuple[Candidate | None, str, float]]:
-    """The ways the text may go on at character ``at``, inside or at the start (``at == start``) of a
-    teacher token starting at ``start`` whose likely tokens are ``candidates``.
+@dataclass(frozen=True)
+class TeacherStep:
+    """One of the teacher's tokens of the sampled text: the characters it covers, its log-prob and
+    its likely tokens there, its own first (None where they cannot be read against the text)."""
 
-    Returns ``(candidate, rest, logprob)``: the teacher token it comes from (None: the end of turn is
-    not one), the text it writes from ``at`` on, and its log-prob given ``text[:at]``. ``previous``:
-    the text and likely tokens of the teacher token ending at ``at`` (a token start only), whose
-    longer alternatives also go on past it.
-    """
-    prefix = text[start:at]
-    if at > start:
-        kept = [c for c in candidates if c.text.startswith(prefix)]
-        if not kept:
-            return []
-        mass = _logsumexp([c.logprob for c in kept])
-        return [(c, c.text[len(prefix) :], c.logprob - mass) for c in kept if len(c.text) > len(prefix)]
-    if previous is None:
-        return [(c, c.text, c.logprob) for c in candidates]
-    token, before = previous
-    along = [c for c in before if c.text.startswith(token)]
-    mass = _logsumexp([c.logprob for c in along])
-    ended = next(c.logprob for c in before if c.text == token) - mass
-    ways = [(c, c.text, c.logprob + ended) for c in candidates]
-    return ways + [(c, c.text[len(token) :], c.logprob - mass) for c in along if len(c.text) > len(token)]
+    start: int
+    end: int
+    logprob: float
+    candidates: list[Candidate] | None
+
+
+class TeacherReading:
+    """The teacher's tokens of one turn, read for the ways the text may go on at each character."""
+
+    def __init__(self, text: str, steps: list[TeacherStep]):
+        self.text, self.steps = text, steps
+        self.before: list[float] = []
+        """The log-prob of the teacher's own tokens before each step: the path that reaches it."""
+        total = 0.0
+        for step in steps:
+            self.before.append(total)
+            total += step.logprob
+        self.longest = max((len(c.text) for s in steps for c in s.candidates or []), default=0)
+
+    def ways(self, at: int) -> list[tuple[Candidate, str, float]]:
+        """The ways the text may go on after ``text[:at]``: ``(candidate, rest, logprob)``, a likely
+        token of a teacher position at or before ``at`` whose text agrees with the text from that
+        position to ``at`` and goes on past it (``rest``: what it writes from ``at`` on), with the
+        log-prob of reaching that position along the teacher's own tokens and choosing it. The
+        teacher's own token there is a way only if it ends past ``at`` (else the next position's
+        tokens go on from it)."""
+        found = []
+        for step, before in zip(self.steps, self.before, strict=True):
+            if step.start > at:
+                break
+            if step.candidates is None or step.start + self.longest <= at:
+                continue
+            prefix = self.text[step.start : at]
+            for n, candidate in enumerate(step.candidates):
+                if (n == 0 and step.end <= at) or (candidate.ends_turn and prefix):
+                    continue
+                if candidate.ends_turn:
+                    found.append((candidate, "", before + candidate.logprob))
+                    continue
+                if len(candidate.text) > len(prefix) and candidate.text.startswith(prefix):
+                    found.append((candidate, candidate.text[len(prefix) :], before + candidate.logprob))
+        return found
 
 
 def student_topk(
-    ways: list[tuple[Candidate | None, str, float]],
-    vocabulary: StudentVocabulary,
-    teacher_stop_ids: set[int],
-    k: int,
-) -> tuple[list[int], list[float]]:
+    ways: list[tuple[Candidate, str, float]], vocabulary: StudentVocabulary, k: int
+) -> tuple[list[int], list[float]] | None:
     """The ``k`` student tokens the ways going on start with the most mass, as shares of the mass
-    every way that a student token starts places, padded to ``k``."""
+    every way that a student token starts places, padded to ``k`` (None: no way places any)."""
     masses: dict[int, list[float]] = {}
     for candidate, rest, logprob in ways:
-        if candidate is not None and candidate.token_id in teacher_stop_ids:
-            token_id = vocabulary.stop_id
-        else:
-            token_id = vocabulary.writing(rest)
+        token_id = vocabulary.stop_id if candidate.ends_turn else vocabulary.writing(rest)
         if token_id is not None:
             masses.setdefault(token_id, []).append(logprob)
     if not masses:
-        return pad_topk([], [], k, vocabulary.size)
+        return None
     placed = _logsumexp([lp for values in masses.values() for lp in values])
     ranked = sorted(((_logsumexp(v) - placed, i) for i, v in masses.items()), reverse=True)[:k]
     return pad_topk([i for _, i in ranked], [lp for lp, _ in ranked], k, vocabulary.size)
