@@ -28,7 +28,6 @@ never rewarded for them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,6 +38,8 @@ from opd.teachers.next_tokens import (
     StudentVocabulary,
     TeacherReading,
     TeacherStep,
+    TokenTexts,
+    logsumexp,
     pad_topk,
     student_topk,
 )
@@ -89,7 +90,7 @@ def character_logprobs(
             piece = [own / (end - start)] * (end - start)
         else:
             masses = [
-                _logsumexp([own] + [lp for other, lp in others if other.startswith(text[start:cut])])
+                logsumexp([own] + [lp for other, lp in others if other.startswith(text[start:cut])])
                 for cut in range(start + 1, end + 1)
             ]
             piece = [mass - previous for mass, previous in zip(masses, [0.0, *masses[:-1]], strict=True)]
@@ -122,12 +123,7 @@ class _TokenEnd(NamedTuple):
         starts the next with it (``first``: that token's log-prob of ``char``), or writes a longer
         token going on with it."""
         longer = [lp for other, lp in self.others if other.startswith(self.token + char)]
-        return _logsumexp([self.own + first, *longer]) - self.going_on
-
-
-def _logsumexp(values: list[float]) -> float:
-    top = max(values)
-    return top + math.log(sum(math.exp(value - top) for value in values))
+        return logsumexp([self.own + first, *longer]) - self.going_on
 
 
 def student_token_logprobs(
@@ -192,19 +188,14 @@ class TeacherFormat:
         self.student_stop_id = student_stop_ids[0]
         self.cross_tokenizer = cross_tokenizer
         self._vocabulary: StudentVocabulary | None = None
-        self._anchor = renderer.tokenizer("a", add_special_tokens=False)["input_ids"]
-        self._anchor_length = len(renderer.tokenizer.decode(self._anchor))
-        self._token_texts: dict[int, str] = {}
+        self._token_texts = TokenTexts(renderer.tokenizer)
         # the teacher's special tokens other than its end of turn: no text the student could write
         self._unwritten = set(renderer.tokenizer.all_special_ids) - set(renderer.stop_token_ids)
 
     def token_text(self, token_id: int) -> str:
         """A teacher token's text as it reads inside a text (decoded after another token, so that
         a tokenizer that drops a leading space at the start of a text keeps it)."""
-        if token_id not in self._token_texts:
-            text = self.renderer.tokenizer.decode([*self._anchor, token_id])
-            self._token_texts[token_id] = text[self._anchor_length :]
-        return self._token_texts[token_id]
+        return self._token_texts(token_id)
 
     def build(
         self, messages, completion_ids: list[int], trajectory: Trajectory | None = None

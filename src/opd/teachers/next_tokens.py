@@ -26,6 +26,7 @@ scored by the teacher's token it starts.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 
 PAD_LOGPROB = -1.0e4
@@ -43,20 +44,34 @@ class Candidate:
     """The teacher's end of turn: a way only where it is sent, never read as its text."""
 
 
+class TokenTexts:
+    """A tokenizer's token texts as they read inside a text: decoded after another token, so that
+    a tokenizer that drops a leading space at the start of a text keeps it (cached)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
+        self._anchor_length = len(tokenizer.decode(self._anchor))
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if token_id not in self._texts:
+            self._texts[token_id] = self.tokenizer.decode([*self._anchor, token_id])[self._anchor_length :]
+        return self._texts[token_id]
+
+
 class StudentVocabulary:
     """The student's token for a text going on: its end of turn, or its longest token that is a
     prefix of the text."""
 
     def __init__(self, tokenizer, stop_id: int):
         self.stop_id = stop_id
-        special = set(tokenizer.all_special_ids)
-        anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
-        anchor_length = len(tokenizer.decode(anchor))
+        special, token_text = set(tokenizer.all_special_ids), TokenTexts(tokenizer)
         self.ids: dict[str, int] = {}
         for token_id in range(len(tokenizer)):
             if token_id in special:
                 continue
-            text = tokenizer.decode([*anchor, token_id])[anchor_length:]
+            text = token_text(token_id)
             if text and "\ufffd" not in text:
                 self.ids.setdefault(text, token_id)
         self.longest = max((len(text) for text in self.ids), default=0)
@@ -87,8 +102,9 @@ class TeacherReading:
 
     def __init__(self, text: str, steps: list[TeacherStep]):
         self.text, self.steps = text, steps
+        self.starts = [step.start for step in steps]
+        # the log-prob of the teacher's own tokens before each step: the path that reaches it
         self.before: list[float] = []
-        """The log-prob of the teacher's own tokens before each step: the path that reaches it."""
         total = 0.0
         for step in steps:
             self.before.append(total)
@@ -103,10 +119,11 @@ class TeacherReading:
         teacher's own token there is a way only if it ends past ``at`` (else the next position's
         tokens go on from it)."""
         found = []
-        for step, before in zip(self.steps, self.before, strict=True):
+        first = bisect_left(self.starts, at - self.longest + 1)  # no likely token reaches past from before
+        for step, before in zip(self.steps[first:], self.before[first:], strict=True):
             if step.start > at:
                 break
-            if step.candidates is None or step.start + self.longest <= at:
+            if step.candidates is None:
                 continue
             prefix = self.text[step.start : at]
             for n, candidate in enumerate(step.candidates):
@@ -132,8 +149,8 @@ def student_topk(
             masses.setdefault(token_id, []).append(logprob)
     if not masses:
         return None
-    placed = _logsumexp([lp for values in masses.values() for lp in values])
-    ranked = sorted(((_logsumexp(v) - placed, i) for i, v in masses.items()), reverse=True)[:k]
+    placed = logsumexp([lp for values in masses.values() for lp in values])
+    ranked = sorted(((logsumexp(v) - placed, i) for i, v in masses.items()), reverse=True)[:k]
     return pad_topk([i for _, i in ranked], [lp for lp, _ in ranked], k, vocabulary.size)
 
 
@@ -149,6 +166,7 @@ def pad_topk(ids: list[int], logprobs: list[float], k: int, vocab_size: int) -> 
     return ids, logprobs
 
 
-def _logsumexp(values: list[float]) -> float:
+def logsumexp(values: list[float]) -> float:
+    """log(sum(exp(values))) of a few Python floats, without overflow."""
     top = max(values)
     return top + math.log(sum(math.exp(value - top) for value in values))

@@ -242,11 +242,12 @@ class TeacherPanel:
                                 strict=True,
                             )
                         ]
-                    view = teacher_format.student_view(built[i], piece, taught.tolist(), student, topk)
+                    logprobs = taught.tolist()
+                    view = teacher_format.student_view(built[i], piece, logprobs, student, topk)
                     if request.topk:
                         turn_ids = sequences[row][student_span]
                         rows_K = teacher_format.student_next_tokens(
-                            built[i], piece, taught.tolist(), topk, turn_ids, view, request.topk
+                            built[i], piece, logprobs, topk, turn_ids, view, request.topk
                         )
                         scores.topk_ids_BTK[row, student_span] = torch.tensor([ids for ids, _ in rows_K])
                         scores.topk_logprobs_BTK[row, student_span] = torch.tensor([lps for _, lps in rows_K])
