@@ -45,7 +45,7 @@ from pathlib import Path
 from provenance import write_result
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from opd.config import apply_overrides, config_from_dict
+from opd.config import apply_overrides, config_from_dict, config_to_dict
 from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
@@ -319,7 +319,14 @@ def main() -> None:
         results,
         teacher_success=teacher_success,
         student_reading_rate=student_reads,
-        config=run_config(Path("<tmp>"), student, teacher, args.steps, args.seeds[0], args.eval_prompts),
+        config=config_to_dict(
+            config_from_dict(
+                apply_overrides(
+                    run_config(Path("<tmp>"), student, teacher, args.steps, args.seeds[0], args.eval_prompts),
+                    args.set,
+                )
+            )
+        ),
     )
 
 
