@@ -33,11 +33,13 @@ def _train(args: argparse.Namespace) -> None:
 
 def _dry_run(args: argparse.Namespace) -> None:
     """Resolve and check the config for its processes and print the plan; nothing is loaded or written."""
+    from opd.distributed import launched_world
     from opd.trainer.plan import describe_plan
 
-    processes = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+    launched = launched_world()
+    processes = args.nproc or launched.size
     plan = describe_plan(load_config(args.config, args.overrides), processes)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if launched.is_main:
         print(f"opd train {args.config} --dry-run: the config resolves and fits {processes} process(es)")
         print(plan)
 
@@ -352,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"opd: interrupted.{resume}", file=sys.stderr)
         return 128 + signal.SIGINT
     except USER_ERRORS as error:
-        processes = int(os.environ.get("WORLD_SIZE", 1))
-        where = f" (rank {os.environ.get('RANK', 0)} of {processes})" if processes > 1 else ""
+        from opd.distributed import launched_world
+
+        launched = launched_world()
+        where = f" (rank {launched.rank} of {launched.size})" if launched.size > 1 else ""
         print(f"opd: error{where}: {redact(str(error))}", file=sys.stderr)
         return 2
     return 0
