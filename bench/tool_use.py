@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import tool_use_readings as readings
 from provenance import write_result
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -245,6 +246,14 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="dotted overrides of the run config")
     parser.add_argument("--out", type=Path)
     parser.add_argument(
+        "--compare-readings",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --teacher bpe: after each seed, the student samples the two turns of N held-out "
+        "prompts and the BPE teacher and its character-level twin read them (tool_use_readings.py)",
+    )
+    parser.add_argument(
         "--teacher-reads",
         nargs="+",
         metavar="TEXT",
@@ -266,6 +275,13 @@ def main() -> None:
     else:
         teacher_dir = build("teacher", TEACHER, char, tool_turns(train_prompts), seed=0)
         teacher = {"model": str(teacher_dir)}
+    judges = None
+    if args.compare_readings and args.teacher == "bpe":
+        build("teacher", TEACHER, char, tool_turns(train_prompts), seed=0)
+        judges = readings.Teacher(CACHE / "teacher-bpe"), readings.Teacher(CACHE / "teacher")
+        compared = readings.turns_of(
+            generate_task_prompts("arithmetic", seed=7, count=args.compare_readings), expression
+        )
     server = None
     if args.teacher == "remote":
         server, base_url = serve(teacher_dir)
@@ -296,6 +312,11 @@ def main() -> None:
                     "tool_calls_last_step": run.metrics[-2].get("env/tool_calls"),
                 }
             )
+            if judges is not None:
+                from opd.runs.export import export_student
+
+                final = export_student(log_path, log_path / "final-student")
+                results[-1]["readings"] = readings.disagreement(final, *judges, compared, seed)
             print(results[-1])
             shutil.rmtree(log_path, ignore_errors=True)
         teacher_success = teacher_success_rate(teacher_dir, teacher, args.eval_prompts)
@@ -315,6 +336,7 @@ def main() -> None:
             "seeds": args.seeds,
             "eval_prompts": args.eval_prompts,
             "set": args.set,
+            "compare_readings": args.compare_readings,
         },
         results,
         teacher_success=teacher_success,
@@ -334,42 +356,14 @@ def print_teacher_reading(texts: list[str]) -> None:
     """How the cached BPE teacher reads texts the character-level student might write as its
     first turn (``compute 8703+8754+9870``): its mean log-prob per character, as opd reads a
     cross-tokenizer teacher's answer (its tokens split over characters by its 20 likely ones)."""
-    from opd.models import load_causal_lm, load_tokenizer
-    from opd.teachers.alignment import TeacherFormat
-    from opd.teachers.base import TeacherInput, TeacherRequest
-    from opd.teachers.local import LocalTeacher
-
-    directory = CACHE / "teacher-bpe"
-    tokenizer, char = load_tokenizer(str(directory), "teacher"), build_char_tokenizer()
-    teacher_format = TeacherFormat(
-        ChatRenderer(tokenizer), char, [2], cross_tokenizer=True, character_topk=20
-    )
-    teacher = LocalTeacher(
-        load_causal_lm(str(directory), "teacher", dtype="float32", device="cpu"),
-        vocab_size=len(tokenizer),
-        pad_id=0,
-    )
+    teacher = readings.Teacher(CACHE / "teacher-bpe")
     messages = ({"role": "user", "content": "compute 8703+8754+9870"},)
     for text in texts:
-        ids = char(text, add_special_tokens=False)["input_ids"] + [2]
-        built = teacher_format.build(messages, ids)
-        (piece,) = built.turns
-        answer = teacher.score(
-            TeacherInput.from_sequences([built.token_ids], [built.score_mask], 0), TeacherRequest(topk=20)
-        )
-        span = slice(piece.start, piece.start + piece.length)
-        topk = [
-            list(zip(i, lp, strict=True))
-            for i, lp in zip(
-                answer.topk_ids_BTK[0, span].tolist(), answer.topk_logprobs_BTK[0, span].tolist(), strict=True
-            )
-        ]
-        per_char = teacher_format.student_view(
-            built, piece, answer.logprobs_BT[0, span].tolist(), [0.0] * len(ids), topk
-        )
-        pieces = [tokenizer.decode([token]) for token in built.token_ids[span]]
+        reading = teacher.read(messages, text)
+        per_char = reading.per_character
         print(
-            f"{text!r}: {sum(per_char) / len(per_char):.2f} nats per character; the teacher's tokens {pieces}"
+            f"{text!r}: {sum(per_char) / len(per_char):.2f} nats per character; "
+            f"the teacher's tokens {reading.teacher_tokens}"
         )
 
 
