@@ -28,12 +28,20 @@ cross-tokenizer teacher is ``nll``).
 
     python bench/tool_use.py --teacher bpe --set "training.lmbda={start: 0, end: 0.5, steps: 300}"
     python bench/tool_use.py --teacher bpe --set training.data_source=teacher training.objective=nll
+
+``--compare-readings N`` (with ``--teacher bpe``) has each final student sample N held-out calls
+and answers and reads them with the BPE teacher and with its character-level twin;
+``--compare-answer`` shows where the two part on one answer turn:
+
+    python bench/tool_use.py --compare-answer 8703+8754-5435 12022 12202
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import shutil
 import string
 import subprocess
@@ -259,9 +267,19 @@ def main() -> None:
         metavar="TEXT",
         help="only print the BPE teacher's log-prob per character of each TEXT as a first turn",
     )
+    parser.add_argument(
+        "--compare-answer",
+        nargs="+",
+        metavar=("EXPRESSION", "TEXT"),
+        help="only print, after the right call of EXPRESSION and its result, how the BPE teacher and"
+        " its character-level twin read each TEXT as the answer: the likeliest next character",
+    )
     args = parser.parse_args()
     if args.teacher_reads:
         print_teacher_reading(args.teacher_reads)
+        return
+    if args.compare_answer:
+        print_answer_readings(args.compare_answer[0], args.compare_answer[1:])
         return
 
     char = build_char_tokenizer()
@@ -365,6 +383,31 @@ def print_teacher_reading(texts: list[str]) -> None:
             f"{text!r}: {sum(per_char) / len(per_char):.2f} nats per character; "
             f"the teacher's tokens {reading.teacher_tokens}"
         )
+
+
+def print_answer_readings(expression_text: str, texts: list[str]) -> None:
+    """Where the two cached teachers part on an answer turn: after each prefix of the text, each
+    one's likeliest next character (``<end>``: the end of turn) and the KL between their readings."""
+    result = str(sum(int(term) for term in re.findall(r"[+-]?\d+", expression_text)))
+    question = Prompt(({"role": "user", "content": f"compute {expression_text}"},), answer=result)
+    (_, messages, _) = readings.turns_of([question], expression)[1]
+    bpe, char = readings.Teacher(CACHE / "teacher-bpe"), readings.Teacher(CACHE / "teacher")
+    print(f"the calculator's result: {result}")
+    for text in texts:
+        by_bpe, by_char = bpe.read(messages, text), char.read(messages, text)
+        rows = zip(by_bpe.next_characters, by_char.next_characters, strict=True)
+        for at, (b_row, c_row) in enumerate(rows):
+            print(
+                f"after {text[:at]!r}: BPE {likeliest(b_row, char.char)}, character-level "
+                f"{likeliest(c_row, char.char)}, KL {readings.kl(c_row, b_row):.2f}"
+            )
+
+
+def likeliest(row: dict[int, float], tokenizer) -> str:
+    """A next-character reading's top choice and its probability."""
+    best = max(row, key=row.get)
+    shown = "<end>" if best == readings.STUDENT_STOP_ID else tokenizer.decode([best])
+    return f"{shown!r} {math.exp(row[best]):.3f}"
 
 
 def teacher_success_rate(teacher_dir: Path, teacher: dict, eval_prompts: int) -> float:
