@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shutil
 import string
 import subprocess
@@ -60,6 +59,7 @@ from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.demo import run as demo
 from opd.demo.char_tokenizer import SPECIAL_TOKENS, build_char_tokenizer, with_chat_specials
+from opd.envs.calculator import calculate
 from opd.trainer.loop import train
 from opd.trainer.sft import supervised_finetune
 
@@ -388,7 +388,7 @@ def print_teacher_reading(texts: list[str]) -> None:
 def print_answer_readings(expression_text: str, texts: list[str]) -> None:
     """Where the two cached teachers part on an answer turn: after each prefix of the text, each
     one's likeliest next character (``<end>``: the end of turn) and the KL between their readings."""
-    result = str(sum(int(term) for term in re.findall(r"[+-]?\d+", expression_text)))
+    result = calculate(expression_text)
     question = Prompt(({"role": "user", "content": f"compute {expression_text}"},), answer=result)
     (_, messages, _) = readings.turns_of([question], expression)[1]
     bpe, char = readings.Teacher(CACHE / "teacher-bpe"), readings.Teacher(CACHE / "teacher")
