@@ -22,13 +22,15 @@ first (same mode and rate), then ``--steps`` on-policy from the merged result, o
 ``--then-set`` changes the second stage only.
 Each finished run is a JSON file in ``--out`` (an interrupted sweep resumes) with its commit,
 resolved config, environment, curve and per-step metrics; ``defaults.md`` (tables) is rebuilt
-from all of them.
+from all of them. Each process trains in run directories of its own under the cache, so several
+sweeps (one seed each, say) can run at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -92,7 +94,7 @@ def train_stage(
     from opd.runs.export import export_student
     from opd.trainer.loop import train
 
-    directory = cache_root() / "runs" / "defaults-sweep"
+    directory = cache_root() / "runs" / f"defaults-sweep-{os.getpid()}"
     data = user_config(directory, student, teacher, task, spec, steps, args)
     config = config_from_dict(data, overrides)
     metrics = train(config, progress=True).metrics
@@ -117,7 +119,7 @@ def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list
     joined on one step axis (stage two's steps follow stage one's), each stage's config kept."""
     if not args.sft_steps:
         return train_stage(task, spec, student, teacher, overrides, args.steps, args, None)
-    merged = cache_root() / "runs" / "defaults-sweep-sft-student"
+    merged = cache_root() / "runs" / f"defaults-sweep-sft-student-{os.getpid()}"
     first = train_stage(task, spec, student, teacher, overrides + SFT_OVERRIDES, args.sft_steps, args, merged)
     second = train_stage(task, spec, merged, teacher, overrides + args.then_set, args.steps, args, None)
     shutil.rmtree(merged, ignore_errors=True)
