@@ -297,8 +297,8 @@ def main() -> None:
     if args.compare_readings and args.teacher == "bpe":
         build("teacher", TEACHER, char, tool_turns(train_prompts), seed=0)
         judges = readings.Teacher(CACHE / "teacher-bpe"), readings.Teacher(CACHE / "teacher")
-        compared = readings.turns_of(
-            generate_task_prompts("arithmetic", seed=7, count=args.compare_readings), expression
+        compared = readings.labelled(
+            tool_turns(generate_task_prompts("arithmetic", seed=7, count=args.compare_readings))
         )
     server = None
     if args.teacher == "remote":
@@ -390,7 +390,7 @@ def print_answer_readings(expression_text: str, texts: list[str]) -> None:
     one's likeliest next character (``<end>``: the end of turn) and the KL between their readings."""
     result = calculate(expression_text)
     question = Prompt(({"role": "user", "content": f"compute {expression_text}"},), answer=result)
-    (_, messages, _) = readings.turns_of([question], expression)[1]
+    messages = tool_turns([question])[1].messages
     bpe, char = readings.Teacher(CACHE / "teacher-bpe"), readings.Teacher(CACHE / "teacher")
     print(f"the calculator's result: {result}")
     for text in texts:

@@ -135,16 +135,8 @@ def disagreement(
     }
 
 
-def turns_of(prompts: list[Prompt], expression) -> list[tuple[str, tuple, str]]:
-    """A prompt's two turns: the call after the question, the answer after the right result."""
-    turns = []
-    for prompt in prompts:
-        call = f"<calc>{expression(prompt)}</calc>"
-        turns.append(("call", prompt.messages, call))
-        after = (
-            *prompt.messages,
-            {"role": "assistant", "content": call},
-            {"role": "tool", "content": prompt.answer},
-        )
-        turns.append(("answer", after, prompt.answer))
-    return turns
+def labelled(turns: list[Prompt]) -> list[tuple[str, tuple, str]]:
+    """The teacher's supervised turns (a call, then the answer after the right result, per
+    prompt) as (kind, conversation before the turn, the turn's text)."""
+    kinds = ("call", "answer") * (len(turns) // 2)
+    return [(kind, turn.messages, turn.completion) for kind, turn in zip(kinds, turns, strict=True)]
