@@ -18,25 +18,18 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
+from local_server import free_port, wait_for_health
 from provenance import write_result
 from smollm2 import converted_dir
 from vllm_sync import perturbed_teacher
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_server(model: Path, port: int, cores: str, log: Path) -> subprocess.Popen:
@@ -54,17 +47,8 @@ def start_server(model: Path, port: int, cores: str, log: Path) -> subprocess.Po
         "OMP_NUM_THREADS": threads,
     }
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return server
-        except OSError:
-            time.sleep(0.5)
-    server.kill()
-    raise SystemExit("the server did not start in 600 s")
+    wait_for_health(server, port, timeout_s=600, why_exited=lambda: log.read_text()[-3000:])
+    return server
 
 
 def run(staleness: int, url: str, student: Path, teacher: Path, args) -> tuple[dict, dict]:

@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import tool_use_readings as readings
+from local_server import free_port, wait_for_health
 from provenance import write_result
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -213,12 +214,7 @@ def run_config(
 
 def serve(teacher: Path) -> tuple[subprocess.Popen, str]:
     """``opd serve`` the teacher on a loopback port; its base URL once it answers."""
-    import socket
-    import urllib.request
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         [
             sys.executable,
@@ -234,15 +230,8 @@ def serve(teacher: Path) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return process, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise TimeoutError("opd serve did not start")
+    wait_for_health(process, port, timeout_s=120)
+    return process, f"http://127.0.0.1:{port}/v1"
 
 
 def main() -> None:
