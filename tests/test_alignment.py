@@ -13,7 +13,7 @@ from opd.data.render import ChatRenderer
 from opd.data.sequences import Completion
 from opd.demo.char_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, build_char_tokenizer
 from opd.demo.run import MAX_TOKENS, TEACHER_SPEC, build_model, demo_config
-from opd.sampling.base import row_seed
+from opd.sampling.base import SamplingParams, row_seed
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import (
     TeacherFormat,
@@ -22,7 +22,7 @@ from opd.teachers.alignment import (
     token_char_ends,
 )
 from opd.teachers.base import TeacherInput, TeacherRequest
-from opd.teachers.writer import TeacherWriter
+from opd.teachers.writer import TeacherWriter, write_rows
 from opd.trainer.loop import Trainer, step_seed
 from opd.trainer.sft import supervised_finetune
 from tests.servers import free_port, start_opd_serve
@@ -280,6 +280,26 @@ def test_a_teacher_turn_cut_at_the_students_budget_is_unfinished():
     assert (whole.token_ids, whole.finished, whole.logprobs) == ([*chars, 2], True, [0.0] * 7)
     cut = writer.in_student_ids(Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 5)
     assert (cut.token_ids, cut.finished) == (chars[:5], False)
+
+
+def test_rows_of_two_teachers_are_written_one_call_per_teacher_in_row_order():
+    calls = []
+
+    def sampler(name):
+        def sample(prompts, temperature, max_tokens, seeds):
+            calls.append((name, prompts, seeds))
+            return [
+                Completion([name, *prompt, seed], [0.0] * (len(prompt) + 2), True)
+                for prompt, seed in zip(prompts, seeds, strict=True)
+            ]
+
+        return sample
+
+    first, second = (TeacherWriter(sampler(name), None, None, [2]) for name in (100, 200))
+    prompts, seeds = [[1], [2, 2], [3], [4]], [11, 12, 13, 14]
+    written = write_rows([first, second, second, first], prompts, [()] * 4, SamplingParams(1.0, 8), seeds)
+    assert calls == [(100, [[1], [4]], [11, 14]), (200, [[2, 2], [3]], [12, 13])]
+    assert [c.token_ids for c in written] == [[100, 1, 11], [200, 2, 2, 12], [200, 3, 13], [100, 4, 14]]
 
 
 def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(demo_models, bpe_model, tmp_path):

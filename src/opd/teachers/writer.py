@@ -75,3 +75,25 @@ class TeacherWriter:
             logprobs.append(completion.logprobs[-1] if not self.format.cross_tokenizer else 0.0)
         finished = completion.finished and len(token_ids) <= max_tokens
         return Completion(token_ids[:max_tokens], logprobs[:max_tokens], finished=finished)
+
+
+def write_rows(
+    writers: Sequence[TeacherWriter],
+    prompts: list[list[int]],
+    conversations: Sequence[Sequence[dict[str, str]]],
+    params: SamplingParams,
+    seeds: list[int],
+) -> list[Completion]:
+    """Each row's completion by its own writer (``writers[row]``, its dataset's teacher), in row
+    order; a writer gets all of its rows in one call, so a teacher decodes them together."""
+    rows_of: dict[int, list[int]] = {}
+    for row, writer in enumerate(writers):
+        rows_of.setdefault(id(writer), []).append(row)
+    completions: list[Completion] = [None] * len(prompts)
+    for rows in rows_of.values():
+        written = writers[rows[0]].write(
+            [prompts[r] for r in rows], [conversations[r] for r in rows], params, [seeds[r] for r in rows]
+        )
+        for row, completion in zip(rows, written, strict=True):
+            completions[row] = completion
+    return completions

@@ -58,6 +58,7 @@ from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.runs.watchdog import Watchdog
 from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
 from opd.sampling.episodes import EpisodeSpec, TurnSampler, play_episodes
+from opd.teachers.writer import write_rows
 from opd.trainer.ahead import AheadCollector
 from opd.trainer.batch import Batch
 from opd.trainer.components import RunComponents
@@ -207,10 +208,10 @@ class Trainer(RunComponents):
                 lockstep = True
 
                 def sample(turn_rows, turn_prompts, conversations, turn_seeds, max_tokens):
-                    return self.teacher_rollouts(
+                    return write_rows(
+                        [self.teacher_writers[dataset_indices[r]] for r in turn_rows],
                         turn_prompts,
                         conversations,
-                        [dataset_indices[r] for r in turn_rows],
                         replace(params, max_tokens=max_tokens),
                         turn_seeds,
                     )
@@ -249,29 +250,6 @@ class Trainer(RunComponents):
             dataset.env.episode_tokens(self.config.training.max_tokens),
             f"datasets[{dataset_index}] ({dataset.name})",
         )
-
-    def teacher_rollouts(
-        self,
-        prompts: list[list[int]],
-        conversations: list[list[dict[str, str]]],
-        dataset_indices: list[int],
-        params: SamplingParams,
-        seeds: list[int],
-    ) -> list[Completion]:
-        """Each prompt's completion written by its dataset's teacher (in process or on a server, in
-        its own format or the student's), with that row's seed, in the student's token ids."""
-        completions: list[Completion] = [None] * len(prompts)
-        groups: dict[int, list[int]] = {}
-        for row, index in enumerate(dataset_indices):
-            groups.setdefault(id(self.teacher_writers[index]), []).append(row)
-        for rows in groups.values():
-            writer = self.teacher_writers[dataset_indices[rows[0]]]
-            sampled = writer.write(
-                [prompts[r] for r in rows], [conversations[r] for r in rows], params, [seeds[r] for r in rows]
-            )
-            for row, completion in zip(rows, sampled, strict=True):
-                completions[row] = completion
-        return completions
 
     def collect(self, step: int, engine: RolloutEngine | None = None) -> Batch:
         """Step ``step``'s batch (this process's share): prompts, completions, and the teachers'
