@@ -10,6 +10,7 @@ student's own scored rows come (:func:`opd.logprobs.flat_rows`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -155,3 +156,12 @@ class Teacher(Protocol):
     def score(self, inputs: TeacherInput, request: TeacherRequest) -> TeacherScores:
         """Log q(x_t | x_<t) at every scored position, and what ``request`` asks for besides."""
         ...
+
+
+def rows_by_identity(per_row: Sequence[object]) -> list[list[int]]:
+    """Row indices grouped by the object each row goes to (the same teacher or writer, not an
+    equal one), in first-seen order: one call per teacher for all of its rows."""
+    groups: dict[int, list[int]] = {}
+    for row, owner in enumerate(per_row):
+        groups.setdefault(id(owner), []).append(row)
+    return list(groups.values())

@@ -19,7 +19,7 @@ from opd.distributed import launched_world
 from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import TeacherFormat
-from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores
+from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores, rows_by_identity
 from opd.teachers.config import TeacherConfig
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher
@@ -167,18 +167,11 @@ class TeacherPanel:
             writers.append(built[key])
         return writers
 
-    def rows_by_teacher(self, dataset_indices: list[int]) -> dict[int, list[int]]:
-        """Row indices grouped by the teacher that scores them, in first-seen order."""
-        groups: dict[int, list[int]] = {}
-        for row, dataset_index in enumerate(dataset_indices):
-            groups.setdefault(id(self.per_dataset[dataset_index]), []).append(row)
-        return groups
-
     def score(self, batch: RolloutBatch, request: TeacherRequest | None = None) -> TeacherScores:
         """Each row scored by its dataset's teacher, with what ``request`` (default: the panel's) asks for."""
         request = request or self.request or TeacherRequest()
         inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT.bool())
-        groups = list(self.rows_by_teacher(batch.dataset_index_B.tolist()).values())
+        groups = rows_by_identity([self.per_dataset[index] for index in batch.dataset_index_B.tolist()])
         first = self.formats[int(batch.dataset_index_B[0])]
         if len(groups) == 1 and first is None:  # one teacher reading the student's tokens: its answer as is
             return self.per_dataset[int(batch.dataset_index_B[0])].score(inputs, request)

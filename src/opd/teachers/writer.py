@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from opd.data.sequences import Completion
 from opd.sampling.base import SamplingParams
 from opd.teachers.alignment import TeacherFormat
+from opd.teachers.base import rows_by_identity
 
 TeacherSample = Callable[[list[list[int]], float, int, list[int]], list[Completion]]
 """``(prompt ids, temperature, max_tokens, seeds)``: one completion per prompt, in the teacher's ids."""
@@ -86,11 +87,8 @@ def write_rows(
 ) -> list[Completion]:
     """Each row's completion by its own writer (``writers[row]``, its dataset's teacher), in row
     order; a writer gets all of its rows in one call, so a teacher decodes them together."""
-    rows_of: dict[int, list[int]] = {}
-    for row, writer in enumerate(writers):
-        rows_of.setdefault(id(writer), []).append(row)
     completions: list[Completion] = [None] * len(prompts)
-    for rows in rows_of.values():
+    for rows in rows_by_identity(writers):
         written = writers[rows[0]].write(
             [prompts[r] for r in rows], [conversations[r] for r in rows], params, [seeds[r] for r in rows]
         )
