@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
 import textwrap
 import typing
 from typing import Any
@@ -19,6 +20,12 @@ from opd.envs.registry import EnvConfig, environments
 from opd.objectives.registry import objectives
 from opd.policy.config import StudentConfig
 from opd.teachers.config import TeacherConfig
+
+
+def _first_line(cls: type) -> str:
+    """A class docstring's first sentence, as one line."""
+    return " ".join((cls.__doc__ or "").split()).replace("``", "`")
+
 
 SECTIONS: list[tuple[str, type, str]] = [
     ("", Config, "The top level of a config file."),
@@ -31,7 +38,10 @@ SECTIONS: list[tuple[str, type, str]] = [
         "A dataset's environment (docs/environments.md): these keys and the environment's own options,"
         " side by side (`env: {name: calculator, max_turns: 3, result_role: user}`).",
     ),
-    ("training", TrainingConfig, "The optimisation loop."),
+    *(
+        ("training", section, f"The optimisation loop: {_first_line(section)}")
+        for section in reversed(TrainingConfig.__bases__)
+    ),
     (
         "training.lmbda",
         LambdaSchedule,
@@ -43,7 +53,16 @@ NESTED = {"student", "teacher", "datasets", "training"}
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string literal under its declaration), read from the source."""
+    """Each field's docstring (the string literal under its declaration), read from the source of
+    the class and of the sections it is made of."""
+    docs = {}
+    for owner in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        docs |= _own_field_docs(owner)
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The docstrings of the fields ``cls`` declares itself."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
@@ -126,7 +145,10 @@ def render() -> str:
         "it current.",
     ]
     for prefix, cls, intro in SECTIONS:
-        out += ["", f"## {prefix or 'top level'}", "", intro, "", *rows(prefix, cls)]
+        title = prefix or "top level"
+        if cls in TrainingConfig.__bases__:
+            title += ": " + re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__.removesuffix("Settings")).lower()
+        out += ["", f"## {title}", "", intro, "", *rows(prefix, cls)]
     out += [
         "",
         "## training.objective options",

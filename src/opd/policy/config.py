@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from opd.checks import range_problems
+from opd.locations import device_problem, missing_path_problem
 
 
 @dataclass
@@ -76,3 +80,16 @@ class StudentConfig:
     layer instead of three), so with LoRA a copy in the student's own dtype is made too and
     samples faster. Its log-probs are the copy's, so the policy loss's importance ratio covers
     the gap, as it does for a vLLM sampler. Evaluation always decodes with the student itself."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for the student's own settings, found before any model loads (the
+        sampler's settings are checked by the rollout engines, :mod:`opd.sampling.vllm_settings`)."""
+        for key, check in (
+            ("model", missing_path_problem),
+            ("tokenizer", missing_path_problem),
+            ("device", device_problem),
+        ):
+            value = getattr(self, key)
+            if value and (problem := check(value)):
+                yield key, problem
+        yield from range_problems(self, non_negative=("lora_rank",))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from opd.checks import range_problems
+from opd.locations import device_problem, missing_path_problem, url_problem
 
 
 @dataclass
@@ -53,3 +57,40 @@ class TeacherConfig:
     """Local: device, as for the student."""
     trust_remote_code: bool = False
     """Local: run model code shipped in the checkpoint."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this teacher's own settings, found before any model loads or
+        server is asked (what it is asked for, by the objective, is checked in ``opd.config.rules``)."""
+        places = [("tokenizer", missing_path_problem)]
+        places += (
+            [("model", missing_path_problem), ("device", device_problem)]
+            if self.backend == "local"
+            else [("base_url", url_problem)]
+        )
+        for key, check in places:
+            value = getattr(self, key)
+            if value and (problem := check(value)):
+                yield key, problem
+        yield from range_problems(self, non_negative=("character_topk",))
+        if self.cross_tokenizer and self.backend != "local" and not self.tokenizer:
+            yield "tokenizer", "required for cross_tokenizer with a remote teacher"
+        if self.chat_template_kwargs and not self.chat_template:
+            yield (
+                "chat_template_kwargs",
+                (
+                    "read by the teacher's own template only; set chat_template (tokenizer, or a Jinja "
+                    "template), or remove them (the teacher sees the student's rendering, "
+                    "student.chat_template_kwargs included)"
+                ),
+            )
+        if self.chat_template == "tokenizer" and self.backend != "local" and not self.tokenizer:
+            yield "tokenizer", "required to use the tokenizer's chat template of a remote teacher"
+        if self.backend == "local":
+            return
+        if not self.base_url:
+            yield "base_url", f"required for backend '{self.backend}'"
+        yield from range_problems(
+            self,
+            positive=("timeout_s", "max_concurrency", "request_batch_size"),
+            non_negative=("max_retries",),
+        )

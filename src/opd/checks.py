@@ -1,0 +1,18 @@
+"""Range checks that every config section runs on its own fields: one wording for all of them, so a
+user reads the same sentence whichever section is at fault."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+
+def range_problems(
+    section: Any, positive: Iterable[str] = (), non_negative: Iterable[str] = ()
+) -> Iterator[tuple[str, str]]:
+    """``(field, problem)`` for each named field of ``section`` out of range (None is unset: no problem)."""
+    for names, allow_zero in ((positive, False), (non_negative, True)):
+        for name in names:
+            value = getattr(section, name)
+            if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+                yield name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}"

@@ -1,0 +1,105 @@
+"""The defaults that depend on other settings (the learning rate on LoRA, the objective on the
+teachers and the policy-gradient settings), and the rule that a resumed run keeps the value its
+``config.yaml`` recorded, so a change of opd's defaults never changes a run halfway."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from opd.config.parsing import build_objective
+from opd.config.run import RUN_CONFIG_NAME, Config
+from opd.config.training import TrainingConfig
+from opd.distributed import launched_world
+from opd.errors import ConfigError
+from opd.objectives.base import Objective
+from opd.objectives.registry import objectives
+from opd.teachers.config import TeacherConfig
+
+LORA_LEARNING_RATE = 1e-3
+"""The default learning rate of a LoRA student (rank 32, alpha = rank)."""
+FULL_LEARNING_RATE = 3e-5
+"""The default learning rate of a fully fine-tuned student."""
+DEFAULT_TOPK = 20
+"""The unset objective's top-k: vLLM's default ``--max-logprobs``, so a stock server can serve it."""
+
+
+def objective_mapping(objective: Objective) -> dict:
+    """An objective as a config writes it: ``{name: ..., option: value, ...}``."""
+    return {"name": objective.name, **dataclasses.asdict(objective)}
+
+
+def fill_defaults(config: Config) -> None:
+    """Set the unset learning rate and objective: what the resumed run recorded, else today's default."""
+    training = config.training
+    resumed = _recorded_training(config)
+    if training.learning_rate is None:
+        default = LORA_LEARNING_RATE if config.student.lora_rank else FULL_LEARNING_RATE
+        training.learning_rate = _kept_or_default(config, resumed, "learning_rate", default)
+        if training.learning_rate <= 0:
+            raise ConfigError(f"training.learning_rate: must be > 0, got {training.learning_rate}")
+    if training.objective is None:
+        default = _default_objective(training, [teacher for _, teacher in config.teachers()])
+        training.objective = _kept_or_default(config, resumed, "objective", default)
+        if training.data_source == "mixed" and training.objective.samples == "student":
+            # the unset objective learns from the student's samples only: the teacher's are learnt as text
+            training.off_policy_objective = training.off_policy_objective or objectives()["nll"]()
+
+
+def _recorded_training(config: Config) -> dict:
+    """The ``training`` section recorded by the run this config resumes (empty: it resumes none)."""
+    path = Path(config.log_path) / RUN_CONFIG_NAME
+    if config.on_existing_log_path != "resume" or not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ConfigError(
+            f"{path}: the run to resume has an unreadable config ({error}); "
+            "use another log_path, or on_existing_log_path: overwrite to start over"
+        ) from None
+    training = data.get("training") if isinstance(data, dict) else None
+    return training if isinstance(training, dict) else {}
+
+
+def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> Any:
+    """An unset ``training.<key>``: what the resumed run recorded, so that a change of opd's
+    defaults does not change a run halfway (said when it differs from today's, by the first
+    process only: every ``torchrun`` worker loads the config), else the default."""
+    if recorded.get(key) is None:
+        return default
+    where = f"{Path(config.log_path) / RUN_CONFIG_NAME}: training.{key}"
+    if key == "objective":
+        kept = build_objective(recorded[key], where)
+        shown, default_shown = objective_mapping(kept), objective_mapping(default)
+    else:
+        kept = recorded[key]
+        if isinstance(kept, bool) or not isinstance(kept, int | float):
+            raise ConfigError(f"{where}: expected a number, got {kept!r}")
+        kept, shown, default_shown = float(kept), kept, default
+    if kept != default and launched_world().is_main:
+        warnings.warn(
+            f"{config.log_path}: resuming its run with training.{key} {shown}, as recorded in its "
+            f"{RUN_CONFIG_NAME}; a new run's default is {default_shown} (docs/defaults.md). "
+            f"Set training.{key} to change it",
+            stacklevel=2,
+        )
+    return kept
+
+
+def _default_objective(training: TrainingConfig, teachers: list[TeacherConfig]) -> Objective:
+    """The objective of a config that names none: the top-k forward KL where it can serve, which
+    tells a student that is far from its teacher which token to write, where the sampled-token
+    reverse KL only says which ones not to (docs/defaults.md); otherwise the reverse KL."""
+    remote_off_temperature = training.temperature != 1.0 and any(t.backend != "local" for t in teachers)
+    if (
+        training.policy_gradient_keys_set()
+        or remote_off_temperature
+        or any(t.cross_tokenizer for t in teachers)
+    ):
+        return objectives()["sampled_reverse_kl"]()
+    return objectives()["topk_forward_kl"](topk=DEFAULT_TOPK)

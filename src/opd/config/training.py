@@ -1,0 +1,337 @@
+"""The ``training`` section: one flat mapping in YAML, declared here as the sections a reader can hold
+(what is learnt from, optimisation, policy gradient, micro-batching, collection, parallel,
+monitoring), each checking its own fields. :class:`TrainingConfig` is all of them together.
+
+The YAML stays flat (``training.learning_rate``, not ``training.optimization.learning_rate``): every
+config, recipe and recorded ``config.yaml`` written so far reads as before, and a resumed run finds
+its recorded keys where it wrote them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from opd.checks import range_problems
+from opd.objectives.base import Objective
+from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
+
+
+@dataclass(frozen=True)
+class LambdaSchedule:
+    """``training.lmbda`` that moves during the run: the chance that a step's batch is the student's
+    own goes from ``start`` to ``end`` over the first ``steps`` steps (``start: 0, end: 1``: the
+    teacher's samples first, then more and more of the student's)."""
+
+    start: float = 0.0
+    """The share at step 0."""
+    end: float = 1.0
+    """The share from step ``steps`` on."""
+    steps: int = 20
+    """Steps the move takes."""
+    shape: Literal["linear", "step"] = "linear"
+    """``linear``: in a straight line; ``step``: ``start`` until step ``steps``, then ``end``."""
+
+    def at(self, step: int) -> float:
+        """The share at step ``step``."""
+        if step >= self.steps:
+            return self.end
+        if self.shape == "step":
+            return self.start
+        return self.start + (self.end - self.start) * step / self.steps
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for the schedule's own fields."""
+        for key in ("start", "end"):
+            share = getattr(self, key)
+            if not 0.0 <= share <= 1.0:
+                yield key, f"must be in [0, 1], got {share}"
+        yield from range_problems(self, positive=("steps",))
+
+
+@dataclass
+class DataSourceSettings:
+    """What the student learns from: who writes each batch's completions, how they are sampled,
+    and the objective on them."""
+
+    objective: Objective | None = None
+    """What the student minimises on each batch: a registered objective's name, or ``{name: ...,
+    option: value}`` with that objective's options (each module of ``opd.objectives`` documents
+    its own). ``sampled_reverse_kl``: negative per-token reverse KL as the advantage of a
+    policy-gradient ``loss_fn``; ``k3``: the differentiable k3 estimate on the sampled tokens
+    (``kl_direction``); ``jsd``: full-distribution generalized JSD (``beta``), teacher in process
+    only; ``topk_forward_kl``: forward KL over the teacher's ``topk`` tokens plus a tail bucket;
+    ``nll``: negative log-likelihood of the tokens (SFT on teacher or dataset completions).
+    Unset: ``topk_forward_kl`` with ``topk: 20`` (what a vLLM server sends by default), which
+    shows even a far-off student the token the teacher wants; ``sampled_reverse_kl`` with a
+    ``cross_tokenizer`` teacher (what its defaults were measured with; its top-k in the student's
+    tokens is asked for by name) and where top-k cannot serve: a policy-gradient setting given
+    (``kl_penalty_coef``, ``kl_discount_factor``, ``advantage_clip``, ``normalize_advantages``,
+    ``advantage_logprobs``, ``loss_fn``, ``loss_fn_config``), or a remote
+    teacher with ``temperature`` other than 1 (docs/defaults.md)."""
+    data_source: Literal["student", "teacher", "mixed", "dataset"] = "student"
+    """Where completions come from: ``student`` samples (on-policy), ``teacher`` samples
+    (sequence-level KD), ``mixed`` (on-policy with probability ``lmbda`` per step, else
+    teacher), or ``dataset`` (each prompt's ``completion``, else ``answer``; one per prompt)."""
+    off_policy_objective: Objective | None = None
+    """``mixed`` only: the objective of the steps whose batch the teacher wrote (``objective``
+    then applies to the student's own steps); unset: ``objective`` on both, or ``nll`` where an
+    unset ``objective`` becomes ``sampled_reverse_kl`` (which learns from the student's samples
+    only). ``nll`` here lets a teacher that scores only sampled tokens (``cross_tokenizer``)
+    start the student on its own episodes, with ``sampled_reverse_kl`` on the student's."""
+    lmbda: float | LambdaSchedule = 0.5
+    """``mixed`` only: the chance that a step's batch is the student's own samples, else the
+    teacher's (GKD's lambda), drawn per step from the run's seed; or a schedule,
+    ``{start: 0, end: 1, steps: 20, shape: linear}``, that moves it over the run (logged per
+    step as ``lmbda``)."""
+    max_tokens: int = 64
+    """Most tokens sampled per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the student's log-probs in the loss use the same temperature."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this section's own fields."""
+        yield from range_problems(self, positive=("max_tokens", "temperature"))
+        if not isinstance(self.lmbda, LambdaSchedule) and not 0.0 <= self.lmbda <= 1.0:
+            yield "lmbda", f"must be in [0, 1], got {self.lmbda}"
+        if self.off_policy_objective is not None and self.data_source != "mixed":
+            yield (
+                "off_policy_objective",
+                (
+                    "applies to the teacher's steps of data_source: mixed; with "
+                    f"'{self.data_source}' training.objective applies to every batch: remove it, or set the "
+                    "objective there"
+                ),
+            )
+
+    def objective_for(self, source: str) -> Objective:
+        """The objective of a batch written by ``source`` (``student``, ``teacher`` or ``dataset``)."""
+        if source == "student" or self.off_policy_objective is None:
+            return self.objective
+        return self.off_policy_objective
+
+    def objectives_by_source(self) -> dict[str, Objective]:
+        """The objective of each source this run's batches come from."""
+        sources = {"mixed": ("student", "teacher")}.get(self.data_source, (self.data_source,))
+        return {source: self.objective_for(source) for source in sources}
+
+    def lmbda_at(self, step: int) -> float:
+        """``lmbda`` at step ``step`` (a schedule's value there, or the constant)."""
+        return self.lmbda.at(step) if isinstance(self.lmbda, LambdaSchedule) else self.lmbda
+
+
+@dataclass
+class OptimizationSettings:
+    """The optimizer, its schedule and the run's length."""
+
+    learning_rate: float | None = None
+    """Peak learning rate, reached after ``warmup_steps``. Unset: 1e-3 with LoRA, 3e-5 for full
+    fine-tuning (``student.lora_rank: 0``), from a sweep on a 135M student (docs/defaults.md);
+    larger models usually want lower rates."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``learning_rate``."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: hold ``learning_rate`` (``constant``), or decay it towards 0 at the run's
+    last optimizer step (the run's steps x ``num_substeps``) in a straight line (``linear``, as
+    Hugging Face's Trainer does by default) or along a half cosine (``cosine``)."""
+    loss_aggregation: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
+    """``sum`` over tokens as the reference does, or a mean that transfers across batch sizes."""
+    num_substeps: int = 1
+    """Optimizer steps per batch, each on a contiguous slice of the sequences."""
+    max_steps: int | None = None
+    """Stop after this many steps; None runs one pass over the shortest dataset (more: each
+    dataset starts another pass, reshuffled, when it runs out)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient's global norm; None disables clipping."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    autocast: Literal["bfloat16"] | None = None
+    """Mixed precision for the update: the student's transformer body runs forward and backward
+    under ``torch.autocast`` in this dtype, while weights, gradients, optimizer state, the lm
+    head and the log-probs stay in the weights' dtype (float32 on a CPU). Faster where bfloat16
+    matmuls are (GPUs; CPUs with avx512_bf16 or AMX), slower on CPUs without them, and far
+    slower on a CPU without AVX-512 (opd warns). Rollouts, teacher
+    and evaluation are untouched (see ``student.sampling_dtype``, ``teacher.dtype``). float16
+    is not offered: it needs loss scaling."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this section's own fields."""
+        yield from range_problems(
+            self,
+            positive=("learning_rate", "num_substeps", "max_steps", "max_grad_norm"),
+            non_negative=("warmup_steps",),
+        )
+
+
+@dataclass
+class PolicyGradientSettings:
+    """How objectives with advantages (``sampled_reverse_kl``) turn the teacher's judgement into
+    per-token advantages, and the policy loss they take."""
+
+    kl_penalty_coef: float = 1.0
+    """Objectives with advantages: weight of the negative reverse KL in the per-token advantage."""
+    kl_discount_factor: float = 0.0
+    """Objectives with advantages: when > 0, each token's advantage becomes the discounted sum of
+    the advantages after it."""
+    advantage_clip: float | None = None
+    """Objectives with advantages: clamp each token's advantage (after any discount) to
+    ``[-advantage_clip, advantage_clip]``, so tokens the teacher rules out (tens of nats) do not
+    outweigh the rest of the batch; None leaves them as they are."""
+    normalize_advantages: bool = False
+    """Objectives with advantages: subtract the batch's mean advantage and divide by its standard
+    deviation (over every completion token of the whole batch, on every process; after any
+    discount and clip), so the step sees a baseline and a scale that do not depend on how far
+    the student is from the teacher. The logged ``advantage/*`` stay the unnormalised nats."""
+    advantage_logprobs: Literal["behaviour", "current"] | None = None
+    """Objectives with advantages: the student log-probs the reverse-KL advantage is built from.
+    ``behaviour``: those recorded by the sampler (the tinker recipe); ``current``: each sampled
+    token's log-prob under the weights about to be updated, from one no-grad forward before the
+    update (an extra forward a step), the remedy for stale samples (asynchronous on-policy
+    distillation, NOTES.md section 6). The importance ratio of the policy loss stays against the
+    behaviour log-probs either way. Unset: ``current`` where ``max_staleness`` > 0 (samples four
+    updates stale otherwise undo the run: docs/distributed.md), else ``behaviour``."""
+    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
+    """Objectives with advantages: the policy loss on the sampled tokens (formulas in
+    ``opd.objectives.policy_losses``)."""
+    loss_fn_config: dict[str, float] = field(default_factory=dict)
+    """Knobs of ``loss_fn``: ``clip_low_threshold`` / ``clip_high_threshold`` (ppo, cispo), ``beta`` (dro)."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this section's own fields."""
+        yield from range_problems(self, positive=("advantage_clip",), non_negative=("kl_penalty_coef",))
+        if not 0.0 <= self.kl_discount_factor < 1.0:
+            yield "kl_discount_factor", f"must be in [0, 1), got {self.kl_discount_factor}"
+        allowed = LOSS_FN_CONFIG_KEYS[self.loss_fn]
+        for key in self.loss_fn_config:
+            if key not in allowed:
+                yield (
+                    f"loss_fn_config.{key}",
+                    (f"not a knob of loss_fn '{self.loss_fn}' (it takes: {sorted(allowed) or 'none'})"),
+                )
+
+    def policy_gradient_keys_set(self) -> list[str]:
+        """The settings of this section given values other than their defaults (an objective
+        without advantages would ignore them)."""
+        defaults = PolicyGradientSettings()
+        return [
+            f.name
+            for f in dataclasses.fields(PolicyGradientSettings)
+            if getattr(self, f.name) != getattr(defaults, f.name)
+        ]
+
+
+@dataclass
+class MicroBatchSettings:
+    """How a batch is cut into forwards: micro-batches, packing, log-prob chunks."""
+
+    micro_batch_size: int | None = None
+    """Most sequences per forward/backward inside a substep (gradient accumulation). Without
+    ``micro_batch_tokens``: runs of this many rows in batch order (None: one micro-batch)."""
+    micro_batch_tokens: int | None = None
+    """Most tokens (prompt + completion, padding not counted when ``packing``) per forward /
+    backward: each substep's rows are binned by length, longest first, into as few micro-batches
+    as fit (the same bins for the same rows, on resume and on any number of processes; a process
+    with fewer bins than another splits its largest). Unset: sized for the device when the run
+    starts, about a quarter of its memory for activations (estimated from the model's shape;
+    ``opd train --dry-run`` prints it), unless ``micro_batch_size`` is set. The number of
+    micro-batches changes no number the update computes beyond rounding (the loss is normalised
+    by the whole batch's token and sequence counts). Must hold the longest possible row: the
+    longest prompt plus ``max_tokens``."""
+    packing: bool = True
+    """Run each micro-batch's sequences as one padding-free row (position ids restarting per
+    sequence, attention within each; flash-attention varlen on GPUs, sdpa per sequence
+    otherwise), in the update, the current log-probs and a local teacher's forward. A model
+    whose attention cannot pack (not sdpa or flash attention, sliding windows without flash
+    attention) runs padded, said once. False pads every micro-batch to its longest row."""
+    logprob_chunk_size: int = 1024
+    """Positions whose logits exist at once when computing log-probs (memory vs speed)."""
+    teacher_batch_size: int = 32
+    """Most sequences per forward of a local teacher (also at most ``micro_batch_tokens`` tokens)."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this section's own fields."""
+        yield from range_problems(
+            self,
+            positive=("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "teacher_batch_size"),
+        )
+
+
+@dataclass
+class CollectionSettings:
+    """Collecting batches ahead of learning."""
+
+    max_staleness: int = 0
+    """Collect up to this many steps ahead of learning: with k >= 1, the batches of steps
+    i+1..i+k are sampled and scored by a background worker (with its own copy of the weights,
+    refreshed after every update) while step i learns, so a batch may come from weights up to k
+    updates old (its recorded log-probs make the importance ratio correct). 0: the synchronous loop."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this section's own fields."""
+        yield from range_problems(self, non_negative=("max_staleness",))
+
+
+@dataclass
+class ParallelSettings:
+    """Several processes (torchrun) sharing the student."""
+
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    """How several processes (``torchrun --nproc_per_node N``) share the student: ``ddp`` keeps a
+    whole copy per process and averages gradients; ``fsdp`` shards weights, gradients and optimizer
+    state across them (PyTorch FSDP2, ``fully_shard`` per transformer block); ``auto`` is none for
+    one process and fsdp for several. Each process samples, scores and learns from its share of
+    every step's groups; the update equals one process's on the whole batch."""
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The torch.distributed backend under torchrun: ``auto`` is nccl on GPUs, gloo on CPUs."""
+    dist_timeout_s: float = 1800.0
+    """How long a process waits in a collective for the others before the job fails."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this section's own fields."""
+        yield from range_problems(self, positive=("dist_timeout_s",))
+
+
+@dataclass
+class MonitoringSettings:
+    """What the run shows and how it reacts to signs of going wrong."""
+
+    show_examples: bool = False
+    """Print one coloured sample per dataset per step (prompt, trained tokens, per-token KL)."""
+    stop_on_divergence: bool = False
+    """Stop the run at the first sign of it going wrong (entropy collapse, teacher KL rising for 5
+    steps, ``kl_sample_train`` or the gradient norm exploding, held-out accuracy falling), keeping
+    the last checkpoint; otherwise each sign is only warned about, once."""
+
+
+@dataclass
+class TrainingConfig(
+    MonitoringSettings,
+    ParallelSettings,
+    CollectionSettings,
+    MicroBatchSettings,
+    PolicyGradientSettings,
+    OptimizationSettings,
+    DataSourceSettings,
+):
+    """The optimisation loop: every section above, as one flat ``training`` mapping."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for every section's own fields."""
+        for section in reversed(TrainingConfig.__bases__):
+            if hasattr(section, "problems"):
+                yield from section.problems(self)
+
+    @property
+    def advantage_source(self) -> Literal["behaviour", "current"]:
+        """``advantage_logprobs``, or what its unset value means for this run."""
+        if self.advantage_logprobs is not None:
+            return self.advantage_logprobs
+        return "current" if self.max_staleness > 0 else "behaviour"
