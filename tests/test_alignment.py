@@ -23,7 +23,8 @@ from opd.teachers.alignment import (
 )
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.writer import TeacherWriter, write_rows
-from opd.trainer.loop import Trainer, step_seed
+from opd.trainer.collect import step_seed
+from opd.trainer.loop import Trainer
 from opd.trainer.sft import supervised_finetune
 from tests.servers import free_port, start_opd_serve
 

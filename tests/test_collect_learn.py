@@ -5,8 +5,9 @@ import torch
 
 from opd.config import config_from_dict
 from opd.teachers.base import TeacherInput, TeacherRequest
-from opd.trainer import loop
-from opd.trainer.loop import Trainer, advantage_metrics
+from opd.trainer import learn
+from opd.trainer.learn import advantage_metrics
+from opd.trainer.loop import Trainer
 
 
 def test_learn_takes_a_finished_batch_and_fetches_nothing(base_config, monkeypatch):
@@ -117,8 +118,8 @@ def test_normalized_advantages_are_what_a_step_learns_from(base_config, monkeypa
     base_config["training"] |= {"normalize_advantages": True, "advantage_clip": 0.05}
     trainer = Trainer(config_from_dict(base_config), progress=False)
     received = []
-    update = loop.policy_update
-    monkeypatch.setattr(loop, "policy_update", lambda *a: received.append(a[6]) or update(*a))
+    update = learn.policy_update
+    monkeypatch.setattr(learn, "policy_update", lambda *a: received.append(a[6]) or update(*a))
     batch = trainer.collect(0)
     metrics = trainer.learn(batch)
     selected = batch.rollouts.mask_BT.bool()

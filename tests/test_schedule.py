@@ -11,7 +11,7 @@ from opd.cli import main
 from opd.config import LambdaSchedule, TrainingConfig, config_from_dict
 from opd.errors import ConfigError
 from opd.runs.metrics import read_jsonl
-from opd.trainer.loop import step_data_source
+from opd.trainer.collect import step_data_source
 
 
 def test_the_schedule_by_hand():

@@ -32,12 +32,16 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
-        errors = []
+        errors, section_errors = [], []
         for option in (o for o in options if o is not type(None)):
             try:
                 return coerce(value, option, path)
             except ConfigError as error:
                 errors.append(str(error))
+                if isinstance(value, dict) and dataclasses.is_dataclass(option):
+                    section_errors.append(str(error))  # a mapping meant as this section: its own error
+        if len(section_errors) == 1:
+            raise ConfigError(section_errors[0])
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
     if origin is Literal:
         choices = typing.get_args(tp)

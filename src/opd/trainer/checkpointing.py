@@ -1,0 +1,57 @@
+"""A run's checkpoints from the trainer's side: what is saved after a step (weights, optimizer,
+schedule, policy version, RNG states; sharded across processes) and put back before the first
+step of a resumed run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opd.runs.checkpoints import restore_rng_states, save_checkpoint
+from opd.runs.resume import StartPoint
+from opd.runs.sharded_state import (
+    has_sharded_state,
+    load_indexed_optimizer_state,
+    load_sharded_state,
+    save_sharded_state,
+)
+from opd.trainer.components import RunComponents
+
+
+class Checkpointing(RunComponents):
+    """Saving and restoring the trainer's state."""
+
+    def restore(self, start: StartPoint) -> None:
+        """Put back a checkpoint's optimizer, schedule, policy version and RNG states (and its
+        weights, when sharded; one-process weights were loaded before the student was sharded)."""
+        if start.model_dir is None:
+            return
+        checkpoint = start.model_dir.parent
+        if has_sharded_state(checkpoint):
+            load_sharded_state(checkpoint, self.policy, self.optimizer)
+        else:
+            load_indexed_optimizer_state(self.policy, self.optimizer, start.trainer_state["optimizer"])
+        self.scheduler.load_state_dict(start.trainer_state["scheduler"])
+        self.policy.version = start.trainer_state.get("policy_version", self.scheduler.last_epoch)
+        restore_rng_states(start.trainer_state["rng"])
+
+    def save_checkpoint(self, steps_done: int) -> None:
+        """Weights, optimizer, scheduler and RNG states after ``steps_done`` steps, written atomically:
+        a Hugging Face model and an indexed optimizer state from one process, sharded state from
+        several (:mod:`opd.runs.sharded_state`)."""
+        state = {
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy.version,
+            "world_size": self.world.size,
+        }
+        if self.world.size > 1:
+
+            def save_model(directory: Path) -> None:
+                save_sharded_state(directory, self.policy, self.optimizer)
+
+        else:
+            state["optimizer"] = self.optimizer.state_dict()
+
+            def save_model(directory: Path) -> None:
+                self.policy.save(directory / "model")
+
+        save_checkpoint(Path(self.config.log_path), steps_done, save_model, self.tokenizer, state)

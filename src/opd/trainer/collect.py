@@ -1,0 +1,163 @@
+"""Collection, the first room of a step: the step's prompts for this process, completions from
+the step's data source (the student's engine, a teacher that writes, or the dataset), each row
+an episode of its dataset's environment where it has one, and the teachers' scores of the same
+tokens: a finished :class:`Batch`. The worker collecting ahead (:mod:`opd.trainer.ahead`) runs
+the same :meth:`Collection.collect` on its own engine."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+
+from opd.config import TrainingConfig
+from opd.data.prompts import Prompt
+from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
+from opd.runs.timing import SpanRecorder
+from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
+from opd.sampling.episodes import EpisodeSpec, TurnSampler, play_episodes
+from opd.teachers.writer import write_rows
+from opd.trainer.batch import Batch
+from opd.trainer.components import RunComponents
+from opd.trainer.sft import completion_tokens
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Sampling at step ``step`` depends only on (seed, step): a resumed run samples the same."""
+    return (seed * 1_000_003 + step) % (2**63)
+
+
+def step_data_source(training: TrainingConfig, seed: int, step: int) -> str:
+    """Who writes step ``step``'s completions. ``mixed``: the student with probability
+    ``lmbda`` at that step, drawn from (seed, step) alone, so a resumed run draws the same."""
+    if training.data_source != "mixed":
+        return training.data_source
+    on_policy = random.Random(f"{seed}/mixed/{step}").random() < training.lmbda_at(step)
+    return "student" if on_policy else "teacher"
+
+
+class Collection(RunComponents):
+    """Sampling, episodes and scoring of a step's batch, on the run's components."""
+
+    spans: SpanRecorder
+    """Where each phase's time is recorded (set by the run loop)."""
+    sync_seconds: float = 0.0
+    """The last weight sync's seconds, when :meth:`sample_batch` synced the run's engine."""
+
+    def data_source_at(self, step: int) -> str:
+        """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""
+        return step_data_source(self.config.training, self.config.seed, step)
+
+    def sample_batch(self, step: int, engine: RolloutEngine | None = None) -> tuple[RolloutBatch, str]:
+        """Render this process's share of the step's prompts and get their completions from the
+        step's data source.
+
+        The student and teachers sample ``group_size`` completions per prompt, each row seeded
+        by (run seed, step, its row in the whole batch), so the rows drawn do not depend on how
+        the batch is shared among processes; a dataset gives its one completion per prompt.
+        ``engine`` (default: the run's) samples the student, synced first unless it was given
+        already synced (a worker collecting ahead holds published weights).
+        """
+        source = self.data_source_at(step)
+        prompts, completions, dataset_indices, items = [], [], [], []
+        for item in self.batches.batch(step):
+            group_size = 1 if source == "dataset" else self.config.datasets[item.dataset_index].group_size
+            if source == "dataset":
+                prompt_ids, target = completion_tokens(self.renderer, item.prompt)
+                completions.append(Completion(target, [0.0] * len(target), finished=True))
+            else:
+                prompt_ids = self.renderer.prompt_ids(item.prompt.messages)
+            prompts += [prompt_ids] * group_size
+            dataset_indices += [item.dataset_index] * group_size
+            items += [item.prompt] * group_size
+        rows = self.rank_rows
+        prompts, dataset_indices, items = (
+            [values[r] for r in rows] for values in (prompts, dataset_indices, items)
+        )
+        seeds = [row_seed(step_seed(self.config.seed, step), r) for r in rows]
+        training = self.config.training
+        params = SamplingParams(temperature=training.temperature, max_tokens=training.max_tokens)
+        if source == "dataset":
+            completions = [completions[r] for r in rows]
+        else:
+            if source == "student":
+                if engine is None:
+                    engine = self.engine
+                    synced = time.perf_counter()
+                    engine.sync(self.policy)
+                    self.sync_seconds = time.perf_counter() - synced
+                    lockstep = True
+                else:
+                    lockstep = False  # the worker collecting ahead: no collectives off the main thread
+
+                def sample(turn_rows, turn_prompts, conversations, turn_seeds, max_tokens):
+                    return engine.rollout(
+                        turn_prompts, replace(params, max_tokens=max_tokens), seeds=turn_seeds
+                    )
+
+            else:
+                lockstep = True
+
+                def sample(turn_rows, turn_prompts, conversations, turn_seeds, max_tokens):
+                    return write_rows(
+                        [self.teacher_writers[dataset_indices[r]] for r in turn_rows],
+                        turn_prompts,
+                        conversations,
+                        replace(params, max_tokens=max_tokens),
+                        turn_seeds,
+                    )
+
+            completions = self.play(sample, prompts, items, dataset_indices, seeds, lockstep=lockstep)
+        return build_rollout_batch(
+            prompts, completions, dataset_indices, self.engine.pad_id, [p.messages for p in items]
+        ), source
+
+    def play(
+        self,
+        sample: TurnSampler,
+        prompts: list[list[int]],
+        items: list[Prompt],
+        dataset_indices: list[int],
+        seeds: list[int],
+        *,
+        lockstep: bool,
+    ) -> list[Completion]:
+        """Each row's completion from ``sample``: one turn, or its dataset's environment's episode."""
+        max_tokens = self.config.training.max_tokens
+        if not any(self.environments):
+            return sample(list(range(len(prompts))), prompts, [p.messages for p in items], seeds, max_tokens)
+        specs = [self.episode_spec(index, item) for index, item in zip(dataset_indices, items, strict=True)]
+        return play_episodes(sample, self.renderer, prompts, specs, seeds, max_tokens, lockstep=lockstep)
+
+    def episode_spec(self, dataset_index: int, prompt: Prompt) -> EpisodeSpec:
+        """How a row of dataset ``dataset_index`` is played: an episode of its environment, or one turn."""
+        environment, dataset = self.environments[dataset_index], self.config.datasets[dataset_index]
+        if environment is None:
+            return EpisodeSpec(None, prompt.messages)
+        return EpisodeSpec(
+            environment.start(prompt, self.graders[dataset_index]),
+            prompt.messages,
+            dataset.env.max_turns,
+            dataset.env.episode_tokens(self.config.training.max_tokens),
+            f"datasets[{dataset_index}] ({dataset.name})",
+        )
+
+    def collect(self, step: int, engine: RolloutEngine | None = None) -> Batch:
+        """Step ``step``'s batch (this process's share): prompts, completions, and the teachers'
+        scores of them. ``engine``: as :meth:`sample_batch` takes it."""
+        started = time.perf_counter()
+        with self.spans.span(step, "sample"):
+            rollouts, source = self.sample_batch(step, engine)
+        sampled_at = time.perf_counter()
+        teacher = None
+        request = self.config.training.objective_for(source).teacher_request(self.config.training.temperature)
+        if request is not None:  # SFT reads only the tokens: no teacher forward to pay for
+            with self.spans.span(step, "teacher"):
+                teacher = self.teachers.score(rollouts, request)
+        seconds = {
+            "time/sample": sampled_at - started,
+            "time/teacher": time.perf_counter() - sampled_at,
+        }
+        if source == "student" and engine is None:
+            seconds["time/weight_sync"] = self.sync_seconds
+        return Batch(step, source, rollouts, teacher, seconds)
