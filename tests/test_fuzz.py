@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from opd.config import config_from_dict, config_to_dict, load_config
 from opd.data.prompts import load_jsonl_prompts
 from opd.errors import ConfigError, DataError, RemoteTeacherError
+from opd.serve.model import ScoringModel
+from opd.serve.wire import RequestError, completions_response, generate_response
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.remote import RemoteTeacher
-from opd.teachers.server import RequestError, ScoringModel, completions_response, generate_response
 from tests.conftest import tiny_llama
 
 # --- values of every JSON / YAML type, including the awkward ones --------------------------------

@@ -133,7 +133,7 @@ def _trace(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from opd.teachers.server import ServerLimits, serve
+    from opd.serve.http import ServerLimits, serve
 
     serve(
         args.model,

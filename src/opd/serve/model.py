@@ -1,0 +1,115 @@
+"""The model behind ``opd serve``: prompt log-probs with a top-k, and sampling for a teacher that
+writes completions, one model forward at a time (a lock), requests that wait together sampled in
+one batch."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from opd.data.sequences import Completion
+from opd.logprobs import chunk_logits, head_weights
+from opd.sampling.hf_generate import HFGenerateSampler
+from opd.teachers.base import TeacherInput, TeacherRequest
+from opd.teachers.local import LocalTeacher
+
+
+@dataclass
+class _SampleJob:
+    """One request's rows to sample, and what they became."""
+
+    settings: tuple
+    prompts: list[list[int]]
+    seeds: list[int]
+    completions: list[Completion] | None = None
+
+
+class ScoringModel:
+    """Prompt log-probs and top-k of a causal LM, scored by the same code as a local teacher."""
+
+    def __init__(self, model, tokenizer, name: str, max_logprobs: int = 20):
+        self.tokenizer = tokenizer
+        self.name = name
+        self.max_logprobs = max_logprobs
+        self.vocab_size = len(tokenizer)
+        self.max_model_len = getattr(model.config, "max_position_embeddings", None)
+        self.teacher = LocalTeacher(model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0)
+        self.lock = threading.Lock()
+        self.pending: list[_SampleJob] = []
+        """Sampling requests waiting for the model: the next to hold ``lock`` samples them all."""
+        self.pending_lock = threading.Lock()
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        temperature: float,
+        max_tokens: int,
+        seeds: list[int] | None,
+        stop_token_ids: list[int],
+        stop_strings: list[str],
+    ) -> list[Completion]:
+        """One completion per prompt from ``softmax(logits / temperature)`` (greedy at 0), sampled
+        by the code that samples a local teacher, each row from its seed (None: a fresh one).
+
+        Requests with the same settings that wait while the model is busy are sampled together
+        in one batch (a client sends a request a row, as vLLM's per-request seed asks); each row
+        draws from its own seed, so its tokens do not depend on the rows it is batched with.
+        """
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        job = _SampleJob(
+            (temperature, max_tokens, tuple(stop_token_ids), tuple(stop_strings)), prompts, seeds
+        )
+        with self.pending_lock:
+            self.pending.append(job)
+        with self.lock:
+            if job.completions is None:
+                with self.pending_lock:
+                    batch = [j for j in self.pending if j.settings == job.settings]
+                    self.pending = [j for j in self.pending if j.settings != job.settings]
+                sampler = HFGenerateSampler(
+                    self.teacher.model,
+                    self.tokenizer,
+                    stop_token_ids=stop_token_ids,
+                    stop_strings=stop_strings,
+                )
+                sampled = sampler.sample(
+                    [p for j in batch for p in j.prompts],
+                    temperature=temperature or 1.0,
+                    max_tokens=max_tokens,
+                    greedy=temperature == 0,
+                    seed=[s for j in batch for s in j.seeds],
+                )
+                for j in batch:
+                    j.completions, sampled = sampled[: len(j.prompts)], sampled[len(j.prompts) :]
+        return job.completions
+
+    def score(
+        self, prompts: list[list[int]], k: int
+    ) -> list[list[tuple[float, int, list[tuple[int, float]]] | None]]:
+        """Per prompt, per position: None at 0, else (log p(token), its rank, [(id, log p)] top-k by rank).
+
+        The rank is vLLM's: one more than the number of ids the model finds strictly more likely.
+        """
+        inputs = TeacherInput.from_sequences(prompts, [[True] * len(p) for p in prompts], self.teacher.pad_id)
+        with self.lock:
+            scores = self.teacher.score(inputs, TeacherRequest(topk=max(k, 1), hidden=True))
+            weight, bias = head_weights(scores.head, self.vocab_size)
+            per_prompt = []
+            for row, prompt in enumerate(prompts):
+                length = len(prompt)
+                values = scores.logprobs_BT[row, 1:length].tolist()
+                logits, _ = chunk_logits(
+                    scores.hidden_BTD[row, 1:length], weight, bias, scores.head_transform
+                )
+                chosen = logits.gather(-1, torch.tensor(prompt[1:], device=logits.device)[:, None])
+                ranks = ((logits > chosen).sum(-1) + 1).tolist()
+                top_ids = scores.topk_ids_BTK[row, 1:length, :k].tolist()
+                top_values = scores.topk_logprobs_BTK[row, 1:length, :k].tolist()
+                positions: list = [None]
+                for value, rank, ids_k, values_k in zip(values, ranks, top_ids, top_values, strict=True):
+                    positions.append((value, rank, list(zip(ids_k, values_k, strict=True))))
+                per_prompt.append(positions)
+        return per_prompt
