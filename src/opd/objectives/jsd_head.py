@@ -26,7 +26,6 @@ from opd.logprobs import (
     PLAIN_LOGITS,
     HeadGradients,
     LogitTransform,
-    backward_chunk_starts,
     chunk_logits_inplace,
     head_gradient_expected,
     head_weights,
@@ -136,17 +135,13 @@ class _ChunkedJSD(torch.autograd.Function):
         hidden_ND, weight_VD, bias_V, *teacher_side = ctx.saved_tensors
         grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
         kept, ctx.kept = ctx.kept, None  # used once: a second backward recomputes
-        rows = hidden_ND.shape[0]
-        for start in backward_chunk_starts(rows, ctx.chunk_size, kept is not None):
-            end = start + ctx.chunk_size
-            if kept is not None and end >= rows:
-                (grad_logits, factor), derivative, kept = kept, None, None
-            else:
-                grad_logits, factor, derivative = _recomputed_gradient(ctx, grads, start, end, teacher_side)
-            grad_logits *= (grad_loss_N[start:end] * (grads.constant_factor * factor))[:, None]
-            grads.add(start, end, grad_logits, derivative)
-            del grad_logits
-        return (*grads.result(), *[None] * 9)
+        gradients = grads.chunked_backward(
+            grad_loss_N,
+            ctx.chunk_size,
+            kept,
+            lambda start, end: _recomputed_gradient(ctx, grads, start, end, teacher_side),
+        )
+        return (*gradients, *[None] * 9)
 
 
 def _recomputed_gradient(ctx, grads: HeadGradients, start: int, end: int, teacher_side: list):

@@ -30,7 +30,6 @@ from opd.logprobs import (
     PLAIN_LOGITS,
     HeadGradients,
     LogitTransform,
-    backward_chunk_starts,
     chunk_logits_inplace,
     head_gradient_expected,
     head_weights,
@@ -123,7 +122,7 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
                 tail_ratio,
             )
             if keep_last and end >= rows and transform.softcap is None:
-                ctx.kept = _gradient_from_probs_(
+                gradient = _gradient_from_probs_(
                     exps.div_(total[:, None]),
                     ids,
                     topk_exps / total[:, None],
@@ -131,6 +130,7 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
                     weight_total,
                     tail_ratio,
                 )
+                ctx.kept = (gradient, 1.0)
             del exps
         row_terms = (topk_ids_NK, teacher_topk_prob_NK, logsumexp_N, weight_total_N, tail_ratio_N)
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, *row_terms)
@@ -144,28 +144,24 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
         topk_ids_NK, teacher_topk_prob_NK, logsumexp_N, weight_total_N, tail_ratio_N = row_terms
         grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
         kept, ctx.kept = ctx.kept, None  # used once: a second backward recomputes
-        rows = hidden_ND.shape[0]
-        for start in backward_chunk_starts(rows, ctx.chunk_size, kept is not None):
-            end = start + ctx.chunk_size
-            if kept is not None and end >= rows:
-                grad_logits, derivative, kept = kept, None, None
-            else:
-                ids = topk_ids_NK[start:end]
-                student_log, derivative = grads.logits(start, end)
-                student_log -= logsumexp_N[start:end, None]
-                student_topk_prob = student_log.gather(-1, ids).exp_()
-                grad_logits = _gradient_from_probs_(
-                    student_log.exp_(),
-                    ids,
-                    student_topk_prob,
-                    teacher_topk_prob_NK[start:end],
-                    weight_total_N[start:end],
-                    tail_ratio_N[start:end],
-                )
-            grad_logits *= (grad_loss_N[start:end] * grads.constant_factor)[:, None]
-            grads.add(start, end, grad_logits, derivative)
-            del grad_logits
-        return (*grads.result(), *[None] * 6)
+
+        def recompute(start: int, end: int) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+            ids = topk_ids_NK[start:end]
+            student_log, derivative = grads.logits(start, end)
+            student_log -= logsumexp_N[start:end, None]
+            student_topk_prob = student_log.gather(-1, ids).exp_()
+            gradient = _gradient_from_probs_(
+                student_log.exp_(),
+                ids,
+                student_topk_prob,
+                teacher_topk_prob_NK[start:end],
+                weight_total_N[start:end],
+                tail_ratio_N[start:end],
+            )
+            return gradient, 1.0, derivative
+
+        gradients = grads.chunked_backward(grad_loss_N, ctx.chunk_size, kept, recompute)
+        return (*gradients, *[None] * 6)
 
 
 def chunked_topk_forward_kl(
