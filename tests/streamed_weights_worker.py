@@ -12,6 +12,7 @@ import torch.distributed as dist
 from opd.demo.char_tokenizer import build_char_tokenizer
 from opd.policy.config import StudentConfig
 from opd.policy.lora import apply_lora
+from opd.policy.parallel import parallel_mode
 from opd.policy.policy import Policy
 from tests.conftest import tiny_llama
 
@@ -27,7 +28,7 @@ def main(out: str, lora_rank: int) -> None:
             if "lora_B" in name:
                 parameter.normal_()  # B starts at 0: make the merge change the weights
     policy = Policy(model, len(tokenizer))
-    policy.parallel = "fsdp"
+    policy.parallel = parallel_mode("fsdp")
     policy.parallelize()
     with policy.gathered():
         whole = {name: tensor.clone() for name, tensor in policy.sampler_weights(torch.float32)}

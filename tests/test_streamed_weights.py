@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from opd.policy.policy import _buckets
+from opd.policy.parallel.fsdp import buckets
 
 WORKER = Path(__file__).with_name("streamed_weights_worker.py")
 
 
 def test_buckets_hold_consecutive_units_up_to_the_size_and_an_oversized_unit_alone():
     units = [("a", set(), 10), ("b", set(), 10), ("c", set(), 30), ("d", set(), 5), ("e", set(), 5)]
-    grouped = [[name for name, _, _ in bucket] for bucket in _buckets(units, 80, 4)]
+    grouped = [[name for name, _, _ in bucket] for bucket in buckets(units, 80, 4)]
     assert grouped == [["a", "b"], ["c"], ["d", "e"]]  # 40 + 40 bytes fit 80; c is 120 alone
-    assert [[n for n, _, _ in b] for b in _buckets(units, 1, 4)] == [["a"], ["b"], ["c"], ["d"], ["e"]]
-    assert [[n for n, _, _ in b] for b in _buckets(units, 10**6, 4)] == [["a", "b", "c", "d", "e"]]
+    assert [[n for n, _, _ in b] for b in buckets(units, 1, 4)] == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert [[n for n, _, _ in b] for b in buckets(units, 10**6, 4)] == [["a", "b", "c", "d", "e"]]
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])

@@ -10,6 +10,7 @@ its recorded keys where it wrote them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,6 +18,7 @@ from typing import Literal
 from opd.checks import range_problems
 from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
+from opd.policy.parallel import parallel_modes
 
 
 @dataclass(frozen=True)
@@ -283,8 +285,9 @@ class CollectionSettings:
 class ParallelSettings:
     """Several processes (torchrun) sharing the student."""
 
-    parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
-    """How several processes (``torchrun --nproc_per_node N``) share the student: ``ddp`` keeps a
+    parallel: str = "auto"
+    """How several processes (``torchrun --nproc_per_node N``) share the student, by a mode of
+    ``opd.policy.parallel``: ``none`` is one process with the whole student; ``ddp`` keeps a
     whole copy per process and averages gradients; ``fsdp`` shards weights, gradients and optimizer
     state across them (PyTorch FSDP2, ``fully_shard`` per transformer block); ``auto`` is none for
     one process and fsdp for several. Each process samples, scores and learns from its share of
@@ -296,6 +299,11 @@ class ParallelSettings:
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this section's own fields."""
+        choices = ["auto", *parallel_modes()]
+        if self.parallel not in choices:
+            hint = difflib.get_close_matches(self.parallel, choices, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            yield "parallel", f"{self.parallel!r} is not one of {choices}{suggestion}"
         yield from range_problems(self, positive=("dist_timeout_s",))
 
 

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from opd.logprobs import (
     LogitTransform,
@@ -31,7 +29,7 @@ from opd.models import load_causal_lm, module_device
 from opd.packing import packing_problem, use_packed_attention
 from opd.policy.config import StudentConfig
 from opd.policy.lora import apply_lora, sampler_weights
-from opd.policy.parallel import apply_ddp, apply_fsdp, fsdp_modules
+from opd.policy.parallel import ParallelMode, parallel_mode
 from opd.policy.weights import load_weights
 
 
@@ -50,8 +48,8 @@ class Policy:
         self.vocab_size = vocab_size
         self.device = module_device(model)
         self.version = 0
-        self.parallel = "none"
-        """How :meth:`parallelize` shares the student among processes: ``none``, ``ddp`` or ``fsdp``."""
+        self.parallel: ParallelMode = parallel_mode("none")
+        """How :meth:`parallelize` shares the student among processes (:mod:`opd.policy.parallel`)."""
 
     @classmethod
     def load(cls, student: StudentConfig, vocab_size: int) -> Policy:
@@ -66,16 +64,9 @@ class Policy:
         return cls(apply_lora(base, student), vocab_size)
 
     def parallelize(self) -> None:
-        """Apply :attr:`parallel` to :attr:`module`: the one place parallelism is applied.
-
-        ``ddp`` wraps the scored forward in DistributedDataParallel; ``fsdp`` shards every
-        transformer block, then the rest (embeddings, final norm, lm head), with ``fully_shard``.
-        The optimizer must be built afterwards: FSDP replaces the parameters with sharded ones.
-        """
-        if self.parallel == "ddp":
-            self.module = apply_ddp(self.module, self.device)
-        elif self.parallel == "fsdp":
-            self.module = apply_fsdp(self.module, self.base_model)
+        """Apply :attr:`parallel` to :attr:`module`: the one place parallelism is applied. The
+        optimizer must be built afterwards: a sharding mode replaces the parameters."""
+        self.module = self.parallel.wrap(self.module, self.base_model, self.device)
 
     def use_packing(self, enabled: bool) -> str | None:
         """Run the student's forwards packed (:mod:`opd.packing`) when ``enabled`` and the model
@@ -93,7 +84,7 @@ class Policy:
     @property
     def sharded(self) -> bool:
         """Whether each process holds only a shard of the weights (FSDP)."""
-        return self.parallel == "fsdp"
+        return self.parallel.shards
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -101,35 +92,19 @@ class Policy:
 
         A collective: every process must enter it together.
         """
-        if not self.sharded:
+        with self.parallel.gathered(self.module):
             yield
-            return
-        modules = fsdp_modules(self.module)
-        with torch.no_grad():
-            for module in modules:
-                module.unshard()
-        try:
-            yield
-        finally:
-            for module in modules:
-                module.reshard()
 
     def reshard(self) -> None:
         """Free every gathered weight (a no-op unless sharded). FSDP keeps the root's weights
         whole after a forward, expecting the backward; after a forward with no backward (the
         current log-probs) the next forward and backward would otherwise start from that state."""
-        if self.sharded:
-            for module in fsdp_modules(self.module):
-                module.reshard()
+        self.parallel.reshard(self.module)
 
     def gradient_sync(self, enabled: bool):
         """A context in which backward does (or, accumulating micro-batches, does not yet) reduce
         gradients across processes."""
-        if enabled or self.parallel == "none":
-            return nullcontext()
-        if self.parallel == "ddp":
-            return self.module.no_sync()
-        return _fsdp_sync_off(self.module)
+        return nullcontext() if enabled else self.parallel.gradient_sync_off(self.module)
 
     @property
     def base_model(self) -> nn.Module:
@@ -225,30 +200,16 @@ class Policy:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """:meth:`sampler_weights`, gathered a bucket at a time when sharded.
 
-        Under FSDP the sharded units (each transformer block, then the rest) are taken in
-        buckets of consecutive units holding up to ``bucket_bytes`` of full weights (at least one
-        unit): a bucket is gathered on every process (a collective each enters together, in the
-        same order), copied out and freed before any of its weights is handed out (a loader may
-        keep a tensor past the next gather), so at most one bucket, and its copy while it is
-        made, is ever whole. Unsharded students give their weights as they are.
+        Under FSDP the weights are gathered a bucket of sharded units at a time
+        (:meth:`opd.policy.parallel.fsdp.FSDP.streamed_weights`), so at most one bucket is ever
+        whole; unsharded students give their weights as they are. A collective where sharded.
         """
-        if not self.sharded:
-            yield from self.sampler_weights(dtype)
-            return
-        base = self.base_model
-        names = {id(parameter): name for name, parameter in base.named_parameters()}
-        for bucket in _buckets(fsdp_units(self.module, names), bucket_bytes, dtype.itemsize):
-            with torch.no_grad():
-                for module, _, _ in bucket:
-                    module.unshard()
-            try:
-                only = set().union(*(unit_names for _, unit_names, _ in bucket))
-                weights = sampler_weights(self.model, dtype, only=only)
-                gathered = [(name, tensor.clone()) for name, tensor in weights]
-            finally:
-                for module, _, _ in bucket:
-                    module.reshard()
-            yield from gathered
+        names = {id(parameter): name for name, parameter in self.base_model.named_parameters()}
+
+        def weights(only: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+            return sampler_weights(self.model, dtype, only=only)
+
+        yield from self.parallel.streamed_weights(self.module, weights, names, bucket_bytes, dtype.itemsize)
 
     def save(self, directory: Path) -> None:
         """The weights as safetensors: a PEFT adapter under LoRA, a full Hugging Face model otherwise."""
@@ -257,56 +218,12 @@ class Policy:
     def save_adapter(self, directory: Path) -> None:
         """The LoRA adapter as PEFT saves it, its shards gathered first under FSDP (a collective:
         every process calls it together, each writing its own ``directory``)."""
-        if not self.sharded:
+        state = self.parallel.whole_trainable_state(self.model)
+        if state is None:
             self.save(directory)
             return
-        with torch.no_grad():
-            state = {
-                name: parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-                for name, parameter in self.model.named_parameters()
-                if parameter.requires_grad
-            }
         self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
 
     def load_weights(self, model_dir: Path) -> None:
         """Load a saved adapter or full model (:func:`opd.policy.weights.load_weights`)."""
         load_weights(self.model, model_dir)
-
-
-def fsdp_units(module: nn.Module, names: dict[int, str]) -> list[tuple[nn.Module, set[str], int]]:
-    """Each module ``fully_shard`` wrapped, outer first, with the names (from ``names``: parameter
-    id to name) of the parameters it manages itself (not those of the units inside it) and their
-    full element count."""
-    units = []
-    for unit in fsdp_modules(module)[::-1]:
-        nested = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
-        inner = {id(p) for m in nested for p in m.parameters()}
-        own = [p for p in unit.parameters() if id(p) not in inner and id(p) in names]
-        units.append((unit, {names[id(p)] for p in own}, sum(p.numel() for p in own)))
-    return units
-
-
-def _buckets(units: list, bucket_bytes: int, itemsize: int) -> list[list]:
-    """Consecutive ``units`` grouped so each group's full weights fit in ``bucket_bytes`` (a unit
-    larger than that is a group of its own)."""
-    buckets: list[list] = []
-    size = 0
-    for unit in units:
-        unit_bytes = unit[2] * itemsize
-        if buckets and size + unit_bytes <= bucket_bytes:
-            buckets[-1].append(unit)
-            size += unit_bytes
-        else:
-            buckets.append([unit])
-            size = unit_bytes
-    return buckets
-
-
-@contextmanager
-def _fsdp_sync_off(module: nn.Module) -> Iterator[None]:
-    """FSDP keeps this backward's gradients unreduced (accumulating micro-batches), then reduces again."""
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)

@@ -16,7 +16,7 @@ from opd.logprobs import (
 )
 from opd.models import module_device
 from opd.packing import packing_problem, use_packed_attention
-from opd.policy.parallel import apply_fsdp
+from opd.policy.parallel.fsdp import apply_fsdp
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 
 

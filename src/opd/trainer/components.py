@@ -23,6 +23,7 @@ from opd.envs.base import Environment
 from opd.envs.registry import make_environment
 from opd.errors import ConfigError
 from opd.models import DTYPES, resolve_device, warn_if_slow_on_this_cpu
+from opd.policy.parallel import parallel_mode
 from opd.runs.evaluation import load_eval_sets
 from opd.runs.loggers import check_loggers
 from opd.runs.resume import resumed_model_dir
@@ -89,7 +90,7 @@ class RunComponents:
         self.batching = self._micro_batching()
         warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")
         warn_if_slow_on_this_cpu(DTYPES.get(training.autocast), device, "training.autocast")
-        self.policy.parallel = parallel
+        self.policy.parallel = parallel_mode(parallel)
         self.engine = build_rollout_engine(
             student_cfg, self.policy, self.tokenizer, self.renderer, seed=config.seed
         )

@@ -16,6 +16,7 @@ from opd.config import Config, TrainingConfig
 from opd.errors import ModelLoadError
 from opd.models import model_source
 from opd.policy.config import StudentConfig
+from opd.policy.parallel import parallel_mode
 from opd.sampling.vllm_engine import GPU_MEMORY_UTILIZATION
 from opd.teachers.config import TeacherConfig
 from opd.trainer.micro_batching import activation_bytes_per_token, device_memory, sized_budget
@@ -140,12 +141,8 @@ def describe_plan(config: Config, processes: int) -> str:
         if student.lora_rank
         else "full fine-tune"
     )
-    sharded = parallel == "fsdp"
-    where = (
-        f"FSDP2-sharded over {processes} processes"
-        if sharded
-        else ("a replica in every process (DDP)" if parallel == "ddp" else "one process")
-    )
+    sharing = parallel_mode(parallel)
+    sharded, where = sharing.shards, sharing.placement(processes)
     size = billions(student_size.parameters)
     lines.append(f"student        {student.model}: {size} parameters, {dtype}, {mode}, {where}")
     teacher_sharded = shards_its_teacher(config, parallel)

@@ -9,22 +9,27 @@ from opd.config import Config, ConfigError
 from opd.data.batching import rank_split_problem
 from opd.distributed import LAUNCH_HINT, World, process_device, resolve_backend
 from opd.models import resolve_device
+from opd.policy.parallel import AUTO_SEVERAL, parallel_modes
 from opd.sampling.vllm_settings import engine_layout_problem, tensor_parallel_problem
 
 
-def parallel_mode(requested: str, processes: int) -> str:
+def resolve_parallel(requested: str, processes: int) -> str:
     """``training.parallel`` resolved for this many processes; refused where it cannot apply."""
+    modes = parallel_modes()
     if requested == "auto":
-        return "none" if processes == 1 else "fsdp"
-    if requested != "none" and processes == 1:
+        return AUTO_SEVERAL if processes > 1 else next(n for n, m in modes.items() if not m.several_processes)
+    several = modes[requested].several_processes
+    if several and processes == 1:
+        single = [name for name, mode in modes.items() if not mode.several_processes]
         raise ConfigError(
             f"training.parallel: {requested} needs several processes and this is one; {LAUNCH_HINT}, "
-            "or set parallel: none (or auto)"
+            f"or set parallel: {' or '.join(single)} (or auto)"
         )
-    if requested == "none" and processes > 1:
+    if not several and processes > 1:
+        shared = [name for name, mode in modes.items() if mode.several_processes]
         raise ConfigError(
-            f"training.parallel: none with {processes} processes would train {processes} unrelated "
-            "copies; use ddp, fsdp or auto"
+            f"training.parallel: {requested} with {processes} processes would train {processes} unrelated "
+            f"copies; use {', '.join(shared)} or auto"
         )
     return requested
 
@@ -58,7 +63,7 @@ def check_processes(config: Config, processes: int) -> str:
     training = config.training
     if training.dist_backend == "nccl":
         resolve_backend("nccl", resolve_device(config.student.device))
-    parallel = parallel_mode(training.parallel, processes)
+    parallel = resolve_parallel(training.parallel, processes)
     problem = rank_split_problem(step_group_sizes(config), training.num_substeps, processes)
     if problem:
         raise ConfigError(
@@ -86,7 +91,7 @@ def shards_its_teacher(config: Config, parallel: str) -> bool:
     teacher = config.teacher_for(config.datasets[0])
     training = config.training
     return (
-        parallel == "fsdp"
+        parallel_modes()[parallel].shards
         and len(teachers) == 1
         and teacher.backend == "local"
         and not teacher.cross_tokenizer
