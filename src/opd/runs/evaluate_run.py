@@ -12,11 +12,13 @@ from pathlib import Path
 
 import yaml
 
+from opd.build.eval_sets import eval_source_of, load_eval_sets
+from opd.build.student import load_student
+from opd.build.teachers import load_teachers
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import latest_model_dir
-from opd.runs.evaluation import eval_source_of, evaluate, load_eval_sets
+from opd.runs.evaluation import evaluate
 from opd.runs.resume import CONFIG_NAME
-from opd.runs.setup import load_student, load_teachers
 from opd.runs.sharded_state import load_checkpoint_weights
 
 RESULTS_NAME = "eval.jsonl"

@@ -9,11 +9,11 @@ from pathlib import Path
 import yaml
 from peft import PeftModel
 
+from opd.build.student import load_student
 from opd.config import config_from_dict
 from opd.models import load_causal_lm, load_tokenizer
 from opd.runs.checkpoints import CheckpointError, latest_model_dir
 from opd.runs.resume import CONFIG_NAME
-from opd.runs.setup import load_student
 from opd.runs.sharded_state import has_sharded_state, load_sharded_state
 
 

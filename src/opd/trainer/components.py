@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from opd.build.eval_sets import load_eval_sets
+from opd.build.student import load_student
+from opd.build.teachers import load_teachers
 from opd.config import Config
 from opd.data.batching import CompositeBatches, rank_rows
 from opd.data.graders import grader_of
@@ -24,10 +27,8 @@ from opd.envs.registry import make_environment
 from opd.errors import ConfigError
 from opd.models import DTYPES, resolve_device, warn_if_slow_on_this_cpu
 from opd.policy.parallel import parallel_mode
-from opd.runs.evaluation import load_eval_sets
 from opd.runs.loggers import check_loggers
 from opd.runs.resume import resumed_model_dir
-from opd.runs.setup import load_student, load_teachers
 from opd.runs.sharded_state import has_sharded_state, load_sharded_state
 from opd.sampling.engines import build_rollout_engine
 from opd.sampling.hf_generate import HFEngine
@@ -131,7 +132,7 @@ class RunComponents:
         if shards_its_teacher(config, parallel):
             self.teachers.per_dataset[0].shard()
         self.teacher_writers = self.teachers.writers()
-        self.eval_sets = load_eval_sets(config, self.teachers.logprobs)
+        self.eval_sets = load_eval_sets(config, self.teachers.logprobs, self.environments)
         check_loggers(config)
         self.num_steps = training.max_steps or len(self.batches)
         self.optimizer, self.scheduler = build_optimizer(
