@@ -310,6 +310,9 @@ def main() -> None:
                     "seed": seed,
                     "objective": resolved.training.objective.name,
                     "off_policy_objective": resolved.training.objective_for("teacher").name,
+                    "data_source": resolved.training.data_source,
+                    "kl_penalty_coef": resolved.training.kl_penalty_coef,
+                    "reward_coef": resolved.training.reward_coef,
                     "success_before": before["test/calc/accuracy"],
                     "success_after": after["test/calc/accuracy"],
                     "turns_before": before["test/calc/turns"],
@@ -317,6 +320,7 @@ def main() -> None:
                     "teacher_kl_before": before["test/calc/teacher_kl"],
                     "teacher_kl_after": after["test/calc/teacher_kl"],
                     "tool_calls_last_step": run.metrics[-2].get("env/tool_calls"),
+                    "reward_last_step": run.metrics[-2].get("reward/mean"),
                 }
             )
             if judges is not None:

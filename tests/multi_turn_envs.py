@@ -40,3 +40,16 @@ class AnswersText(Environment):
 
     def start(self, prompt, grader) -> TextAnswerEpisode:
         return TextAnswerEpisode()
+
+
+class WordRewardEpisode(Episode):
+    def step(self, reply: str) -> Step:
+        return Step(done=True, reward="high")
+
+
+@dataclass(frozen=True)
+class WordReward(Environment):
+    """Ends every episode with a reward that is a word, not a number: the run must stop and name it."""
+
+    def start(self, prompt, grader) -> WordRewardEpisode:
+        return WordRewardEpisode()

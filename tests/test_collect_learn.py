@@ -119,7 +119,7 @@ def test_normalized_advantages_are_what_a_step_learns_from(base_config, monkeypa
     trainer = Trainer(config_from_dict(base_config), progress=False)
     received = []
     update = learn.policy_update
-    monkeypatch.setattr(learn, "policy_update", lambda *a: received.append(a[6]) or update(*a))
+    monkeypatch.setattr(learn, "policy_update", lambda *a, **k: received.append(a[6]) or update(*a, **k))
     batch = trainer.collect(0)
     metrics = trainer.learn(batch)
     selected = batch.rollouts.mask_BT.bool()

@@ -232,6 +232,44 @@ def test_two_processes_make_the_update_one_process_makes(
     assert moved > 100 * TOLERANCE  # training moved the weights: the equality above is not trivial
 
 
+def test_two_processes_centre_each_groups_rewards_as_one_process_does(models, tmp_path, monkeypatch):
+    """Rewards from a user's environment (episodes whose final reward differs within a group), with
+    the teacher's term: each group lies whole on one process, so its mean is the same."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    )
+    overrides = [
+        f"student.model={models / 'quick_student'}",
+        "datasets.0.env={name: multi_turn_envs:ReplyOnce, max_turns: 2, max_episode_tokens: 40}",
+        "training.reward_coef=1.0",
+    ]
+    single = write(run_config(models, tmp_path / "one"), tmp_path / "one.yaml")
+    one_process(single, *overrides)
+    double = write(run_config(models, tmp_path / "two"), tmp_path / "two.yaml")
+    two_processes(double, *overrides, "training.parallel=ddp")
+    reference, rows = (
+        read_jsonl(tmp_path / "one" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "two" / "metrics.jsonl"),
+    )
+    assert_same_metrics(rows, reference)
+    steps = [row for row in reference if "reward/mean" in row]
+    assert len(steps) == 3 and any(row["reward/group_std"] > 0 for row in steps)
+    assert any(row["advantage/reward_abs_mean"] > 0 for row in steps)
+    expected, got = (
+        final_weights(tmp_path / "one", tmp_path / "out1"),
+        final_weights(tmp_path / "two", tmp_path / "out2"),
+    )
+    # a group's centred rewards are +x and -x on rows that share most of their gradient: summed in
+    # another order, the near-cancelling sums round apart by ~1e-5 of an Adam step (1.3e-6 without rewards)
+    tolerance = 5 * TOLERANCE
+    assert max(float((got[name] - expected[name]).abs().max()) for name in expected) < tolerance
+    moved = max(
+        float((expected[name] - value).abs().max())
+        for name, value in initial_weights(models, 0, expected, "quick_student").items()
+    )
+    assert moved > 100 * tolerance
+
+
 def initial_weights(
     models: Path, lora_rank: int, like: dict[str, torch.Tensor], student: str = "student"
 ) -> dict[str, torch.Tensor]:

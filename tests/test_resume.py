@@ -74,9 +74,19 @@ def kill_after_rows(config_path, metrics, rows: int, timeout_s: float) -> None:
     process.wait()
 
 
-def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path, char_tokenizer):
+@pytest.mark.parametrize("reward_coef", [0.0, 1.0])
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(
+    base_config, tmp_path, char_tokenizer, reward_coef
+):
     """With a second dataset of multi-turn episodes (``retry``), played by a student that ends its
-    turns early: each turn's draws depend on (seed, step, row, turn) only."""
+    turns early: each turn's draws depend on (seed, step, row, turn) only. With ``reward_coef`` the
+    task's rewards (the grader's, the environment's) join the advantages."""
+    if reward_coef:
+        graded = tmp_path / "graded.jsonl"
+        lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah")]
+        graded.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        base_config["datasets"][0]["source"] = str(graded)
+        base_config["training"]["reward_coef"] = reward_coef
     quick = tmp_path / "quick_student"
     quick_to_stop(tiny_llama(len(char_tokenizer), seed=1)).save_pretrained(quick)
     char_tokenizer.save_pretrained(quick)
@@ -87,6 +97,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, t
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
     assert [r["step"] for r in reference] == list(range(STEPS))
     assert max(row["episode/turns"] for row in reference) > 1
+    assert ("advantage/reward_abs_mean" in reference[0]) == bool(reward_coef)
 
     config_path = write_config(base_config, tmp_path, "killed")
     metrics = tmp_path / "killed" / "metrics.jsonl"

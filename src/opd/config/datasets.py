@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from opd.checks import range_problems
+from opd.data.graders import MATH_VERIFY_INSTALL, math_verify_available
 from opd.data.tables import PROMPT_KEYS, is_table_source
 from opd.envs.registry import EnvConfig
 from opd.teachers.config import TeacherConfig
@@ -50,8 +51,12 @@ class DatasetConfig:
     """Tables: the column each prompt key is read from, e.g. ``{prompt: question, answer: answer}``
     (keys: ``prompt`` or ``messages``, ``answer``, ``completion``, ``metadata``); unmapped keys are
     read from columns of their own name."""
-    grader: Literal["auto", "exact_match", "last_number", "reasoning_gym", "none"] = "auto"
-    """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match otherwise."""
+    grader: Literal["auto", "exact_match", "last_number", "reasoning_gym", "math_verify", "none"] = "auto"
+    """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match otherwise;
+    ``last_number`` compares the last number written; ``math_verify`` compares answers as mathematics
+    (LaTeX, ``\\boxed{}``, fractions, sets: Hugging Face's Math-Verify, ``pip install 'opd[math]'``).
+    Held-out accuracy is the share graded 1; with ``training.reward_coef`` > 0 the grade of each
+    sample is its reward."""
     env: EnvConfig | None = None
     """Multi-turn episodes: the environment that answers each student turn (a tool's result, a
     user's reply) until the episode ends: ``calculator``, ``retry`` or ``my_pkg.envs:MyEnv``, with
@@ -65,6 +70,9 @@ class DatasetConfig:
             if value < 1:
                 yield key, f"must be >= 1, got {value}"
         yield from range_problems(self, positive=("num_prompts", "eval_num_prompts"))
+        if self.grader == "math_verify" and not math_verify_available():
+            missing = "'math_verify' needs the math-verify package, which is not installed"
+            yield "grader", f"{missing}; {MATH_VERIFY_INSTALL}"
         yield from table_option_problems(self)
 
 

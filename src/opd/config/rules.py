@@ -31,6 +31,11 @@ def validate(config: Config) -> Config:
             "and student.lora_sync: adapter reads the adapter being trained; use lora_sync: merged "
             "or max_staleness: 0"
         )
+    if training.reward_coef and training.data_source in ("teacher", "dataset"):
+        raise ConfigError(
+            f"training.reward_coef: rewards the student's own samples, and data_source: "
+            f"{training.data_source} gives it none; use data_source student or mixed, or reward_coef: 0"
+        )
     fill_defaults(config)
     _check_objective(training)
     for where, teacher in config.teachers():

@@ -1,6 +1,7 @@
 """The ``training`` section: one flat mapping in YAML, declared here as the sections a reader can hold
-(what is learnt from, optimisation, policy gradient, micro-batching, collection, parallel,
-monitoring), each checking its own fields. :class:`TrainingConfig` is all of them together.
+(what is learnt from, optimisation, policy gradient, the task's reward, micro-batching,
+collection, parallel, monitoring), each checking its own fields. :class:`TrainingConfig` is all of
+them together.
 
 The YAML stays flat (``training.learning_rate``, not ``training.optimization.learning_rate``): every
 config, recipe and recorded ``config.yaml`` written so far reads as before, and a resumed run finds
@@ -231,6 +232,40 @@ class PolicyGradientSettings:
 
 
 @dataclass
+class RewardSettings:
+    """The task's reward beside the teacher's signal: each of the student's own samples graded (its
+    dataset's grader, or its environment's final reward) and centred within its group."""
+
+    reward_coef: float = 0.0
+    """Weight of the task's reward in each completion token's advantage: ``reward_coef * (R - mean of
+    R over the sample's group)`` (a group: the ``group_size`` samples of one prompt), added to the
+    teacher's per-token term, as the reference loop does. ``R`` is the grade of a single-turn
+    completion by its dataset's ``grader``, or an episode's final reward from its environment.
+    Objectives with advantages (``sampled_reverse_kl``) add it to theirs; the others add a policy
+    gradient on the sampled tokens with it (``loss_fn`` on the reward term) to their loss. Only the
+    student's own samples get it (not the teacher's or a dataset's). 0: pure distillation, as
+    before; rewards are logged (``reward/*``) whenever a grader or environment gives them."""
+    remove_constant_reward_groups: bool = False
+    """Leave out of the step's update the groups whose samples all got the same reward (the
+    reference's flag; logged as ``reward/constant_groups``): they carry no reward signal, and
+    their teacher term goes with them. A step whose groups are all constant is skipped."""
+    reward_std_normalization: bool = False
+    """Divide each group's centred rewards by the group's standard deviation (GRPO's), so a group
+    whose samples differ a little weighs as much as one whose samples differ a lot."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for this section's own fields."""
+        yield from range_problems(self, non_negative=("reward_coef",))
+        if self.reward_coef == 0:
+            for key in ("remove_constant_reward_groups", "reward_std_normalization"):
+                if getattr(self, key):
+                    yield (
+                        key,
+                        "shapes the reward term, and reward_coef is 0: set reward_coef > 0, or remove it",
+                    )
+
+
+@dataclass
 class MicroBatchSettings:
     """How a batch is cut into forwards: micro-batches, packing, log-prob chunks."""
 
@@ -325,6 +360,7 @@ class TrainingConfig(
     ParallelSettings,
     CollectionSettings,
     MicroBatchSettings,
+    RewardSettings,
     PolicyGradientSettings,
     OptimizationSettings,
     DataSourceSettings,

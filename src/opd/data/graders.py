@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import threading
 from collections.abc import Callable
 from functools import cache
 
@@ -59,10 +61,43 @@ def reasoning_gym_score(completion: str, prompt: Prompt) -> float:
     return float(scorer(answer=completion if tagged is None else tagged, entry=entry))
 
 
+MATH_VERIFY_INSTALL = "pip install 'opd[math]' (Hugging Face's math-verify)"
+MATH_VERIFY_TIMEOUT_S = 5
+"""Seconds Math-Verify may spend parsing or comparing one answer (on the main thread: its alarm
+works there only; elsewhere it runs without one)."""
+
+
+def math_verify_available() -> bool:
+    """Whether ``math_verify`` can be imported here (checked without importing it)."""
+    return importlib.util.find_spec("math_verify") is not None
+
+
+def math_verify_score(completion: str, prompt: Prompt) -> float:
+    """1.0 when Math-Verify finds the completion's answer mathematically equal to the prompt's:
+    LaTeX (``\\boxed{...}``, ``\\frac``, sets, intervals) or plain expressions (``1/2`` = ``0.5``),
+    as TRL's accuracy reward reads them; 0.0 when they differ, or either has no parsable answer."""
+    if not math_verify_available():
+        raise ModuleNotFoundError(
+            f"the math_verify grader needs the math-verify package; {MATH_VERIFY_INSTALL}"
+        )
+    from math_verify import parse, verify
+
+    limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    reference = (prompt.answer or "").strip()
+    if "$" not in reference and "\\boxed" not in reference:
+        reference = f"${reference}$"  # a bare reference answer is LaTeX (or a plain expression) in maths mode
+    gold = parse(reference, parsing_timeout=limit)
+    answer = parse(completion, parsing_timeout=limit)
+    if not gold or not answer:
+        return 0.0
+    return float(verify(gold, answer, timeout_seconds=limit))
+
+
 GRADERS: dict[str, Grader] = {
     "exact_match": exact_match,
     "last_number": last_number_match,
     "reasoning_gym": reasoning_gym_score,
+    "math_verify": math_verify_score,
 }
 
 

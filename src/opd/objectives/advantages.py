@@ -55,3 +55,32 @@ def standardized(advantages_BT: torch.Tensor, mask_BT: torch.Tensor, mean: float
     """``(A - mean) / std`` on completion tokens, 0 elsewhere; ``mean`` and ``std`` are the whole
     batch's (every process's tokens), so how the batch is split does not change a token's value."""
     return (advantages_BT - mean) / max(std, 1e-8) * mask_BT
+
+
+def group_centred_rewards(
+    rewards_B: torch.Tensor, groups_B: torch.Tensor, *, std_normalization: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's reward less the mean of its group's (the samples of one prompt), as the
+    reference's ``compute_advantages`` does; divided by the group's standard deviation too when
+    ``std_normalization`` (GRPO's; a group whose rewards are all equal stays 0).
+
+    Returns ``(centred_B, group_std_B, constant_B)``: the centred rewards (0 where a sample has no
+    reward, NaN in ``rewards_B``), each sample's group standard deviation (population), and
+    whether its group's rewards are all equal (False without rewards).
+    """
+    rewards = rewards_B.double()
+    centred = torch.zeros_like(rewards)
+    spread = torch.zeros_like(rewards)
+    constant = torch.zeros_like(rewards, dtype=torch.bool)
+    for group in torch.unique(groups_B):
+        rows = (groups_B == group) & ~torch.isnan(rewards)
+        if not rows.any():
+            continue
+        values = rewards[rows]
+        std = values.std(unbiased=False)
+        centred[rows] = values - values.mean()
+        if std_normalization and std > 0:
+            centred[rows] /= std
+        spread[rows] = std
+        constant[rows] = bool((values == values[0]).all())
+    return centred.to(rewards_B.dtype), spread.to(rewards_B.dtype), constant

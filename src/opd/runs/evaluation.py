@@ -6,6 +6,7 @@ from opd.build.eval_sets import EvalSet
 from opd.data.graders import Grader
 from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
+from opd.data.rewards import completion_reward
 from opd.data.sequences import Completion, build_rollout_batch
 from opd.distributed import all_reduce, world
 from opd.objectives.advantages import reverse_kl_per_token
@@ -19,9 +20,7 @@ def graded_sum(
     """Sum of the grades of completions (special tokens removed) against their prompts; an
     episode's grade is its environment's final reward (0 when it gave none or was cut)."""
     return sum(
-        (c.trajectory.reward or 0.0)
-        if c.trajectory is not None
-        else grader(renderer.tokenizer.decode(c.token_ids, skip_special_tokens=True), p)
+        completion_reward(renderer.tokenizer, c, p, grader) or 0.0
         for c, p in zip(completions, prompts, strict=True)
     )
 

@@ -6,13 +6,19 @@ the same :meth:`Collection.collect` on its own engine."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import replace
+from typing import NamedTuple
+
+import torch
 
 from opd.config import TrainingConfig
 from opd.data.prompts import Prompt
+from opd.data.rewards import completion_reward
 from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
+from opd.errors import EpisodeError
 from opd.runs.timing import SpanRecorder
 from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
 from opd.sampling.episodes import EpisodeSpec, TurnSampler, play_episodes
@@ -36,6 +42,18 @@ def step_data_source(training: TrainingConfig, seed: int, step: int) -> str:
     return "student" if on_policy else "teacher"
 
 
+class Sampled(NamedTuple):
+    """A step's rollouts (this process's share), who wrote them, and what the task says of them."""
+
+    rollouts: RolloutBatch
+    source: str
+    rewards_B: torch.Tensor | None
+    """Each row's reward (NaN where its dataset gives none; None: the student did not write the
+    batch, or no row has a reward)."""
+    groups_B: torch.Tensor
+    """Each row's group: the index of its prompt in the step."""
+
+
 class Collection(RunComponents):
     """Sampling, episodes and scoring of a step's batch, on the run's components."""
 
@@ -49,8 +67,13 @@ class Collection(RunComponents):
         return step_data_source(self.config.training, self.config.seed, step)
 
     def sample_batch(self, step: int, engine: RolloutEngine | None = None) -> tuple[RolloutBatch, str]:
+        """This process's share of step ``step``'s rollouts and who wrote them (:meth:`sample`)."""
+        sampled = self.sample(step, engine)
+        return sampled.rollouts, sampled.source
+
+    def sample(self, step: int, engine: RolloutEngine | None = None) -> Sampled:
         """Render this process's share of the step's prompts and get their completions from the
-        step's data source.
+        step's data source; the student's own samples are graded too (:meth:`rewards`).
 
         The student and teachers sample ``group_size`` completions per prompt, each row seeded
         by (run seed, step, its row in the whole batch), so the rows drawn do not depend on how
@@ -59,8 +82,8 @@ class Collection(RunComponents):
         already synced (a worker collecting ahead holds published weights).
         """
         source = self.data_source_at(step)
-        prompts, completions, dataset_indices, items = [], [], [], []
-        for item in self.batches.batch(step):
+        prompts, completions, dataset_indices, items, groups = [], [], [], [], []
+        for group, item in enumerate(self.batches.batch(step)):
             group_size = 1 if source == "dataset" else self.config.datasets[item.dataset_index].group_size
             if source == "dataset":
                 prompt_ids, target = completion_tokens(self.renderer, item.prompt)
@@ -70,9 +93,10 @@ class Collection(RunComponents):
             prompts += [prompt_ids] * group_size
             dataset_indices += [item.dataset_index] * group_size
             items += [item.prompt] * group_size
+            groups += [group] * group_size
         rows = self.rank_rows
-        prompts, dataset_indices, items = (
-            [values[r] for r in rows] for values in (prompts, dataset_indices, items)
+        prompts, dataset_indices, items, groups = (
+            [values[r] for r in rows] for values in (prompts, dataset_indices, items, groups)
         )
         seeds = [row_seed(step_seed(self.config.seed, step), r) for r in rows]
         training = self.config.training
@@ -107,10 +131,28 @@ class Collection(RunComponents):
                         turn_seeds,
                     )
 
-            completions = self.play(sample, prompts, items, dataset_indices, seeds, lockstep=lockstep)
-        return build_rollout_batch(
+            try:
+                completions = self.play(sample, prompts, items, dataset_indices, seeds, lockstep=lockstep)
+            except EpisodeError as error:
+                raise EpisodeError(f"step {step}: {error}") from None
+        rollouts = build_rollout_batch(
             prompts, completions, dataset_indices, self.engine.pad_id, [p.messages for p in items]
-        ), source
+        )
+        rewards = self.rewards(completions, items, dataset_indices) if source == "student" else None
+        return Sampled(rollouts, source, rewards, torch.tensor(groups, dtype=torch.long))
+
+    def rewards(
+        self, completions: list[Completion], items: list[Prompt], dataset_indices: list[int]
+    ) -> torch.Tensor | None:
+        """Each row's reward: its episode's final reward, or its grade by its dataset's grader (NaN
+        where its dataset has neither); None when no row has one."""
+        values = [
+            completion_reward(self.tokenizer, completion, prompt, self.graders[index])
+            for completion, prompt, index in zip(completions, items, dataset_indices, strict=True)
+        ]
+        if all(value is None for value in values):
+            return None
+        return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
 
     def play(
         self,
@@ -147,7 +189,8 @@ class Collection(RunComponents):
         scores of them. ``engine``: as :meth:`sample_batch` takes it."""
         started = time.perf_counter()
         with self.spans.span(step, "sample"):
-            rollouts, source = self.sample_batch(step, engine)
+            sampled = self.sample(step, engine)
+        rollouts, source = sampled.rollouts, sampled.source
         sampled_at = time.perf_counter()
         teacher = None
         request = self.config.training.objective_for(source).teacher_request(self.config.training.temperature)
@@ -160,4 +203,6 @@ class Collection(RunComponents):
         }
         if source == "student" and engine is None:
             seconds["time/weight_sync"] = self.sync_seconds
-        return Batch(step, source, rollouts, teacher, seconds)
+        return Batch(
+            step, source, rollouts, teacher, seconds, rewards_B=sampled.rewards_B, groups_B=sampled.groups_B
+        )

@@ -88,6 +88,8 @@ class RunComponents:
             for d, prompts in zip(config.datasets, self.datasets, strict=True)
         ]
         self.environments = self._environments()
+        if training.reward_coef:
+            self._check_rewards()
         self.batching = self._micro_batching()
         warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")
         warn_if_slow_on_this_cpu(DTYPES.get(training.autocast), device, "training.autocast")
@@ -186,6 +188,18 @@ class RunComponents:
             if dataset.env is not None
         ]
         return max(bounds, key=lambda bound: bound[0])
+
+    def _check_rewards(self) -> None:
+        """With ``reward_coef`` > 0 every dataset must give its samples a reward (a grader, or an
+        environment), before any step."""
+        for index, dataset in enumerate(self.config.datasets):
+            if self.graders[index] is None and self.environments[index] is None:
+                why = "grader: none" if dataset.grader == "none" else "some of its prompts have no answer"
+                raise ConfigError(
+                    f"datasets[{index}] ({dataset.name}): training.reward_coef > 0 needs a reward for its "
+                    f"samples, and it has no grader ({why}) and no env; give its prompts answers and a "
+                    "grader, or an env, or set reward_coef: 0"
+                )
 
     def _environments(self) -> list[Environment | None]:
         """Each dataset's environment (None: one turn), each tried on its first prompt now, so that

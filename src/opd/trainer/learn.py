@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 
 from opd.data.batching import contiguous_slices
 from opd.data.sequences import RolloutBatch
 from opd.distributed import all_reduce
-from opd.objectives.advantages import standardized
+from opd.objectives.advantages import group_centred_rewards, standardized
 from opd.runs.timing import SpanRecorder
 from opd.trainer.batch import Batch
 from opd.trainer.components import RunComponents
@@ -41,6 +42,15 @@ def advantage_metrics(advantages_BT: torch.Tensor, mask_BT: torch.Tensor) -> dic
     }
 
 
+def magnitudes(terms: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> dict[str, float]:
+    """Each advantage term's mean absolute value over every process's completion tokens."""
+    selected = mask_BT.bool()
+    sums = all_reduce(
+        [float(term[selected].abs().sum()) for term in terms.values()] + [float(selected.sum())]
+    )
+    return {name: value / max(sums[-1], 1.0) for name, value in zip(terms, sums, strict=False)}
+
+
 class Learning(RunComponents):
     """The update from a finished batch, on the run's components."""
 
@@ -62,6 +72,49 @@ class Learning(RunComponents):
             if tokens > 0:
                 metrics[f"teacher_kl/{dataset.name}"] = kl / tokens
         return metrics
+
+    def reward_terms(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
+        """The task's rewards of the student's samples: their metrics (over every process's rows;
+        logged whatever ``reward_coef``), each completion token's reward advantage
+        ``reward_coef * (R - group mean)`` (None with ``reward_coef: 0``), and which rows the update
+        keeps (None: all; ``remove_constant_reward_groups`` drops groups whose rewards are all equal).
+        A group's rows all lie on one process, so its mean is the whole group's."""
+        training, rollouts, rewards = self.config.training, batch.rollouts, batch.rewards_B
+        centred, group_std, constant = group_centred_rewards(
+            rewards, batch.groups_B, std_normalization=training.reward_std_normalization
+        )
+        graded = ~torch.isnan(rewards)
+        firsts = torch.zeros_like(graded)  # one row per graded group, for per-group figures
+        for group in torch.unique(batch.groups_B[graded]):
+            firsts[int(torch.nonzero(graded & (batch.groups_B == group))[0])] = True
+        sums = [
+            float(rewards[graded].sum()),
+            float(graded.sum()),
+            float(group_std[firsts].sum()),
+            float(constant[firsts].sum()),
+            float(firsts.sum()),
+        ]
+        names = [d.name for d in self.config.datasets]
+        for index in range(len(names)):
+            rows = graded & (rollouts.dataset_index_B == index)
+            sums += [float(rewards[rows].sum()), float(rows.sum())]
+        sums = all_reduce(sums)
+        total, count, spread, constant_groups, groups = sums[:5]
+        metrics = {
+            "reward/mean": total / max(count, 1.0),
+            "reward/group_std": spread / max(groups, 1.0),
+            "reward/constant_groups": constant_groups / max(groups, 1.0),
+        }
+        for index, name in enumerate(names):
+            value, rows = sums[5 + 2 * index : 7 + 2 * index]
+            if rows > 0:
+                metrics[f"reward/{name}"] = value / rows
+        if not training.reward_coef:
+            return metrics, None, None
+        mask = rollouts.mask_BT
+        reward_BT = (training.reward_coef * centred).to(mask.dtype)[:, None] * mask
+        kept = ~constant if training.remove_constant_reward_groups else None
+        return metrics, reward_BT, kept
 
     def learn(self, batch: Batch) -> dict[str, float]:
         """Advantages and the update from a finished batch; returns the step's metrics (the whole
@@ -104,20 +157,39 @@ class Learning(RunComponents):
                 stacklevel=2,
             )
             return metrics | {"skipped": 1} | batch.seconds
-        advantages = torch.zeros_like(mask)
+        reward_BT, kept_B = None, None
+        if batch.rewards_B is not None:
+            rewards, reward_BT, kept_B = self.reward_terms(batch)
+            metrics |= rewards
+        if kept_B is not None and not kept_B.any():
+            return metrics | {"skipped": 1} | batch.seconds  # every group constant: nothing to learn
+        shaped = None
         if teacher is not None:
             student_logprobs = rollouts.sampled_logprobs_BT
             if training.advantage_source == "current" and batch.on_policy:
                 student_logprobs = self.policy_logprobs(rollouts).to(student_logprobs.device)
             shaped = objective.advantages(student_logprobs, teacher, mask, policy_gradient(training))
-            if shaped is not None:
-                spread = advantage_metrics(shaped, mask)
-                metrics |= spread
-                advantages = (
-                    standardized(shaped, mask, spread["advantage/mean"], spread["advantage/std"])
-                    if training.normalize_advantages and spread
-                    else shaped
-                )
+        if shaped is not None and reward_BT is not None:
+            metrics |= magnitudes(
+                {"advantage/kl_abs_mean": shaped, "advantage/reward_abs_mean": reward_BT}, mask
+            )
+            shaped = shaped + reward_BT
+        advantages, reward_in_loss = torch.zeros_like(mask), False
+        if shaped is not None:
+            spread = advantage_metrics(shaped, mask)
+            metrics |= spread
+            advantages = (
+                standardized(shaped, mask, spread["advantage/mean"], spread["advantage/std"])
+                if training.normalize_advantages and spread
+                else shaped
+            )
+        elif reward_BT is not None:  # an objective without advantages: the reward as a policy gradient
+            metrics |= magnitudes({"advantage/reward_abs_mean": reward_BT}, mask)
+            advantages, reward_in_loss = reward_BT, True
+        if kept_B is not None:
+            rollouts = replace(
+                rollouts, mask_BT=rollouts.mask_BT * kept_B[:, None].to(rollouts.mask_BT.dtype)
+            )
         started = time.perf_counter()
         with self.spans.span(batch.step, "train"):
             stats = policy_update(
@@ -130,6 +202,7 @@ class Learning(RunComponents):
                 advantages,
                 training,
                 self.batching,
+                reward_in_loss=reward_in_loss,
             )
         train_seconds = time.perf_counter() - started
         metrics |= {

@@ -51,8 +51,15 @@ def token_losses(
     teacher: TeacherScores | None,
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
+    *,
+    reward_in_loss: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss (B, T) of ``objective``, and the student's log-probs and entropy, in one forward."""
+    """Per-token loss (B, T) of ``objective``, and the student's log-probs and entropy, in one forward.
+
+    ``reward_in_loss``: ``advantages_BT`` are the task's reward term for an objective without
+    advantages, added to its loss as ``training.loss_fn`` on the sampled tokens (a policy gradient
+    whose log-probs are differentiable: taken again when the objective's are not, as the fused
+    ``jsd`` and ``topk`` heads' are not)."""
     mask = piece.mask_BT
     device = policy.device
     targets = TargetRows(
@@ -67,7 +74,13 @@ def token_losses(
         student = StudentRows(
             hidden_ND, token_ids_N, head, transform, policy.vocab_size, training.logprob_chunk_size
         )
-        return objective.token_losses(student, targets)
+        rows = objective.token_losses(student, targets)
+        if reward_in_loss:
+            logprobs_N = rows.logprobs_N if rows.logprobs_N.requires_grad else student.logprobs()[0]
+            rows.loss_N = rows.loss_N + targets.policy_gradient.loss(
+                logprobs_N, targets.sampled_logprobs_N, targets.advantages_N
+            )
+        return rows
 
     rows, selected_BT = policy.forward_rows(
         piece.input_ids_BT,
@@ -93,6 +106,8 @@ def policy_update(
     advantages_BT: torch.Tensor,
     training: TrainingConfig,
     batching: MicroBatching,
+    *,
+    reward_in_loss: bool = False,
 ) -> UpdateStats:
     """Split the batch into substeps; per substep accumulate the gradients of its micro-batches
     (``batching``), clip, step.
@@ -105,6 +120,7 @@ def policy_update(
     that normalise the loss are the whole batch's (summed over processes), and each process's
     loss is scaled by their number because DDP and FSDP average gradients, so N processes make
     the update one process makes on the whole batch. The statistics returned are the whole batch's.
+    ``reward_in_loss``: as :func:`token_losses` takes it.
     """
     device = policy.device
     processes = world().size
@@ -134,6 +150,7 @@ def policy_update(
                     None if part_teacher is None else part_teacher.select(rows),
                     part_advantages[rows],
                     training,
+                    reward_in_loss=reward_in_loss,
                 )
                 loss = aggregate(per_token, mask, training.loss_aggregation, num_tokens, num_sequences)
                 (loss * processes if processes > 1 else loss).backward()
