@@ -198,7 +198,7 @@ class PolicyGradientSettings:
     ``behaviour``: those recorded by the sampler (the tinker recipe); ``current``: each sampled
     token's log-prob under the weights about to be updated, from one no-grad forward before the
     update (an extra forward a step), the remedy for stale samples (asynchronous on-policy
-    distillation, NOTES.md section 6). The importance ratio of the policy loss stays against the
+    distillation, AsyncOPD: arXiv 2606.24143). The importance ratio of the policy loss stays against the
     behaviour log-probs either way. Unset: ``current`` where ``max_staleness`` > 0 (samples four
     updates stale otherwise undo the run: docs/distributed.md), else ``behaviour``."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
