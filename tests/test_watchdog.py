@@ -52,7 +52,76 @@ def test_sampler_and_trainer_apart_and_exploding_gradients():
     stream.append(healthy(8) | {"kl_sample_train": -0.3})
     stream.append(healthy(9) | {"grad_norm": 50.0})
     stream.append(healthy(10) | {"grad_norm": 80.0, "kl_sample_train": 0.5})  # already named: silent
-    assert names(stream) == [(8, "kl_sample_train"), (9, "grad_norm_exploding")]
+    # the gradient's second spike in a row is the sign (one spike alone is not: below)
+    assert names(stream) == [(8, "kl_sample_train"), (10, "grad_norm_exploding")]
+
+
+def demo_run_with_one_clipped_spike() -> list[dict]:
+    """``opd train examples/demo.yaml training.max_steps=20`` as a user saw it: gradient norms of
+    4-7 with one spike of 63.6 at step 9, clipped (max_grad_norm 1.0), the KL going on down."""
+    norms = [
+        6.1,
+        5.2,
+        4.8,
+        4.69,
+        4.3,
+        5.0,
+        4.5,
+        4.9,
+        4.2,
+        63.6,
+        4.4,
+        6.8,
+        5.3,
+        4.1,
+        7.0,
+        4.6,
+        5.5,
+        4.0,
+        6.2,
+        4.9,
+    ]
+    return [healthy(step) | {"grad_norm": norm} for step, norm in enumerate(norms)]
+
+
+def test_one_clipped_spike_that_the_next_step_forgets_is_not_divergence(base_config):
+    from opd.config import config_from_dict
+
+    assert names(demo_run_with_one_clipped_spike()) == []
+    watchdog = Watchdog(config_from_dict(base_config))
+    assert [s for row in demo_run_with_one_clipped_spike() for s in watchdog.check(row)] == []
+
+
+def test_a_spike_the_teacher_kl_follows_up_is_reported_the_step_after():
+    stream = demo_run_with_one_clipped_spike()[:12]
+    stream[10]["teacher_kl"] = 3.0  # the step after the spike: KL three times its median so far
+    assert names(stream) == [(10, "grad_norm_exploding")]
+
+
+def test_the_gradient_advice_never_names_a_setting_already_set(base_config):
+    from opd.config import config_from_dict
+
+    stream = [healthy(step) for step in range(8)] + [healthy(8) | {"grad_norm": 50.0}]
+    stream.append(healthy(9) | {"grad_norm": 60.0})
+    for clip, says, never in (
+        (1.0, "already clipped to training.max_grad_norm 1: lower training.learning_rate", "set training"),
+        (None, "Lower training.learning_rate, or set training.max_grad_norm", "already clipped"),
+    ):
+        base_config["training"]["max_grad_norm"] = clip
+        watchdog = Watchdog(config_from_dict(base_config))
+        (symptom,) = [s for row in stream for s in watchdog.check(row)]
+        assert says in symptom.message and never not in symptom.message
+
+
+def test_the_sampler_advice_names_only_settings_the_run_has(base_config):
+    from opd.config import config_from_dict
+
+    stream = [healthy(0) | {"kl_sample_train": 0.4}]
+    (plain,) = Watchdog(config_from_dict(base_config)).check(stream[0])
+    assert "max_staleness" not in plain.message and "sampling_dtype" not in plain.message
+    base_config["training"]["max_staleness"] = 1
+    (ahead,) = Watchdog(config_from_dict(base_config)).check(stream[0])
+    assert "training.max_staleness" in ahead.message
 
 
 def test_a_gradient_spike_in_the_first_steps_has_no_baseline_yet():

@@ -191,9 +191,14 @@ cursor escapes break opd's own bar) and vLLM's start-up log; a value the user se
 
 
 def quiet_third_parties() -> None:
-    """Set :data:`QUIET` in this process's environment (inherited by torchrun's processes)."""
+    """Set :data:`QUIET` in this process's environment (inherited by torchrun's processes), and turn
+    off the bars of a transformers already imported here: it read the variable when opd's modules
+    imported it, before the command line was parsed (its "Loading weights" and "Writing model
+    shards" bars would otherwise write a line and cursor escapes each, into a log file too)."""
     for key, value in QUIET.items():
         os.environ.setdefault(key, value)
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and "transformers.utils.logging" in sys.modules:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -67,7 +67,7 @@ DEFAULT_STEPS = 400
 DEFAULT_LEARNING_RATE = 5e-4
 
 
-BUILD_BAR = "{desc} {n_fmt}/{total_fmt} supervised steps at most [{elapsed}<{remaining}, {postfix}]"
+BUILD_BAR = "{desc} {n_fmt}/{total_fmt} supervised steps at most [{elapsed}<{remaining}{postfix}]"
 """The bar of a model being built; a student stops early, when it reaches its target."""
 
 

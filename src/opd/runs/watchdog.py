@@ -2,7 +2,8 @@
 
 Each symptom is named once, when first seen, with its likely cause and the setting to change:
 the entropy collapsing, the teacher KL rising step after step, the sampler's log-probs parting
-from the trainer's (``kl_sample_train``), the gradient norm exploding, held-out accuracy falling.
+from the trainer's (``kl_sample_train``), the gradient norm exploding (twice in a row, or once with
+the teacher KL following it up), held-out accuracy falling.
 With ``training.stop_on_divergence`` the run stops at the first one instead of going on.
 """
 
@@ -13,6 +14,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
+
+from opd.config import Config
 
 WINDOW = 5
 """Steps a trend must last (or a baseline must hold) before it counts."""
@@ -42,7 +45,7 @@ def _values(history: list[dict], key: str) -> list[float]:
     return [row[key] for row in history if isinstance(row.get(key), int | float) and math.isfinite(row[key])]
 
 
-def entropy_collapse(history: list[dict]) -> Symptom | None:
+def entropy_collapse(history: list[dict], config: Config | None = None) -> Symptom | None:
     """The entropy below a tenth of the first step's, after at least WINDOW steps."""
     entropies = _values(history, "entropy")
     if len(entropies) > WINDOW and entropies[0] > 0 and entropies[-1] < ENTROPY_FLOOR * entropies[0]:
@@ -57,7 +60,7 @@ def entropy_collapse(history: list[dict]) -> Symptom | None:
     return None
 
 
-def teacher_kl_rising(history: list[dict]) -> Symptom | None:
+def teacher_kl_rising(history: list[dict], config: Config | None = None) -> Symptom | None:
     """The teacher KL higher at each of the last WINDOW steps than at the step before."""
     kls = _values(history, "teacher_kl")[-(WINDOW + 1) :]
     if len(kls) == WINDOW + 1 and all(a < b for a, b in pairwise(kls)):
@@ -70,34 +73,67 @@ def teacher_kl_rising(history: list[dict]) -> Symptom | None:
     return None
 
 
-def sampler_apart(history: list[dict]) -> Symptom | None:
+def sampler_apart(history: list[dict], config: Config | None = None) -> Symptom | None:
     """This step's ``kl_sample_train`` beyond KL_SAMPLE_TRAIN_LIMIT."""
     values = _values(history[-1:], "kl_sample_train")
     if values and abs(values[0]) > KL_SAMPLE_TRAIN_LIMIT:
+        causes = []
+        if config is None or config.student.sampling_dtype is not None:
+            causes.append("student.sampling_dtype (a low-precision copy samples)")
+        if config is None or config.training.max_staleness > 0:
+            causes.append("training.max_staleness (samples from older weights; lower it)")
+        if config is None or config.student.sampler != "hf":
+            causes.append("the rollout engine's weight sync (student.sampler)")
+        check = f"Check {', or '.join(causes)}" if causes else "Check the student's weights reach the sampler"
         return Symptom(
             "kl_sample_train",
             f"kl_sample_train is {values[0]:.3g} nats/token: the sampler's log-probs are far from the "
-            "trainer's on the same tokens, so the importance ratios are off. Check "
-            "student.sampling_dtype (a low-precision copy), or lower training.max_staleness",
+            f"trainer's on the same tokens, so the importance ratios are off. {check}",
         )
     return None
 
 
-def grad_norm_exploding(history: list[dict]) -> Symptom | None:
-    """This step's gradient norm GRAD_NORM_FACTOR times the median of the steps before it."""
-    norms = _values(history, "grad_norm")
-    if len(norms) > WINDOW:
-        usual = statistics.median(norms[:-1])
-        if usual > 0 and norms[-1] > GRAD_NORM_FACTOR * usual:
-            return Symptom(
-                "grad_norm_exploding",
-                f"grad_norm {norms[-1]:.3g} is {norms[-1] / usual:.0f}x its median so far ({usual:.3g}): "
-                "the update is blowing up. Lower training.learning_rate, or set training.max_grad_norm",
-            )
+def _spike(norms: list[float], at: int) -> float | None:
+    """How many times the median of the norms before it step ``at``'s norm is, where that is over
+    GRAD_NORM_FACTOR (None: no spike, or too few steps before it for a baseline)."""
+    if at < WINDOW:
+        return None
+    usual = statistics.median(norms[:at])
+    if usual > 0 and norms[at] > GRAD_NORM_FACTOR * usual:
+        return norms[at] / usual
     return None
 
 
-def accuracy_falling(history: list[dict]) -> Symptom | None:
+def grad_norm_exploding(history: list[dict], config: Config | None = None) -> Symptom | None:
+    """The gradient norm GRAD_NORM_FACTOR times its median so far on two steps in a row, or once with
+    the teacher KL (the loss without a teacher) more than doubled on the step after it. One spike
+    that the next step forgets is no divergence, the more so when every step is clipped."""
+    norms = _values(history, "grad_norm")
+    if len(norms) < 2:
+        return None
+    last, before = _spike(norms, len(norms) - 1), _spike(norms, len(norms) - 2)
+    if before is None:
+        return None
+    if last is None:
+        followed = _values(history, "teacher_kl") or _values(history, "loss")
+        baseline = statistics.median(followed[:-2]) if len(followed) > 2 else 0.0
+        if not (baseline > 0 and followed[-1] > 2 * baseline):
+            return None
+    clip = config.training.max_grad_norm if config is not None else None
+    advice = (
+        f"every step is already clipped to training.max_grad_norm {clip:g}: lower training.learning_rate"
+        if clip is not None
+        else "Lower training.learning_rate, or set training.max_grad_norm (1.0 clips most runs' spikes)"
+    )
+    return Symptom(
+        "grad_norm_exploding",
+        f"grad_norm {norms[-1]:.3g} is {norms[-1] / statistics.median(norms[:-1]):.0f}x its median so far "
+        f"({statistics.median(norms[:-1]):.3g}), after {norms[-2]:.3g} the step before: the update is "
+        f"blowing up. {advice[0].upper()}{advice[1:]}",
+    )
+
+
+def accuracy_falling(history: list[dict], config: Config | None = None) -> Symptom | None:
     """A held-out accuracy below its first evaluation by ACCURACY_DROP and by more than the noise of
     two evaluations on ``test/<name>/num_prompts`` prompts (runs that did not log it: the drop alone)."""
     keys = sorted(
@@ -124,7 +160,7 @@ def accuracy_falling(history: list[dict]) -> Symptom | None:
     return None
 
 
-CHECKS: list[Callable[[list[dict]], Symptom | None]] = [
+CHECKS: list[Callable[[list[dict], Config | None], Symptom | None]] = [
     entropy_collapse,
     teacher_kl_rising,
     sampler_apart,
@@ -135,8 +171,10 @@ CHECKS: list[Callable[[list[dict]], Symptom | None]] = [
 
 @dataclass
 class Watchdog:
-    """Reads every step's metrics; reports each symptom the first time it shows."""
+    """Reads every step's metrics; reports each symptom the first time it shows, its advice fitted to
+    the run's ``config`` (never a setting to set that is set already)."""
 
+    config: Config | None = None
     history: list[dict] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
 
@@ -145,7 +183,7 @@ class Watchdog:
         self.history.append(metrics)
         found = []
         for check in CHECKS:
-            symptom = check(self.history)
+            symptom = check(self.history, self.config)
             if symptom is not None and symptom.name not in self.seen:
                 self.seen.add(symptom.name)
                 found.append(symptom)

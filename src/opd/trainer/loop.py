@@ -184,7 +184,7 @@ class Trainer(Collection, Learning, Checkpointing):
             bar_format=PROGRESS_FORMAT,
         )
 
-        watchdog = Watchdog()
+        watchdog = Watchdog(self.config)
         last_saved = start.step
         stop = StopOnSignal(
             lambda: (
