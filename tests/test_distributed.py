@@ -270,6 +270,27 @@ def test_two_processes_centre_each_groups_rewards_as_one_process_does(models, tm
     assert moved > 100 * tolerance
 
 
+def test_a_graded_and_an_ungraded_dataset_share_two_processes(models, tmp_path):
+    """One dataset has a grader and one has none: whichever rows a process holds, every process
+    reduces the reward metrics together (no process waits in a collective the others skip)."""
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in WORDS))
+    config = run_config(models, tmp_path / "one")
+    graded = config["datasets"][0] | {"groups_per_batch": 2}
+    config["datasets"] = [graded, graded | {"name": "plain", "source": str(plain), "eval_source": None}]
+    config["training"]["num_substeps"] = 1  # one process holds the graded groups, the other the rest
+    one_process(write(config, tmp_path / "one.yaml"))
+    two_processes(
+        write(config | {"log_path": str(tmp_path / "two")}, tmp_path / "two.yaml"), "training.parallel=ddp"
+    )
+    reference, rows = (
+        read_jsonl(tmp_path / "one" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "two" / "metrics.jsonl"),
+    )
+    assert_same_metrics(rows, reference)
+    assert all("reward/rev" in row and "reward/plain" not in row for row in reference if "loss" in row)
+
+
 def initial_weights(
     models: Path, lora_rank: int, like: dict[str, torch.Tensor], student: str = "student"
 ) -> dict[str, torch.Tensor]:

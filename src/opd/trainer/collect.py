@@ -145,13 +145,15 @@ class Collection(RunComponents):
         self, completions: list[Completion], items: list[Prompt], dataset_indices: list[int]
     ) -> torch.Tensor | None:
         """Each row's reward: its episode's final reward, or its grade by its dataset's grader (NaN
-        where its dataset has neither); None when no row has one."""
+        where its dataset has neither); None when no dataset of the run has either. Decided by the
+        run's datasets, not by this process's rows: every process then reduces the reward metrics
+        together, whatever share of the datasets its rows come from."""
+        if all(g is None and e is None for g, e in zip(self.graders, self.environments, strict=True)):
+            return None
         values = [
             completion_reward(self.tokenizer, completion, prompt, self.graders[index])
             for completion, prompt, index in zip(completions, items, dataset_indices, strict=True)
         ]
-        if all(value is None for value in values):
-            return None
         return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
 
     def play(

@@ -100,6 +100,8 @@ class Learning(RunComponents):
             sums += [float(rewards[rows].sum()), float(rows.sum())]
         sums = all_reduce(sums)
         total, count, spread, constant_groups, groups = sums[:5]
+        if count == 0:  # this step's rows all come from datasets without a reward
+            return {}, None, None
         metrics = {
             "reward/mean": total / max(count, 1.0),
             "reward/group_std": spread / max(groups, 1.0),
