@@ -27,7 +27,7 @@ class Batch:
     """Collected ahead: how many updates the weights that sampled it lag behind (None: synchronous)."""
     rewards_B: torch.Tensor | None = None
     """The task's reward of each of the student's own samples (NaN where its dataset gives none;
-    None: no reward, or the student did not write the batch)."""
+    None: no dataset of the run gives rewards, or the student did not write the batch)."""
     groups_B: torch.Tensor | None = None
     """Each row's group (the index of its prompt in the step), for centring rewards within groups."""
 

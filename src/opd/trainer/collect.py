@@ -49,7 +49,7 @@ class Sampled(NamedTuple):
     source: str
     rewards_B: torch.Tensor | None
     """Each row's reward (NaN where its dataset gives none; None: the student did not write the
-    batch, or no row has a reward)."""
+    batch, or no dataset of the run has a grader or an environment)."""
     groups_B: torch.Tensor
     """Each row's group: the index of its prompt in the step."""
 
