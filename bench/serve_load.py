@@ -12,7 +12,14 @@ An answer counts as wrong if its log-probs differ from the reference by more tha
 composition inside the server never changes, so they should be equal); a request is lost if
 it never gets a 200. Peak memory is the server process's VmHWM.
 
+With ``--hostile SECONDS`` it measures fairness instead: one client asks for the most the
+server allows a request (``--hostile-rows`` prompts, each sampled to the end of the context
+with ``ignore_eos`` and a stop id it never reaches, within ``--max-tokens-per-request``); while
+that decodes, one client sends scoring requests back to back for SECONDS, and their latency is
+compared with the same requests' on the idle server.
+
     python bench/serve_load.py --out docs/results/serve_load.json
+    python bench/serve_load.py --hostile 60 --out docs/results/serve_hostile.json
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -81,6 +89,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--topk", type=int, default=0)
     parser.add_argument("--max-connections", type=int, default=32)
+    parser.add_argument("--hostile", type=float, help="seconds of scoring while a hostile client samples")
+    parser.add_argument("--hostile-rows", type=int, default=2, help="prompts in the hostile request")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
 
@@ -123,6 +133,11 @@ def main() -> None:
             status, answer, _ = post(port, body)
             assert status == 200, status
             reference.append(logprobs_of(answer))
+        if args.hostile:
+            results = hostile(port, bodies, args.hostile, args.hostile_rows)
+            results["server_peak_rss_mib"] = peak_rss_mib(server.pid)
+            print(json.dumps(results))
+            return
         idle_rss = peak_rss_mib(server.pid)
         levels = []
         for clients in args.concurrency:
@@ -163,7 +178,50 @@ def main() -> None:
     finally:
         server.kill()
         server.wait()
-    write_result(args.out, "bench/serve_load.py", vars(args) | {"model": str(model)}, results)
+        if "results" in locals():
+            write_result(args.out, "bench/serve_load.py", vars(args) | {"model": str(model)}, results)
+
+
+def latencies(port: int, bodies: list[bytes], seconds: float) -> list[float]:
+    """Scoring requests sent one after another for ``seconds``: each one's latency."""
+    waits: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        status, _, _ = post(port, bodies[len(waits) % len(bodies)])
+        assert status == 200, status
+        waits.append(time.perf_counter() - started)
+    return waits
+
+
+def hostile(port: int, bodies: list[bytes], seconds: float, rows: int) -> dict:
+    """Scoring latency on the idle server, then while one request samples the most it may."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
+        context = json.loads(response.read())["data"][0]["max_model_len"]
+    prompt = [1, 9690, 42]  # "<|im_start|>user" and a token: any short prompt
+    max_tokens = min(context - len(prompt), 16384 // rows)
+    body = json.dumps(
+        {
+            "model": "teacher",
+            "prompt": [prompt] * rows,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "stop_token_ids": [49151],  # the last id of the vocabulary: not written in practice
+        }
+    ).encode()
+    idle = latencies(port, bodies, min(seconds, 20))
+    held = threading.Thread(target=post, args=(port, body), daemon=True)  # the server is killed under it
+    held.start()
+    time.sleep(2.0)  # the hostile request is past its prefill, decoding
+    busy = latencies(port, bodies, seconds)
+    still_decoding = held.is_alive()
+    return {
+        "hostile_request": {"rows": rows, "max_tokens": max_tokens, "context": context},
+        "hostile_still_decoding_after": still_decoding,
+        "idle": {"requests": len(idle), "p50_s": statistics.median(idle), "max_s": max(idle)},
+        "during_hostile": {"requests": len(busy), "p50_s": statistics.median(busy), "max_s": max(busy)},
+    }
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -161,3 +162,91 @@ def test_clients_past_the_connection_cap_wait_their_turn_and_are_answered(server
     assert [status for status, _ in answers] == [200] * 4
     assert 0.5 < waited < 10  # queued behind the idle clients until they were dropped
     assert healthy(port)
+
+
+def sample_body(prompts: list[list[int]], max_tokens: int, **extra) -> bytes:
+    return json.dumps(
+        {"model": "teacher", "prompt": prompts, "max_tokens": max_tokens, "return_token_ids": True, **extra}
+    ).encode()
+
+
+def test_max_tokens_past_the_context_or_the_request_budget_gets_400_naming_the_numbers(server):
+    """The tiny teacher's context is 256 tokens; the server keeps its default budget (16384 a request)."""
+    port, _ = server
+    status, answer = post(port, sample_body([[1] + [5] * 9], 247))
+    assert status == 400
+    message = answer["error"]["message"]
+    assert "maximum context length is 256" in message and "'max_tokens' can be at most 246" in message
+    assert answer["error"]["param"] == "max_tokens"
+    status, answer = post(port, sample_body([[1, 5]] * 70, 240))
+    assert status == 400
+    message = answer["error"]["message"]
+    assert "16800 tokens (70 prompts x max_tokens 240)" in message
+    assert "limit of 16384" in message and "--max-tokens-per-request" in message
+    assert post(port, sample_body([[1] + [5] * 9], 246, stop_token_ids=[2]))[0] == 200  # at the bound
+    assert healthy(port)
+
+
+NEVER = 5
+"""The token id the hostile client stops at, which its model never samples (lm-head bias -1e4)."""
+
+
+@pytest.fixture(scope="module")
+def long_context_teacher(tmp_path_factory, char_tokenizer):
+    """A tiny Phi (its lm head has a bias) with a 2048-token context that never writes ``NEVER``."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    config = PhiConfig(
+        vocab_size=len(char_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+    )
+    model = PhiForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.bias[NEVER] = -1e4
+    path = tmp_path_factory.mktemp("phi") / "teacher"
+    model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_client_holding_the_longest_sample_allowed_does_not_hold_up_scoring(long_context_teacher):
+    """The hostile client of issue 64: the most tokens the server allows a request (8 prompts x
+    2000 tokens = 16000 of the 16384 budget, each to the end of the context), never stopping
+    (``ignore_eos``, a stop id the model never writes). While it decodes, scoring requests and a
+    short sampling request are each answered within a second (measured here about 0.01-0.05 s;
+    alone a scoring request takes about 0.01 s): the decode hands the model over between steps."""
+    port = free_port()
+    process = start_opd_serve(long_context_teacher, port)
+    try:
+        hostile = sample_body(
+            [[1, 6 + row, 7] for row in range(8)], 2045, ignore_eos=True, stop_token_ids=[NEVER]
+        )
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            held = pool.submit(post, port, hostile, "/v1/completions", 600)
+            time.sleep(1.0)  # the hostile request is decoding
+            waits = []
+            for row in range(5):
+                started = time.monotonic()
+                status, _ = post(port, completion([[1, 5 + row, 6, 7] * 8]))
+                waits.append(time.monotonic() - started)
+                assert status == 200
+            started = time.monotonic()
+            assert post(port, sample_body([[1, 6]], 4, stop_token_ids=[2]))[0] == 200
+            waits.append(time.monotonic() - started)
+            assert not held.done(), "the hostile request ended before the others were answered: no contention"
+            status, answer = held.result()
+        print(f"waits while the hostile request decoded: {[round(w, 3) for w in waits]} s")
+        assert status == 200
+        assert [len(choice["token_ids"]) for choice in answer["choices"]] == [2045] * 8
+        assert max(waits) < 1.0, waits
+    finally:
+        process.kill()
+        process.wait()

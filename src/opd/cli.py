@@ -141,6 +141,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.port,
         name=args.served_model_name,
         max_logprobs=args.max_logprobs,
+        max_tokens_per_request=args.max_tokens_per_request,
         dtype=args.dtype,
         device=args.device,
         limits=ServerLimits(args.max_request_bytes, args.request_timeout, args.max_connections),
@@ -278,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="name clients send as 'model' (default: MODEL as given)")
     serve.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
+    serve.add_argument(
+        "--max-tokens-per-request",
+        type=_positive(int),
+        default=16384,
+        help="most tokens one request may have sampled, prompts x max_tokens (16384)",
+    )
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="auto")
     serve.add_argument(

@@ -155,6 +155,7 @@ def serve(
     *,
     name: str | None = None,
     max_logprobs: int = 20,
+    max_tokens_per_request: int = 16384,
     dtype: str = "auto",
     device: str = "auto",
     limits: ServerLimits = ServerLimits(),
@@ -162,7 +163,7 @@ def serve(
     """Load the model and answer requests until interrupted."""
     tokenizer = load_tokenizer(model_path, "model")
     model = load_causal_lm(model_path, "model", dtype=dtype, device=device)
-    scorer = ScoringModel(model, tokenizer, name or model_path, max_logprobs)
+    scorer = ScoringModel(model, tokenizer, name or model_path, max_logprobs, max_tokens_per_request)
     server = LimitedServer((host, port), make_handler(scorer, limits), limits)
     print(f"opd serve: {scorer.name} on http://{host}:{server.server_address[1]}/v1", flush=True)
     try:

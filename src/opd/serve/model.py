@@ -1,6 +1,11 @@
 """The model behind ``opd serve``: prompt log-probs with a top-k, and sampling for a teacher that
-writes completions, one model forward at a time (a lock), requests that wait together sampled in
-one batch."""
+writes completions, one model forward at a time (a lock served in arrival order), requests that
+wait together sampled in one batch.
+
+Sampling hands the model over between decode steps to any request waiting for it, so the longest
+completion a client may ask for delays a scoring request by one decode step, not by the whole
+completion (the model holds no state between forwards: the decode's KV cache is its own).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,44 @@ from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 
 
+class TurnLock:
+    """A lock taken in the order it was asked for, whose holder can let those waiting go first.
+
+    ``threading.Lock`` lets a thread that releases and re-acquires it at once win again, so a
+    long decode would keep the model however often it let go; here the holder's
+    :meth:`yield_turn` queues it behind every waiting thread in one atomic step.
+    """
+
+    def __init__(self):
+        self._turns = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+
+    def _wait_for(self, ticket: int) -> None:
+        self._turns.wait_for(lambda: self._serving == ticket)
+
+    def __enter__(self) -> TurnLock:
+        with self._turns:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._wait_for(ticket)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._turns:
+            self._serving += 1
+            self._turns.notify_all()
+
+    def yield_turn(self) -> None:
+        """Let every thread waiting now take its turn, then take the lock back (no-op when none waits)."""
+        with self._turns:
+            if self._next_ticket == self._serving + 1:
+                return
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._serving += 1
+            self._turns.notify_all()
+            self._wait_for(ticket)
+
+
 @dataclass
 class _SampleJob:
     """One request's rows to sample, and what they became."""
@@ -29,14 +72,18 @@ class _SampleJob:
 class ScoringModel:
     """Prompt log-probs and top-k of a causal LM, scored by the same code as a local teacher."""
 
-    def __init__(self, model, tokenizer, name: str, max_logprobs: int = 20):
+    def __init__(
+        self, model, tokenizer, name: str, max_logprobs: int = 20, max_tokens_per_request: int = 16384
+    ):
         self.tokenizer = tokenizer
         self.name = name
         self.max_logprobs = max_logprobs
+        self.max_tokens_per_request = max_tokens_per_request
+        """The most tokens one request may have sampled, over all its prompts (rows x max_tokens)."""
         self.vocab_size = len(tokenizer)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
         self.teacher = LocalTeacher(model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0)
-        self.lock = threading.Lock()
+        self.lock = TurnLock()
         self.pending: list[_SampleJob] = []
         """Sampling requests waiting for the model: the next to hold ``lock`` samples them all."""
         self.pending_lock = threading.Lock()
@@ -74,6 +121,7 @@ class ScoringModel:
                     self.tokenizer,
                     stop_token_ids=stop_token_ids,
                     stop_strings=stop_strings,
+                    between_steps=self.lock.yield_turn,
                 )
                 sampled = sampler.sample(
                     [p for j in batch for p in j.prompts],

@@ -151,7 +151,34 @@ NEUTRAL_SAMPLING = {
 """Sampling settings this server accepts only at these values (absent or null: the same)."""
 
 
-def _sampling(body: dict, scorer: ScoringModel) -> tuple[float, int, int | None, list[int], list[str]]:
+def _max_tokens(body: dict, scorer: ScoringModel, prompts: list[list[int]]) -> int:
+    """``max_tokens`` of a sampling request, within the context left after its longest prompt and
+    within the server's per-request budget (``ignore_eos`` can make every row sample all of it)."""
+    max_tokens = _count(body, "max_tokens", 16)
+    if max_tokens < 1:
+        raise RequestError("'max_tokens' must be at least 1 to sample (or set 'prompt_logprobs' to score)")
+    longest = max(len(p) for p in prompts)
+    if scorer.max_model_len and longest + max_tokens > scorer.max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {scorer.max_model_len} tokens. However, you requested "
+            f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion): "
+            f"'max_tokens' can be at most {scorer.max_model_len - longest} after this prompt.",
+            param="max_tokens",
+        )
+    total = max_tokens * len(prompts)
+    if total > scorer.max_tokens_per_request:
+        raise RequestError(
+            f"this request may sample {total} tokens ({len(prompts)} prompts x max_tokens {max_tokens}), "
+            f"over this server's limit of {scorer.max_tokens_per_request} a request "
+            "(opd serve --max-tokens-per-request): send fewer prompts a request or a smaller max_tokens",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+def _sampling(
+    body: dict, scorer: ScoringModel, prompts: list[list[int]]
+) -> tuple[float, int, int | None, list[int], list[str]]:
     """``(temperature, max_tokens, seed, stop ids, stop strings)`` of a sampling request, checked."""
     for field, neutral in NEUTRAL_SAMPLING.items():
         value = body.get(field)
@@ -177,9 +204,7 @@ def _sampling(body: dict, scorer: ScoringModel) -> tuple[float, int, int | None,
         raise RequestError(
             f"'temperature' must be a number >= 0, got {json.dumps(temperature)[:40]}", param="temperature"
         )
-    max_tokens = _count(body, "max_tokens", 16)
-    if max_tokens < 1:
-        raise RequestError("'max_tokens' must be at least 1 to sample (or set 'prompt_logprobs' to score)")
+    max_tokens = _max_tokens(body, scorer, prompts)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise RequestError(
@@ -203,7 +228,7 @@ def _sampling(body: dict, scorer: ScoringModel) -> tuple[float, int, int | None,
 def sampled_response(scorer: ScoringModel, body: dict, prompts: list[list[int]]) -> dict:
     """The answer to a ``POST /v1/completions`` that samples: one choice per prompt, in vLLM's shape
     (``token_ids`` with ``return_token_ids``; the stop token kept in them)."""
-    temperature, max_tokens, seed, stops, strings = _sampling(body, scorer)
+    temperature, max_tokens, seed, stops, strings = _sampling(body, scorer, prompts)
     seeds = None if seed is None else [seed] * len(prompts)
     completions = scorer.sample(prompts, temperature, max_tokens, seeds, stops, strings)
     decode = scorer.tokenizer.decode
