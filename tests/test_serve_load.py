@@ -221,7 +221,7 @@ def test_a_client_holding_the_longest_sample_allowed_does_not_hold_up_scoring(lo
     """The hostile client of issue 64: the most tokens the server allows a request (8 prompts x
     2000 tokens = 16000 of the 16384 budget, each to the end of the context), never stopping
     (``ignore_eos``, a stop id the model never writes). While it decodes, scoring requests and a
-    short sampling request are each answered within a second (measured here about 0.01-0.05 s;
+    short sampling request are each answered within a second (measured here 0.01-0.03 s;
     alone a scoring request takes about 0.01 s): the decode hands the model over between steps."""
     port = free_port()
     process = start_opd_serve(long_context_teacher, port)

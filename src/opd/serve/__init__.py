@@ -15,7 +15,9 @@ For CPU development and tests; a real deployment points the same client at vLLM 
 - ``GET /v1/models``, ``GET /health``.
 
 Malformed requests get a 4xx JSON error and the server keeps serving; :class:`ServerLimits` caps
-what one client may cost (body size, time to send it, connections at once).
+what one client may cost (body size, time to send it, connections at once), ``max_tokens`` is
+capped by the context and ``--max-tokens-per-request``, and a sampling request hands the model to
+waiting requests between its decode steps.
 
 Three rooms: :mod:`opd.serve.model` (the model that scores and samples, one forward at a time),
 :mod:`opd.serve.wire` (the vLLM and SGLang request and answer formats), :mod:`opd.serve.http`
