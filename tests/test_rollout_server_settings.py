@@ -92,5 +92,6 @@ def test_rollout_server_command_sets_what_the_trainer_checks_and_passes_the_rest
         "--logprobs-mode": "processed_logprobs",
         "--generation-config": "vllm",
         "--weight-transfer-config": '{"backend": "opd_safetensors"}',
+        "--middleware": "opd.sampling.rollout_guard.RolloutAuth",
         "--dtype": "bfloat16",
     }

@@ -76,3 +76,51 @@ def test_servers_and_launches_bind_loopback_by_default():
     serve = build_parser().parse_args(["serve", "some/model"])
     assert serve.host == "127.0.0.1"
     assert source_lines(r"0\.0\.0\.0") == []
+
+
+def test_an_environment_by_import_path_is_imported_when_the_config_is_read(base_config, tmp_path):
+    """SECURITY.md: a config naming an environment by import path runs that module's code as soon
+    as the config is checked, ``opd config`` included (nothing else in a config imports code)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    marker = tmp_path / "imported"
+    (package / "user_env.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "class Env:\n    def start(self, prompt, grader):\n        raise NotImplementedError\n"
+    )
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(base_config))
+    env = {"PYTHONPATH": str(package), "PATH": "/usr/bin:/bin"}
+    checked = subprocess.run(
+        [sys.executable, "-m", "opd", "config", str(plain)], capture_output=True, env=env
+    )
+    assert checked.returncode == 0 and not marker.exists()
+    base_config["datasets"][0]["env"] = {"name": "user_env:Env"}
+    named = tmp_path / "named.yaml"
+    named.write_text(yaml.safe_dump(base_config))
+    checked = subprocess.run(
+        [sys.executable, "-m", "opd", "config", str(named)], capture_output=True, env=env
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert marker.read_text() == "ran"
+
+
+def test_hub_datasets_are_read_without_remote_code():
+    """No ``trust_remote_code`` reaches ``datasets``: a hub dataset's loading script never runs."""
+    tables = (SOURCE / "data" / "tables.py").read_text()
+    assert "load_dataset(" in tables and "trust_remote_code" not in tables
+
+
+def test_every_test_security_md_names_exists():
+    """Each promise is backed by the tests it names: a renamed or removed test breaks this one."""
+    root = SOURCE.parents[1]
+    text = (root / "SECURITY.md").read_text()
+    named = re.findall(r"`(tests\w*/\w+\.py)::(\w+)`", text)
+    named += [
+        (file, name)
+        for file, group in re.findall(r"`(tests\w*/\w+\.py)` \(([^)]*)\)", text)
+        for name in re.findall(r"`(test_\w+)`", group)
+    ]
+    assert len(named) >= 15
+    missing = [f"{file}::{name}" for file, name in named if f"def {name}(" not in (root / file).read_text()]
+    assert missing == []

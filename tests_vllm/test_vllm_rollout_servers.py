@@ -18,15 +18,17 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from opd.cli import main
 from opd.config import config_from_dict
-from opd.errors import RolloutServerError
+from opd.errors import ConfigError, RolloutServerError
 from opd.runs.metrics import read_jsonl
 from opd.trainer.loop import Trainer, train
 from tests.servers import free_port, wait_until_up
@@ -51,18 +53,27 @@ def rollout_server_command(model_dir: Path, port: int, via_opd: bool) -> list[st
     ]  # fmt: skip
 
 
-class Server:
-    """A rollout server process on a port of its own, restartable on the same port."""
+KEY_VARIABLE = "OPD_TEST_ROLLOUT_KEY"
+"""The variable the trainer reads the keyed server's API key from (student.rollout_api_key_env)."""
+KEY = "rollout-key-of-the-tests"
 
-    def __init__(self, model_dir: Path, log: Path, via_opd: bool = False):
+
+class Server:
+    """A rollout server process on a port of its own, restartable on the same port; ``key``: its
+    ``VLLM_API_KEY``."""
+
+    def __init__(self, model_dir: Path, log: Path, via_opd: bool = False, key: str | None = None):
         self.model_dir, self.log, self.port, self.via_opd = model_dir, log, free_port(), via_opd
         self.url = f"http://127.0.0.1:{self.port}"
+        self.key = key
         self.process: subprocess.Popen | None = None
 
     def start(self) -> Server:
         env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
         if not self.via_opd:  # opd rollout-server sets it itself
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.key:
+            env["VLLM_API_KEY"] = self.key
         with self.log.open("a") as output:
             self.process = subprocess.Popen(
                 rollout_server_command(self.model_dir, self.port, self.via_opd),
@@ -88,9 +99,15 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(vllm_models, tmp_path_factory):
+    """Server 0 started with vLLM's own command, no key; server 1 by ``opd rollout-server`` with an
+    API key, which every run sends (a server without a key ignores it)."""
     root = tmp_path_factory.mktemp("rollout-servers")
+    os.environ[KEY_VARIABLE] = KEY
     started = [
-        Server(vllm_models["untied"], root / f"server{i}.log", via_opd=i == 1).start() for i in range(2)
+        Server(
+            vllm_models["untied"], root / f"server{i}.log", via_opd=i == 1, key=KEY if i == 1 else None
+        ).start()
+        for i in range(2)
     ]
     for server in started:
         server.wait()
@@ -152,7 +169,7 @@ def on_servers(vllm_models, prompts, log_path: Path, servers: list[Server], **st
         log_path,
         sampler="vllm_server",
         rollout_servers=[s.url for s in servers],
-        **student,
+        **{"rollout_api_key_env": KEY_VARIABLE, **student},
     )
 
 
@@ -328,3 +345,79 @@ def wait_for(condition, job: subprocess.Popen, timeout_s: float = 240) -> None:
     while not condition():
         assert time.monotonic() < deadline and job.poll() is None, "the run made no progress"
         time.sleep(0.05)
+
+
+def call(url: str, method: str = "POST", body: dict | None = None, key: str | None = None) -> tuple[int, str]:
+    """``(status, body text)`` of one request, errors included."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_a_keyed_server_answers_no_route_without_its_key(servers):
+    """vLLM's own --api-key covers /v1 only; opd's middleware covers the weight, pause and RPC routes."""
+    url = servers[1].url
+    before = call(url + "/weight_info", "GET", key=KEY)
+    assert before[0] == 200
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"model": "student", "prompt": "a", "max_tokens": 1}),
+        ("GET", "/weight_info", None),
+        ("GET", "/server_info", None),
+        ("POST", "/update_weight_version", {"new_version": "hijacked"}),
+        ("POST", "/start_weight_update", {}),
+        ("POST", "/update_weights", {"update_info": {"files": ["/etc/hostname"]}}),
+        ("POST", "/pause?mode=keep", {}),
+        ("POST", "/collective_rpc", {"method": "sleep"}),
+        ("POST", "/reset_prefix_cache", {}),
+    ]:
+        assert call(url + path, method, body)[0] == 401, path
+        assert call(url + path, method, body, key="wrong")[0] == 401, path
+    assert call(url + "/health", "GET")[0] == 200
+    assert call(url + "/weight_info", "GET", key=KEY) == before  # nothing changed
+
+
+def test_a_trainer_without_the_servers_key_is_refused_naming_the_setting(
+    vllm_models, prompts, servers, tmp_path
+):
+    config = on_servers(vllm_models, prompts, tmp_path / "run", servers[1:], rollout_api_key_env=None)
+    with pytest.raises(ConfigError, match=r"HTTP 401.*set student.rollout_api_key_env"):
+        Trainer(config_from_dict(config), progress=False)
+
+
+def test_weight_files_outside_the_servers_directory_are_refused_and_logged(
+    vllm_models, prompts, servers, tmp_path
+):
+    """A request naming a file elsewhere (or a link from inside the directory to it) loads nothing;
+    the server logs the refusal, and the next push of a run loads and samples as before."""
+    from opd.sampling.rollout_guard import default_weights_root
+
+    server = servers[0]
+    outside = tmp_path / "planted.safetensors"
+    save_file({"lm_head.weight": torch.zeros(4, 4)}, str(outside))
+    link_dir = default_weights_root() / f"link-{server.port}"
+    link_dir.mkdir(parents=True, exist_ok=True)
+    link = link_dir / "planted.safetensors"
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside)
+    try:
+        for planted in (outside, link, Path("/etc/hostname")):
+            assert call(server.url + "/start_weight_update", body={})[0] == 200
+            status, answer = call(
+                server.url + "/update_weights", body={"update_info": {"files": [str(planted)]}}
+            )
+            assert status >= 400 and "is not under this server's weights directory" in answer, answer
+    finally:
+        link.unlink()
+        link_dir.rmdir()
+    assert server.log.read_text().count("refused a weight update naming 1 file(s) outside") >= 3
+    trainer = Trainer(
+        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "run", servers[:1])), progress=False
+    )
+    metrics = trainer.learn(trainer.collect(0))
+    assert abs(metrics["kl_sample_train"]) < 1e-3

