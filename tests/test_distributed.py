@@ -330,10 +330,16 @@ def rank_pid(config_path: Path, rank: int) -> int | None:
     return None
 
 
-def test_a_rank_killed_mid_run_stops_the_job_and_the_same_command_resumes_it(models, tmp_path):
-    reference = write(run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml")
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_rank_killed_mid_run_stops_the_job_and_the_same_command_resumes_it(models, tmp_path, staleness):
+    """With ``max_staleness: 1`` too: the checkpoint's weights of the batch in collection are read
+    back by both processes, which collect it again as the uninterrupted run did."""
+    ahead = {"max_staleness": staleness} if staleness else {}
+    reference = write(
+        run_config(models, tmp_path / "reference", max_steps=6, **ahead), tmp_path / "reference.yaml"
+    )
     two_processes(reference)
-    killed = write(run_config(models, tmp_path / "killed", max_steps=6), tmp_path / "killed.yaml")
+    killed = write(run_config(models, tmp_path / "killed", max_steps=6, **ahead), tmp_path / "killed.yaml")
     metrics = tmp_path / "killed" / "metrics.jsonl"
     job = start_job(killed)
     wait_for_rows(job, metrics, 3)

@@ -243,3 +243,29 @@ def test_only_the_first_torchrun_worker_says_a_resumed_run_keeps_its_recorded_se
         assert kept == 1e-2  # every worker keeps the recorded rate
         said[rank] = [str(w.message) for w in caught if "as recorded" in str(w.message)]
     assert len(said["0"]) == 1 and said["1"] == []
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_sigkill_with_collection_ahead_then_resume_matches_an_uninterrupted_run(
+    base_config, tmp_path, staleness
+):
+    """``max_staleness: k``: each checkpoint keeps the weights its batches in collection were handed
+    (k older versions), and the resumed run collects those steps from them again: every row equals
+    the uninterrupted run's, staleness included (a resume that sampled them from the checkpoint's
+    weights would log staleness 0, 1, ... after it)."""
+    base_config["training"]["max_staleness"] = staleness
+    run_cli(write_config(base_config, tmp_path, "reference"))
+    reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
+    assert [r["staleness_mean"] for r in reference] == [min(s, staleness) for s in range(STEPS)]
+
+    config_path = write_config(base_config, tmp_path, "killed")
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    kill_after_rows(config_path, metrics, 5, timeout_s=120)
+    assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
+    checkpoint = list_checkpoints(tmp_path / "killed")[-1]
+    assert 2 <= checkpoint.step < STEPS
+    saved = sorted(p.name for p in (checkpoint.path / "in_flight").glob("*.safetensors"))
+    assert len(saved) == min(staleness, STEPS - checkpoint.step)  # one version a step in flight
+
+    run_cli(config_path)
+    assert_same_rows(read_jsonl(metrics), reference)

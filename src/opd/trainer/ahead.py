@@ -8,17 +8,24 @@ sampled from the copy that was current when it was handed to the worker. Which w
 gets depends only on the step numbers, never on thread timing, so a run is reproducible: step
 j's batch comes from the weights after step ``max(start, j - k) - 1``. Its staleness (``j`` minus
 that step + 1) is at most k; a batch older than k would be dropped and collected again.
+
+A checkpoint keeps the weights its batches in collection were handed (:func:`save_in_flight`: at
+most k versions, older than the checkpoint's own), and a resumed run hands the same steps the same
+weights again (:func:`load_in_flight`), so it collects what the uninterrupted run collected.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from opd.sampling.base import RolloutEngine
 from opd.trainer.batch import Batch
@@ -64,7 +71,10 @@ class AheadCollector:
         start_step: int,
         end_step: int,
         bucket_bytes: int,
+        in_flight: dict[int, PublishedWeights] | None = None,
     ):
+        """``in_flight``: a resumed run's batches in collection when its checkpoint was saved,
+        each with the weights it was handed (:func:`load_in_flight`); they are collected first."""
         self.collect = collect
         self.policy = policy
         self.max_staleness = max_staleness
@@ -75,6 +85,13 @@ class AheadCollector:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="opd-collect")
         self.pending: dict[int, tuple[PublishedWeights, Future]] = {}
         self.published = self._take(start_step)
+        for step, weights in sorted((in_flight or {}).items()):
+            if start_step <= step < min(start_step + max_staleness + 1, end_step):
+                self.pending[step] = (weights, self.executor.submit(self._collect, step, weights))
+
+    def in_flight(self) -> dict[int, PublishedWeights]:
+        """The steps handed to the worker and not yet taken, each with the weights it samples."""
+        return {step: weights for step, (weights, _) in self.pending.items()}
 
     def _take(self, step: int) -> PublishedWeights:
         with torch.no_grad():
@@ -124,3 +141,43 @@ class AheadCollector:
     def close(self) -> None:
         """Stop the worker, dropping batches not yet started."""
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+IN_FLIGHT = "in_flight"
+"""A checkpoint's directory of the weights its batches in collection were handed."""
+
+
+def save_in_flight(checkpoint: Path, in_flight: dict[int, PublishedWeights]) -> None:
+    """Write each distinct version of ``in_flight``'s weights once (safetensors) and which steps
+    sample which (``in_flight/steps.json``), into a checkpoint being staged."""
+    if not in_flight:
+        return
+    directory = checkpoint / IN_FLIGHT
+    directory.mkdir()
+    versions: dict[str, dict] = {}
+    for weights in in_flight.values():
+        name = f"v{weights.version}-from{weights.step}"
+        if name not in versions:
+            save_file(
+                {k: t.contiguous() for k, t in weights.weights.items()},
+                str(directory / f"{name}.safetensors"),
+            )
+            versions[name] = {"version": weights.version, "step": weights.step}
+    steps = {str(step): f"v{w.version}-from{w.step}" for step, w in sorted(in_flight.items())}
+    (directory / "steps.json").write_text(json.dumps({"versions": versions, "steps": steps}, indent=1))
+
+
+def load_in_flight(checkpoint: Path) -> dict[int, PublishedWeights]:
+    """The batches in collection when ``checkpoint`` was saved, each with its weights (none when
+    the run collected synchronously, or its checkpoint predates this record)."""
+    index = checkpoint / IN_FLIGHT / "steps.json"
+    if not index.is_file():
+        return {}
+    record = json.loads(index.read_text())
+    versions = {
+        name: PublishedWeights(
+            meta["version"], meta["step"], load_file(str(index.parent / f"{name}.safetensors"))
+        )
+        for name, meta in record["versions"].items()
+    }
+    return {int(step): versions[name] for step, name in record["steps"].items()}

@@ -1,6 +1,6 @@
 """A run's checkpoints from the trainer's side: what is saved after a step (weights, optimizer,
-schedule, policy version, RNG states; sharded across processes) and put back before the first
-step of a resumed run."""
+schedule, policy version, RNG states; sharded across processes; the weights of the batches in
+collection ahead) and put back before the first step of a resumed run."""
 
 from __future__ import annotations
 
@@ -14,11 +14,16 @@ from opd.runs.sharded_state import (
     load_sharded_state,
     save_sharded_state,
 )
+from opd.trainer.ahead import AheadCollector, PublishedWeights, load_in_flight, save_in_flight
 from opd.trainer.components import RunComponents
 
 
 class Checkpointing(RunComponents):
     """Saving and restoring the trainer's state."""
+
+    ahead: AheadCollector | None
+    in_flight: dict[int, PublishedWeights]
+    """A resumed run's batches in collection at its checkpoint, with their weights (:meth:`restore`)."""
 
     def restore(self, start: StartPoint) -> None:
         """Put back a checkpoint's optimizer, schedule, policy version and RNG states (and its
@@ -33,6 +38,7 @@ class Checkpointing(RunComponents):
         self.scheduler.load_state_dict(start.trainer_state["scheduler"])
         self.policy.version = start.trainer_state.get("policy_version", self.scheduler.last_epoch)
         restore_rng_states(start.trainer_state["rng"])
+        self.in_flight = load_in_flight(checkpoint)
 
     def save_checkpoint(self, steps_done: int) -> None:
         """Weights, optimizer, scheduler and RNG states after ``steps_done`` steps, written atomically:
@@ -43,15 +49,19 @@ class Checkpointing(RunComponents):
             "policy_version": self.policy.version,
             "world_size": self.world.size,
         }
+        in_flight = self.ahead.in_flight() if self.ahead is not None else {}
         if self.world.size > 1:
 
             def save_model(directory: Path) -> None:
                 save_sharded_state(directory, self.policy, self.optimizer)
+                if self.world.is_main:  # every process holds the same published weights
+                    save_in_flight(directory, in_flight)
 
         else:
             state["optimizer"] = self.optimizer.state_dict()
 
             def save_model(directory: Path) -> None:
                 self.policy.save(directory / "model")
+                save_in_flight(directory, in_flight)
 
         save_checkpoint(Path(self.config.log_path), steps_done, save_model, self.tokenizer, state)

@@ -96,6 +96,7 @@ class Trainer(Collection, Learning, Checkpointing):
         self.spans = SpanRecorder(None)
         self.ahead: AheadCollector | None = None
         """The worker collecting ahead, while :meth:`run` runs with ``max_staleness`` > 0."""
+        self.in_flight = {}
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """``test/*`` metrics of the current student on every dataset's held-out prompts.
@@ -170,6 +171,7 @@ class Trainer(Collection, Learning, Checkpointing):
                 start_step=start.step,
                 end_step=self.num_steps,
                 bucket_bytes=int(self.config.student.sync_bucket_mb * 2**20),
+                in_flight=self.in_flight,
             )
             if staleness
             else None
