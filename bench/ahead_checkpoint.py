@@ -3,10 +3,10 @@
 
 Each run: the student and the teacher are SmolLM2-135M-Instruct (bench/smollm2.py; the numbers
 here are about checkpoints, not learning), full fine-tune in float32, 4 prompts x 2 samples of up
-to 16 tokens a step, a checkpoint after every step, 4 steps. A checkpoint of a run collecting
+to 16 tokens a step, a checkpoint after every step, 6 steps. A checkpoint of a run collecting
 ahead also holds the weights its batches in collection were handed (``in_flight/``: one copy of
-the sampler weights per version, at most k). Size: the bytes of the last checkpoint before the
-final one (the final one has nothing in flight); seconds: the median of ``time/checkpoint``.
+the sampler weights per version, at most k). Size: the bytes of the checkpoint after step 3
+(the last ones hold fewer steps in flight: the run ends); seconds: the median of ``time/checkpoint``.
 
     python bench/ahead_checkpoint.py --out docs/results/ahead_checkpoint.json
 """
@@ -50,7 +50,7 @@ def one_run(model: Path, staleness: int, steps: int, root: Path) -> dict:
     )
     rows = train(config, progress=False).metrics
     checkpoints = list_checkpoints(log_path)
-    inner = checkpoints[-2].path
+    inner = next(c.path for c in checkpoints if c.step == 3)
     in_flight = inner / "in_flight"
     return {
         "max_staleness": staleness,
@@ -58,6 +58,7 @@ def one_run(model: Path, staleness: int, steps: int, root: Path) -> dict:
         "in_flight_bytes": size(in_flight) if in_flight.exists() else 0,
         "in_flight_versions": len(list(in_flight.glob("*.safetensors"))) if in_flight.exists() else 0,
         "model_bytes": size(inner / "model"),
+        "checkpoint_seconds": [round(r["time/checkpoint"], 3) for r in rows if "time/checkpoint" in r],
         "checkpoint_seconds_median": statistics.median(
             r["time/checkpoint"] for r in rows if "time/checkpoint" in r
         ),
@@ -70,7 +71,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--staleness", type=int, nargs="*", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
     model = converted_dir()
@@ -81,7 +82,8 @@ def main() -> None:
             runs.append(run)
             print(
                 f"max_staleness {staleness}: checkpoint {run['checkpoint_bytes'] / 2**20:.0f} MiB "
-                f"(in flight {run['in_flight_bytes'] / 2**20:.0f} MiB, {run['in_flight_versions']} versions), "
+                f"(in flight {run['in_flight_bytes'] / 2**20:.0f} MiB, "
+                f"{run['in_flight_versions']} versions), "
                 f"saved in {run['checkpoint_seconds_median']:.2f} s (median)"
             )
     write_result(args.out, "bench/ahead_checkpoint.py", vars(args) | {"model": str(model)}, {"runs": runs})

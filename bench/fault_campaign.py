@@ -12,7 +12,11 @@ checkpoint write, otherwise the phase after the last span in ``timing.jsonl``. E
 interrupted run is finished by running the same command again; its metrics must equal the
 reference's row for row and its final weights equal the reference's.
 
+``--max-staleness k`` runs the same with collection ahead (the batches in collection when a
+checkpoint is saved are collected again on resume from the weights it kept for them).
+
     python bench/fault_campaign.py --out docs/results/fault_campaign.json
+    python bench/fault_campaign.py --max-staleness 1 --out docs/results/fault_campaign_ahead1.json
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def main() -> None:
     parser.add_argument("--terms", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-staleness", type=int, default=0, help="training.max_staleness of the runs")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
     test_faults.STEPS = args.steps
@@ -94,6 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         config = base_config(root)
+        config["training"]["max_staleness"] = args.max_staleness
         config_path = test_faults.write_config(config, root / "run.yaml", root / "run", save_every=1)
         reference = test_faults.reference_run(config_path, root)
         log_path, where, kills, restarts = root / "run", Counter(), 0, 0

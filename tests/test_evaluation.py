@@ -124,3 +124,20 @@ def test_eval_needs_held_out_prompts(base_config, tmp_path, capsys):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     assert trainer.eval_sets[0].grader is None  # some prompts carry no answer: teacher KL only
     assert set(trainer.evaluate()) == {"test/rev/teacher_kl", "test/rev/num_prompts", "time/eval"}
+
+
+def test_accuracy_counts_answers_fully_right_and_score_the_partial_credit(base_config):
+    """A grader that gives partial credit (reasoning-gym scores a reply holding the right number
+    among other text above 0): ``accuracy`` and ``pass@1`` count full marks only, ``score`` is
+    the mean grade."""
+    base_config["datasets"][0]["eval_source"] = base_config["datasets"][0]["source"]
+    trainer = Trainer(config_from_dict(base_config), progress=False)
+    eval_set = trainer.eval_sets[0]
+    for grade, accuracy in ((0.5, 0.0), (1.0, 1.0)):
+        eval_set.grader = lambda completion, prompt, grade=grade: grade
+        metrics = trainer.evaluate()
+        assert metrics["test/rev/accuracy"] == accuracy and metrics["test/rev/pass@1"] == accuracy
+        assert metrics["test/rev/score"] == pytest.approx(grade)
+    (entry,) = load_prompts("reasoning_gym:chain_sum", seed=0, count=1, task_config={"max_terms": 2})
+    near_miss = reasoning_gym_score(f"{entry.answer} apples", entry)
+    assert 0 < near_miss < 1  # scored above 0: not a right answer

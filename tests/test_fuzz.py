@@ -9,9 +9,12 @@ set per run; ``HYPOTHESIS_PROFILE=campaign`` for long campaigns, docs/reliabilit
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import os
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,3 +434,105 @@ def test_an_honest_answer_in_any_order_gives_the_same_scores():
     assert torch.equal(straight.logprobs_BT, reordered.logprobs_BT)
     assert torch.equal(straight.topk_ids_BTK, reordered.topk_ids_BTK)
     assert straight.logprobs_BT[0, 1] == -1.5
+
+
+# --- opd serve sampling, rollout servers' guards, environments by import path ---------------------
+
+sampling_bodies = st.fixed_dictionaries(
+    {"prompt": st.one_of(token_lists, st.lists(token_lists, max_size=3))},
+    optional={
+        "model": st.one_of(st.just("teacher"), json_values),
+        "max_tokens": st.one_of(st.integers(-2, 70), json_values),
+        "temperature": st.one_of(st.floats(0, 3), json_values),
+        "seed": st.one_of(st.integers(-(2**64), 2**64), json_values),
+        "stop_token_ids": st.one_of(st.lists(st.integers(-3, 200), max_size=3), json_values),
+        "stop": st.one_of(odd_text, st.lists(odd_text, max_size=3), json_values),
+        "ignore_eos": json_values,
+        "logprobs": st.one_of(st.integers(-1, 3), json_values),
+        "return_token_ids": json_values,
+        "skip_special_tokens": json_values,
+        "top_p": st.one_of(st.just(1.0), json_values),
+        "n": st.one_of(st.just(1), json_values),
+        "allowed_token_ids": json_values,
+    },
+)
+
+
+@given(sampling_bodies)
+@example({"prompt": [5] * 60, "max_tokens": 10})  # past the 64-token context: 400 naming both numbers
+@example({"prompt": [[5]] * 3, "max_tokens": 30, "ignore_eos": True, "stop_token_ids": [7]})
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def test_any_sampling_request_is_answered_within_its_bounds_or_refused_with_a_4xx(scorer, body):
+    """Without ``prompt_logprobs`` the server samples: an answer never holds more tokens than the
+    request asked for or the context leaves, and is finite JSON; anything else is a 4xx."""
+    try:
+        answer = completions_response(scorer, body)
+    except RequestError as error:
+        assert 400 <= error.status < 500 and str(error)
+        return
+    json.dumps(answer, allow_nan=False)
+    prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+    max_tokens = body.get("max_tokens") or 16
+    for choice, prompt in zip(answer["choices"], prompts, strict=True):
+        sampled = answer["usage"]["completion_tokens"]
+        assert sampled <= max_tokens * len(prompts)
+        assert len(prompt) + max_tokens <= scorer.max_model_len
+        assert choice["finish_reason"] in ("stop", "length")
+
+
+@given(
+    st.one_of(
+        odd_text, st.sampled_from(["/update_weights", "/health", "/v1/models", "//health", "/health/"])
+    ),
+    st.dictionaries(
+        st.sampled_from([b"authorization", b"Authorization", b"x-api-key", b"cookie"]),
+        st.one_of(st.binary(max_size=40), st.sampled_from([b"Bearer k3y", b"bearer k3y", b"Bearer  k3y"])),
+        max_size=3,
+    ),
+    st.sampled_from(["GET", "POST", "PUT", "OPTIONS", "DELETE"]),
+)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def test_a_keyed_rollout_server_lets_through_only_its_key_or_health(path, headers, method):
+    """opd's key check on a rollout server: any path, header and method; through only with
+    ``Bearer <key>`` exactly, to ``/health``, or as a CORS preflight; never an exception."""
+    import os
+
+    from opd.sampling.rollout_guard import RolloutAuth
+    from tests.test_rollout_guard import exchange
+
+    os.environ["VLLM_API_KEY"] = "k3y"
+    try:
+        guard = RolloutAuth(None)
+    finally:
+        del os.environ["VLLM_API_KEY"]
+    status, _ = exchange(guard, path, headers, method)
+    authorised = headers.get(b"authorization") in (b"Bearer k3y", b"bearer k3y")
+    assert status == (200 if authorised or path == "/health" or method == "OPTIONS" else 401)
+
+
+@given(
+    st.lists(
+        st.one_of(odd_text, json_values, st.sampled_from(["..", "/", "w/../../x", "w/a\x00b"])), max_size=5
+    )
+)
+def test_any_list_of_weight_files_is_refused_unless_every_one_lies_in_the_directory(tmp_path_factory, files):
+    from opd.sampling.rollout_guard import files_outside
+
+    root = tmp_path_factory.getbasetemp().resolve() / "weights"
+    outside = files_outside(files, root)
+    assert all(f in files for f in outside)
+    for entry in files:
+        if entry not in outside:
+            assert isinstance(entry, str) and (Path(os.path.realpath(entry))).is_relative_to(root)
+
+
+UNSAFE_TO_IMPORT = {"this", "antigravity", "__hello__", "__phello__"}  # print or open a browser on import
+
+
+@given(odd_text.filter(lambda name: name.split(":")[0].split(".")[0] not in UNSAFE_TO_IMPORT))
+@example("os:system")  # a function, not an environment class
+@example("opd.envs.calculator:Calculator")
+def test_any_environment_name_is_found_or_refused_by_name(name):
+    config = copy.deepcopy(BASE)
+    config["datasets"][0]["env"] = {"name": name}
+    check_config_outcome(config)

@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy accuracy, pass@1 at the sampling temperature, and teacher KL."""
+"""Held-out evaluation: greedy accuracy (the share of answers fully right) beside the grader's mean
+score (partial credit where it gives any), pass@1 at the sampling temperature, and teacher KL."""
 
 from __future__ import annotations
 
@@ -14,15 +15,28 @@ from opd.sampling.base import Sampler, row_seed
 from opd.sampling.episodes import play_episodes
 
 
+def grades(
+    renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader | None
+) -> list[float]:
+    """The grade of each completion (special tokens removed) against its prompt; an episode's grade
+    is its environment's final reward (0 when it gave none or was cut)."""
+    return [
+        completion_reward(renderer.tokenizer, c, p, grader) or 0.0
+        for c, p in zip(completions, prompts, strict=True)
+    ]
+
+
 def graded_sum(
     renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader | None
 ) -> float:
-    """Sum of the grades of completions (special tokens removed) against their prompts; an
-    episode's grade is its environment's final reward (0 when it gave none or was cut)."""
-    return sum(
-        completion_reward(renderer.tokenizer, c, p, grader) or 0.0
-        for c, p in zip(completions, prompts, strict=True)
-    )
+    """Sum of the grades of completions against their prompts (:func:`grades`)."""
+    return sum(grades(renderer, completions, prompts, grader))
+
+
+def right(values: list[float]) -> int:
+    """How many grades are full marks: a partial-credit grader's near miss (reasoning-gym scores an
+    answer holding the right number among other text above 0) is not a right answer."""
+    return sum(value >= 1.0 for value in values)
 
 
 def graded(
@@ -87,7 +101,9 @@ def evaluate(
     seed: int,
     pad_id: int,
 ) -> dict[str, float]:
-    """``test/<name>/accuracy`` (greedy), ``test/<name>/pass@1`` and ``test/<name>/teacher_kl`` (sampled),
+    """``test/<name>/accuracy`` (greedy: the share of answers graded fully right), ``test/<name>/score``
+    (greedy: the grader's mean, partial credit included), ``test/<name>/pass@1`` (the share fully right
+    at the sampling temperature) and ``test/<name>/teacher_kl`` (sampled),
     ``test/<name>/turns`` (an environment's sets: turns of the greedy episodes; their accuracy is
     the success rate, the environment's final reward),
     and ``test/<name>/num_prompts``, the set's size, which says how far apart two accuracies can be by chance.
@@ -112,12 +128,13 @@ def evaluate(
         graded = eval_set.grader is not None or eval_set.environment is not None
         if graded:
             greedy = play(sampler, renderer, eval_set, prompts, rendered, seeds, 1.0, max_tokens, greedy=True)
-            sums["accuracy"] = graded_sum(renderer, greedy, prompts, eval_set.grader)
+            greedy_grades = grades(renderer, greedy, prompts, eval_set.grader)
+            sums["accuracy"], sums["score"] = right(greedy_grades), sum(greedy_grades)
             if eval_set.environment is not None:
                 sums["turns"] = sum(len(c.trajectory.turns) for c in greedy)
         sampled = play(sampler, renderer, eval_set, prompts, rendered, seeds, temperature, max_tokens)
         if graded:
-            sums["pass@1"] = graded_sum(renderer, sampled, prompts, eval_set.grader)
+            sums["pass@1"] = right(grades(renderer, sampled, prompts, eval_set.grader))
         if eval_set.score is not None:
             batch = build_rollout_batch(
                 rendered,
@@ -129,7 +146,7 @@ def evaluate(
             kl = reverse_kl_per_token(batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT)
             sums["kl"], sums["tokens"] = float(kl.sum()), float(batch.mask_BT.sum())
         totals = dict(zip(sums, all_reduce([weight * value for value in sums.values()]), strict=True))
-        for key in ("accuracy", "pass@1", "turns"):
+        for key in ("accuracy", "score", "pass@1", "turns"):
             if key in totals:
                 metrics[f"{prefix}/{key}"] = totals[key] / totals["prompts"]
         metrics[f"{prefix}/num_prompts"] = round(totals["prompts"])

@@ -39,9 +39,17 @@ def weights_root() -> Path:
     return Path(os.environ.get(WEIGHTS_DIR_ENV) or default_weights_root()).resolve()
 
 
-def files_outside(paths: list[str], root: Path) -> list[str]:
-    """The paths that do not lie under ``root`` once every link is followed (``..`` included)."""
-    return [path for path in paths if not Path(os.path.realpath(path)).is_relative_to(root)]
+def files_outside(paths: list, root: Path) -> list:
+    """The entries that are not paths under ``root`` once every link is followed (``..``
+    included): anything else a request sends (a number, a name with a NUL byte) is outside."""
+
+    def inside(path) -> bool:
+        try:
+            return isinstance(path, str) and Path(os.path.realpath(path)).is_relative_to(root)
+        except (ValueError, OSError):  # an embedded NUL byte, a name too long
+            return False
+
+    return [path for path in paths if not inside(path)]
 
 
 def is_loopback(host: str) -> bool:

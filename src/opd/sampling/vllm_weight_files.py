@@ -82,12 +82,19 @@ class SafetensorsWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesU
 
     def receive_weights(self, update_info: FilesUpdateInfo) -> None:
         root = weights_root()
+        if not isinstance(update_info.files, list):
+            raise ValueError(
+                f"refused: 'files' must be a list of paths, got {type(update_info.files).__name__}"
+            )
         if refused := files_outside(update_info.files, root):
             logger.warning(
-                "refused a weight update naming %d file(s) outside %s: %s", len(refused), root, refused[:3]
+                "refused a weight update naming %d file(s) outside %s: %s",
+                len(refused),
+                root,
+                [str(path)[:200] for path in refused[:3]],
             )
             raise ValueError(
-                f"refused: {refused[0]!r} is not under this server's weights directory {root} "
+                f"refused: {str(refused[0])[:200]!r} is not under this server's weights directory {root} "
                 f"(fixed at start: opd rollout-server --weights-dir, or {WEIGHTS_DIR_ENV}); the trainer's "
                 "student.rollout_weights_dir must be that directory or one inside it"
             )

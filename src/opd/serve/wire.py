@@ -63,6 +63,16 @@ def _count(body: dict, field: str, default: int, most: int | None = None) -> int
     return value
 
 
+def _flag(body: dict, field: str, default: bool = False) -> bool:
+    """A boolean field of the request (``default`` when absent or null); vLLM refuses other types."""
+    value = body.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"'{field}' must be true or false, got {json.dumps(value)[:40]}", param=field)
+    return value
+
+
 def completions_response(scorer: ScoringModel, body: dict) -> dict:
     """The answer to ``POST /v1/completions``: prompts scored, or completions sampled."""
     if body.get("model") not in (None, scorer.name):
@@ -72,6 +82,8 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
     prompt = body.get("prompt")
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
     prompts = [_token_ids(p, "prompt", scorer) for p in prompts]
+    for field, default in (("return_token_ids", False), ("skip_special_tokens", True), ("echo", False)):
+        _flag(body, field, default)  # checked before any work
     k = body.get("prompt_logprobs")
     if k is None:
         return sampled_response(scorer, body, prompts)
@@ -105,7 +117,7 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
                 "stop_reason": None,
                 "token_ids": None,
                 "prompt_logprobs": entries,
-                "prompt_token_ids": ids if body.get("return_token_ids") else None,
+                "prompt_token_ids": ids if _flag(body, "return_token_ids") else None,
                 "routed_experts": None,
             }
         )
@@ -218,7 +230,7 @@ def _sampling(
     if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
         raise RequestError("'stop' must be a string or a list of non-empty strings", param="stop")
     eos = scorer.tokenizer.eos_token_id
-    if not body.get("ignore_eos") and eos is not None and eos not in stops:
+    if not _flag(body, "ignore_eos") and eos is not None and eos not in stops:
         stops = [*stops, eos]
     if not stops:
         raise RequestError("nothing ends a completion: give 'stop_token_ids', or leave 'ignore_eos' false")
@@ -249,13 +261,13 @@ def sampled_response(scorer: ScoringModel, body: dict, prompts: list[list[int]])
         choices.append(
             {
                 "index": index,
-                "text": decode(shown, skip_special_tokens=body.get("skip_special_tokens", True)),
+                "text": decode(shown, skip_special_tokens=_flag(body, "skip_special_tokens", True)),
                 "logprobs": logprobs,
                 "finish_reason": "stop" if completion.finished else "length",
                 "stop_reason": None,
-                "token_ids": ids if body.get("return_token_ids") else None,
+                "token_ids": ids if _flag(body, "return_token_ids") else None,
                 "prompt_logprobs": None,
-                "prompt_token_ids": prompts[index] if body.get("return_token_ids") else None,
+                "prompt_token_ids": prompts[index] if _flag(body, "return_token_ids") else None,
                 "routed_experts": None,
             }
         )
