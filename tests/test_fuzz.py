@@ -201,6 +201,7 @@ def test_any_yaml_text_is_loaded_or_refused_with_the_file_name(tmp_path_factory,
         max_size=3,
     )
 )
+@example(["student.model=" + "a" * 5000])  # OSError: file name too long (campaign)
 def test_any_command_line_override_is_applied_or_refused(overrides):
     try:
         config = config_from_dict(BASE, overrides)
@@ -401,6 +402,7 @@ def client_input() -> TeacherInput:
 @example("openai", 0, [0, 1, 0], 0, False)  # two choices claiming index 0
 @example("sglang", 0, [0, 0, 1], 7, False)  # TypeError unpacking a number
 @example("sglang", 0, [0], [], False)  # AttributeError: meta_info not a mapping
+@example("sglang", 0, [0, 0, 1, 0], -3.402823466385289e38, False)  # RuntimeError: float32 overflow (campaign)
 @example("sglang", 1, [0, 1, 1, 0, 1], 10**40, False)  # a top id overflowed the tensor (campaign)
 def test_any_teacher_answer_is_used_or_refused_by_the_client(backend, k, path, replacement, reorder):
     if backend == "openai":
@@ -461,6 +463,8 @@ sampling_bodies = st.fixed_dictionaries(
 @given(sampling_bodies)
 @example({"prompt": [5] * 60, "max_tokens": 10})  # past the 64-token context: 400 naming both numbers
 @example({"prompt": [[5]] * 3, "max_tokens": 30, "ignore_eos": True, "stop_token_ids": [7]})
+@example({"prompt": [0], "stop": "\x08"})  # ValueError in generate: no token writes it (campaign)
+@example({"prompt": [0], "skip_special_tokens": []})  # TypeError in decode (campaign)
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_any_sampling_request_is_answered_within_its_bounds_or_refused_with_a_4xx(scorer, body):
     """Without ``prompt_logprobs`` the server samples: an answer never holds more tokens than the

@@ -12,17 +12,27 @@ DEVICE = re.compile(r"(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)")
 """What ``device`` fields accept: ``auto``, or a torch device type, with an index where it takes one."""
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; a name the system cannot even look up (too long, a NUL byte) does not."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
 def looks_local(name: str) -> bool:
     """A path rather than a hub id (``org/name``): it starts like a path, exists, or has two slashes."""
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
+    return name.startswith((".", "/", "~")) or _exists(Path(name).expanduser()) or name.count("/") > 1
 
 
 def missing_path_problem(name: str) -> str | None:
     """None when ``name`` is a hub id or an existing path; else what is wrong, with a close match
     from the same directory where there is one."""
     path = Path(name).expanduser()
-    if not looks_local(name) or path.exists():
+    if not looks_local(name) or _exists(path):
         return None
+    if len(path.name) > 255 or "\x00" in name:
+        return f"path '{name[:60]}...' ({len(name)} characters) is not a name this system can have"
     parent = path.parent
     if not parent.is_dir():
         return f"path '{name}' does not exist (nor does its directory '{parent}')"

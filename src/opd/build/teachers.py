@@ -6,6 +6,7 @@ from opd.build.student import Student
 from opd.config import Config
 from opd.distributed import announce
 from opd.teachers.base import TeacherRequest
+from opd.teachers.config import TeacherConfig
 from opd.teachers.panel import TeacherPanel
 
 
@@ -19,11 +20,12 @@ def load_teachers(
 ) -> TeacherPanel:
     """Every dataset's teacher, asked for ``request`` by default (token log-probs when None); a
     local one's forwards hold at most ``token_budget`` tokens, packed when ``training.packing``."""
-    local = {t.model for t in (config.teacher_for(d) for d in config.datasets) if t.backend == "local"}
+    teachers = run_teachers(config)
+    local = {t.model for t in teachers if t.backend == "local"}
     for model in sorted(local):
         announce(f"loading the teacher {model} ...")
     return TeacherPanel(
-        [config.teacher_for(d) for d in config.datasets],
+        teachers,
         [f"datasets[{i}].teacher" if d.teacher else "teacher" for i, d in enumerate(config.datasets)],
         student.tokenizer,
         student.renderer,
@@ -34,3 +36,12 @@ def load_teachers(
         token_budget=token_budget,
         packing=config.training.packing,
     )
+
+
+def run_teachers(config: Config) -> list[TeacherConfig]:
+    """Each dataset's teacher, ``model: student`` read as the student's own checkpoint."""
+    student = config.student
+    return [
+        config.teacher_for(d).of_student(student.model, student.tokenizer, student.trust_remote_code)
+        for d in config.datasets
+    ]

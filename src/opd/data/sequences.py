@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opd.data.prompts import Prompt
+
 
 @dataclass(frozen=True)
 class Trajectory:
@@ -80,8 +82,9 @@ class RolloutBatch:
     dataset_index_B: torch.Tensor
     finished_B: torch.Tensor
     prompt_lengths: list[int]
-    messages: list = field(default_factory=list)
-    """Each row's conversation, for teachers that render prompts their own way."""
+    prompt_records: list[Prompt] = field(default_factory=list)
+    """Each row's prompt (its conversation, answer and metadata), for teachers that render prompts
+    their own way or are shown a privileged context (empty: none given)."""
     policy_version_B: torch.Tensor | None = None
     """The student's version that sampled each row (-1 where the student did not)."""
     trajectories: list[Trajectory | None] = field(default_factory=list)
@@ -108,7 +111,7 @@ class RolloutBatch:
             self.dataset_index_B[index],
             self.finished_B[index],
             pick(self.prompt_lengths),
-            pick(self.messages) if self.messages else [],
+            pick(self.prompt_records) if self.prompt_records else [],
             None if self.policy_version_B is None else self.policy_version_B[index],
             pick(self.trajectories) if self.trajectories else [],
         )
@@ -119,7 +122,7 @@ def build_rollout_batch(
     completions: list[Completion],
     dataset_indices: list[int],
     pad_id: int,
-    messages: list | None = None,
+    records: list[Prompt] | None = None,
 ) -> RolloutBatch:
     """Lay out each prompt followed by its completion; only the sampled positions are trained (an
     episode's environment replies are not)."""
@@ -145,7 +148,7 @@ def build_rollout_batch(
         torch.tensor(dataset_indices),
         torch.tensor([c.finished for c in completions]),
         [len(p) for p in prompts],
-        list(messages) if messages is not None else [],
+        list(records) if records is not None else [],
         torch.tensor([-1 if c.policy_version is None else c.policy_version for c in completions]),
         [c.trajectory for c in completions] if any(c.trajectory for c in completions) else [],
     )

@@ -141,7 +141,7 @@ def evaluate(
                 sampled,
                 [eval_set.dataset_index] * len(rendered),
                 pad_id,
-                [p.messages for p in prompts],
+                prompts,
             )
             kl = reverse_kl_per_token(batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT)
             sums["kl"], sums["tokens"] = float(kl.sum()), float(batch.mask_BT.sum())

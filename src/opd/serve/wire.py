@@ -8,6 +8,8 @@ import json
 import time
 import uuid
 
+from transformers import StopStringCriteria
+
 from opd.serve.model import ScoringModel
 
 
@@ -229,6 +231,11 @@ def _sampling(
     strings = [strings] if isinstance(strings, str) else strings
     if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
         raise RequestError("'stop' must be a string or a list of non-empty strings", param="stop")
+    if strings:
+        try:  # what generate() builds from them: it refuses strings no token can write
+            StopStringCriteria(scorer.tokenizer, strings)
+        except ValueError as error:
+            raise RequestError(f"'stop': {error}"[:300], param="stop") from None
     eos = scorer.tokenizer.eos_token_id
     if not _flag(body, "ignore_eos") and eos is not None and eos not in stops:
         stops = [*stops, eos]

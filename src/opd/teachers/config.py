@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from opd.checks import range_problems
 from opd.locations import device_problem, missing_path_problem, url_problem
+from opd.teachers.context import PrivilegedContext, template_fields
+
+STUDENT = "student"
+"""``teacher.model`` naming the student's own starting weights."""
 
 
 @dataclass
@@ -15,7 +19,9 @@ class TeacherConfig:
     """The model whose per-token judgement trains the student. Scored in one no-grad forward."""
 
     model: str
-    """Hugging Face model id or local directory (``local``), or the served model name (remote)."""
+    """Hugging Face model id or local directory (``local``), or the served model name (remote).
+    ``student`` (local): the student's own starting weights, loaded once more and frozen: with a
+    ``context``, self-distillation from the student shown what it is not."""
     backend: Literal["local", "openai", "sglang"] = "local"
     """``local``: in the trainer's process; ``openai``: a vLLM (OpenAI-compatible) server;
     ``sglang``: an SGLang server. Remote teachers must share the student's token ids."""
@@ -51,6 +57,14 @@ class TeacherConfig:
     """Remote (openai): sequences per scoring request. A teacher that writes completions sends
     one request a row (each with its own seed), ``max_concurrency`` x ``request_batch_size`` in
     flight at once: as many sequences as scoring has in flight."""
+    context: str | None = None
+    """Privileged context: text the teacher reads before the student's prompt and the student
+    never sees, a template over the prompt's fields, e.g. ``"The correct answer is {answer}."``
+    (``{answer}``, ``{completion}``, ``{metadata.<key>}``). Every prompt of the datasets it
+    scores must have each field it reads (checked before any work)."""
+    context_role: Literal["system", "user"] = "system"
+    """Where the context goes: a system message (joined to the prompt's own system message when
+    it has one), or the head of the first user message."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Local: weights dtype, as for the student."""
     device: str = "auto"
@@ -61,6 +75,12 @@ class TeacherConfig:
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this teacher's own settings, found before any model loads or
         server is asked (what it is asked for, by the objective, is checked in ``opd.config.rules``)."""
+        if self.context is not None:
+            try:
+                if not template_fields(self.context) and not self.context.strip():
+                    yield "context", "is empty: give a template such as 'The correct answer is {answer}.'"
+            except ValueError as error:
+                yield "context", str(error)
         places = [("tokenizer", missing_path_problem)]
         places += (
             [("model", missing_path_problem), ("device", device_problem)]
@@ -93,4 +113,17 @@ class TeacherConfig:
             self,
             positive=("timeout_s", "max_concurrency", "request_batch_size"),
             non_negative=("max_retries",),
+        )
+
+    @property
+    def privileged_context(self) -> PrivilegedContext | None:
+        """The context it is shown, where it goes (None: it reads the student's conversation)."""
+        return None if self.context is None else PrivilegedContext(self.context, self.context_role)
+
+    def of_student(self, model: str, tokenizer: str | None, trust_remote_code: bool) -> TeacherConfig:
+        """This teacher with ``model: student`` (local) read as the student's own checkpoint."""
+        if self.backend != "local" or self.model != STUDENT:
+            return self
+        return replace(
+            self, model=model, tokenizer=self.tokenizer or tokenizer, trust_remote_code=trust_remote_code
         )

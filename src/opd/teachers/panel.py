@@ -53,7 +53,16 @@ class TeacherPanel:
         self.token_budget, self.packing = token_budget, packing
         self.vocab_size = len(tokenizer)
         self.formats: list[TeacherFormat | None] = []
+        self.contexts = [teacher.privileged_context for teacher in teachers]
+        """Each dataset's teacher's privileged context (None: it reads the student's conversation)."""
         self.per_dataset = self._load_all(teachers, fields)
+        readings: dict[tuple, tuple] = {}
+        self.readings = [
+            readings.setdefault((id(t), id(f), c), (t, f, c))
+            for t, f, c in zip(self.per_dataset, self.formats, self.contexts, strict=True)
+        ]
+        """Per dataset, the one object shared by the datasets read alike (the same teacher, format
+        and context), whose rows are scored together."""
 
     def _load_all(self, teachers: list[TeacherConfig], fields: list[str]) -> list[Teacher]:
         loaded: dict[tuple, Teacher] = {}
@@ -84,7 +93,7 @@ class TeacherPanel:
 
     def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
         """How a teacher with its own template or tokenizer sees the rollouts (None: as the student)."""
-        if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer:
+        if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer and teacher_cfg.context is None:
             return None
         name = teacher_cfg.tokenizer or teacher_cfg.model
         own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
@@ -171,7 +180,7 @@ class TeacherPanel:
         """Each row scored by its dataset's teacher, with what ``request`` (default: the panel's) asks for."""
         request = request or self.request or TeacherRequest()
         inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT.bool())
-        groups = rows_by_identity([self.per_dataset[index] for index in batch.dataset_index_B.tolist()])
+        groups = rows_by_identity([self.readings[index] for index in batch.dataset_index_B.tolist()])
         first = self.formats[int(batch.dataset_index_B[0])]
         if len(groups) == 1 and first is None:  # one teacher reading the student's tokens: its answer as is
             return self.per_dataset[int(batch.dataset_index_B[0])].score(inputs, request)
@@ -202,9 +211,15 @@ class TeacherPanel:
         tokens, turn by turn (an episode's environment replies are the teacher's to render, not to score)."""
         sequences = batch.sequences
         trajectories = batch.trajectories or [None] * len(sequences)
+        context = self.contexts[int(batch.dataset_index_B[rows[0]])]
+        records = [batch.prompt_records[r] for r in rows]
         built = [
-            teacher_format.build(batch.messages[r], sequences[r][batch.prompt_lengths[r] :], trajectories[r])
-            for r in rows
+            teacher_format.build(
+                context.messages(record) if context else record.messages,
+                sequences[r][batch.prompt_lengths[r] :],
+                trajectories[r],
+            )
+            for r, record in zip(rows, records, strict=True)
         ]
         teacher_request = request
         if teacher_format.cross_tokenizer and teacher_format.character_topk:

@@ -62,6 +62,8 @@ def refusal_hint(status: int, message: str) -> str:
 
 LOGPROB_ROUNDING = 1e-4
 """How far above 0 a server's log-prob may be (float rounding of a near-certain token)."""
+FLOAT32_LOWEST = -3.4028234663852886e38
+"""Below it a log-prob cannot be held in the float32 tensors the scores go into: refused as infinite."""
 
 
 MAX_TOKEN_ID = 2**31
@@ -359,7 +361,12 @@ class RemoteTeacher:
 
     def _logprob(self, value, ids: list[int], position: int) -> float:
         """A finite log-probability; rounding above 0 (up to ``LOGPROB_ROUNDING``) is read as 0."""
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < FLOAT32_LOWEST
+        ):
             raise self._fail(ids, f"log-prob {value!r} at position {position} is not a finite number")
         if value > LOGPROB_ROUNDING:
             raise self._fail(

@@ -135,9 +135,7 @@ class Collection(RunComponents):
                 completions = self.play(sample, prompts, items, dataset_indices, seeds, lockstep=lockstep)
             except EpisodeError as error:
                 raise EpisodeError(f"step {step}: {error}") from None
-        rollouts = build_rollout_batch(
-            prompts, completions, dataset_indices, self.engine.pad_id, [p.messages for p in items]
-        )
+        rollouts = build_rollout_batch(prompts, completions, dataset_indices, self.engine.pad_id, items)
         rewards = self.rewards(completions, items, dataset_indices) if source == "student" else None
         return Sampled(rollouts, source, rewards, torch.tensor(groups, dtype=torch.long))
 

@@ -83,6 +83,8 @@ class RunComponents:
         self.vocab_size = len(self.tokenizer)
         device = self.policy.device
         self.datasets = [self._load_dataset(i) for i in range(len(config.datasets))]
+        for index, prompts in enumerate(self.datasets):
+            self._check_context(index, prompts, config.datasets[index].source)
         self.graders = [
             grader_of(d.grader, d.source, prompts)
             for d, prompts in zip(config.datasets, self.datasets, strict=True)
@@ -135,6 +137,9 @@ class RunComponents:
             self.teachers.per_dataset[0].shard()
         self.teacher_writers = self.teachers.writers()
         self.eval_sets = load_eval_sets(config, self.teachers.logprobs, self.environments)
+        for eval_set in self.eval_sets:
+            where = config.datasets[eval_set.dataset_index].eval_source or "its held-out prompts"
+            self._check_context(eval_set.dataset_index, eval_set.prompts, where)
         check_loggers(config)
         self.num_steps = training.max_steps or len(self.batches)
         self.optimizer, self.scheduler = build_optimizer(
@@ -219,6 +224,14 @@ class RunComponents:
                 ) from None
             environments.append(environment)
         return environments
+
+    def _check_context(self, index: int, prompts: list[Prompt], where: str) -> None:
+        """Refuse a dataset whose prompts lack a field its teacher's privileged context reads."""
+        dataset = self.config.datasets[index]
+        context = self.config.teacher_for(dataset).privileged_context
+        if context is not None and (problem := context.missing(prompts, where)):
+            field = f"datasets[{index}].teacher" if dataset.teacher else "teacher"
+            raise ConfigError(f"{field}.context: {problem}")
 
     def _load_dataset(self, index: int) -> list[Prompt]:
         dataset = self.config.datasets[index]

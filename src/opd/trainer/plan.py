@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opd.build.teachers import run_teachers
 from opd.config import Config, TrainingConfig
 from opd.errors import ModelLoadError
 from opd.models import model_source
@@ -146,7 +147,9 @@ def describe_plan(config: Config, processes: int) -> str:
     size = billions(student_size.parameters)
     lines.append(f"student        {student.model}: {size} parameters, {dtype}, {mode}, {where}")
     teacher_sharded = shards_its_teacher(config, parallel)
-    teachers = {id(config.teacher_for(d)): config.teacher_for(d) for d in config.datasets}
+    teachers = {
+        id(config.teacher_for(d)): t for d, t in zip(config.datasets, run_teachers(config), strict=True)
+    }
     teacher_sizes = {}
     for key, teacher in teachers.items():
         size = None

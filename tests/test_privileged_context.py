@@ -1,0 +1,142 @@
+"""Privileged context: the teacher reads a text written from each prompt's fields that the student
+never sees (``teacher.context``), and ``teacher.model: student`` makes the student's own starting
+weights that teacher. Checked against hand-rendered conversations, a naive forward of the tiny
+teacher, the identity teacher == student at step 0, and a real ``opd serve`` process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from opd.config import ConfigError, config_from_dict
+from opd.data.prompts import Prompt
+from opd.runs.metrics import read_jsonl
+from opd.teachers.context import PrivilegedContext
+from opd.trainer.loop import Trainer, train
+from tests.servers import free_port, start_opd_serve, through_server
+
+WORDS = ("abc", "hgf", "dcea", "bbad", "gah", "fed")
+
+
+@pytest.fixture
+def answered(base_config, tmp_path) -> dict:
+    """The base run on prompts that all carry an answer and a metadata entry."""
+    path = tmp_path / "answered.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"reverse {w}", "answer": w[::-1], "metadata": {"hint": {"first": w[-1]}}})
+            + "\n"
+            for w in WORDS
+        )
+    )
+    base_config["datasets"][0]["source"] = str(path)
+    return base_config
+
+
+def test_the_context_goes_where_its_role_says_and_the_prompt_is_otherwise_untouched():
+    prompt = Prompt(({"role": "user", "content": "reverse abc"},), answer="cba", metadata={"k": {"v": 3}})
+    context = PrivilegedContext("Answer: {answer} ({metadata.k.v}) {{literal}}")
+    assert context.messages(prompt) == (
+        {"role": "system", "content": "Answer: cba (3) {literal}"},
+        {"role": "user", "content": "reverse abc"},
+    )
+    with_system = Prompt(
+        ({"role": "system", "content": "Be brief."}, *prompt.messages), answer="cba", metadata={"k": {"v": 3}}
+    )
+    assert context.messages(with_system)[0] == {
+        "role": "system",
+        "content": "Be brief.\n\nAnswer: cba (3) {literal}",
+    }
+    user = PrivilegedContext("Answer: {answer}", "user")
+    assert user.messages(with_system) == (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Answer: cba\n\nreverse abc"},
+    )
+    assert prompt.messages == ({"role": "user", "content": "reverse abc"},)  # not changed in place
+
+
+def test_the_teacher_scores_the_student_tokens_after_the_context_it_alone_reads(answered):
+    """Each completion token's teacher log-prob equals a naive forward of the teacher over the
+    conversation rendered by hand with the context; the student's own rows hold no context."""
+    answered["teacher"]["context"] = "The answer is {answer}."
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    batch = trainer.collect(0)
+    renderer, model = trainer.renderer, trainer.teachers.per_dataset[0].model
+    for row in range(batch.rollouts.input_ids_BT.shape[0]):
+        record = batch.rollouts.prompt_records[row]
+        length = batch.rollouts.prompt_lengths[row]
+        ids = batch.rollouts.sequences[row]
+        assert ids[:length] == renderer.prompt_ids(record.messages)  # the student's prompt: no context
+        assert "The answer is" not in trainer.tokenizer.decode(ids)
+        shown = renderer.prompt_ids(
+            ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
+        )
+        completion = ids[length:]
+        with torch.no_grad():
+            logits = model(torch.tensor([shown + completion])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(shown) - 1 : -1].gather(
+            -1, torch.tensor(completion)[:, None]
+        )
+        mask = batch.rollouts.mask_BT[row].bool()
+        assert batch.teacher.logprobs_BT[row][mask] == pytest.approx(
+            expected[: int(mask.sum()), 0].tolist(), abs=1e-5
+        )
+
+
+def test_the_student_as_its_own_teacher_agrees_with_itself_until_it_is_shown_the_answer(answered):
+    """``teacher.model: student`` loads the student's checkpoint: without a context the teacher KL
+    of step 0 (no update yet) is exactly 0; with the answer in its context it is not."""
+    answered["teacher"] = {"model": "student"}
+    plain = train(config_from_dict(answered | {"log_path": answered["log_path"] + "-plain"}), progress=False)
+    assert plain.metrics[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-6)
+    answered["teacher"]["context"] = "The answer is {answer}."
+    shown = train(config_from_dict(answered), progress=False)
+    assert shown.metrics[0]["teacher_kl"] > 1e-3
+
+
+def test_a_field_the_prompts_lack_is_named_with_the_fields_they_have_before_any_step(answered, tmp_path):
+    answered["teacher"]["context"] = "The answer is {metadata.solution}."
+    with pytest.raises(
+        ConfigError,
+        match=r"^teacher\.context: \{metadata\.solution\} is not a field of prompt 0 of .*answered\.jsonl; "
+        r"its fields: answer, metadata\.hint\.first$",
+    ):
+        Trainer(config_from_dict(answered), progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        ("The answer is {solution}.", r"\{solution\} is not a prompt field: use \{answer\}"),
+        ("The answer is {answer", r"expected '\}' before end of string"),
+        ("{answer:>5}", r"with no format spec"),
+        ("  ", r"is empty"),
+    ],
+)
+def test_a_bad_template_is_refused_naming_the_setting(answered, context, message):
+    answered["teacher"]["context"] = context
+    with pytest.raises(ConfigError, match=rf"teacher\.context: .*{message}"):
+        config_from_dict(answered)
+
+
+def test_a_served_teacher_shown_the_context_reproduces_the_local_run(answered, model_dirs, tmp_path):
+    """The context only makes the teacher's prompt longer: through ``opd serve`` the run's metrics
+    equal the local teacher's."""
+    answered["teacher"]["context"] = "The answer is {answer}."
+    local = train(config_from_dict(answered), progress=False).metrics
+    port = free_port()
+    server = start_opd_serve(model_dirs["teacher"], port, "--max-logprobs", "5")
+    try:
+        remote_config = through_server(answered, port, tmp_path / "remote")
+        remote_config["teacher"]["context"] = "The answer is {answer}."
+        remote = train(config_from_dict(remote_config), progress=False).metrics
+    finally:
+        server.kill()
+        server.wait()
+    for a, b in zip(local, remote, strict=True):
+        assert a["teacher_kl"] == pytest.approx(b["teacher_kl"], abs=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert read_jsonl(tmp_path / "remote" / "metrics.jsonl")
