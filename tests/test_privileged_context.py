@@ -6,6 +6,7 @@ teacher, the identity teacher == student at step 0, and a real ``opd serve`` pro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from opd.runs.metrics import read_jsonl
 from opd.teachers.context import PrivilegedContext
 from opd.trainer.loop import Trainer, train
 from tests.servers import free_port, start_opd_serve, through_server
+from tests.test_distributed import models  # noqa: F401 (the tiny models of the torchrun tests)
 
 WORDS = ("abc", "hgf", "dcea", "bbad", "gah", "fed")
 
@@ -140,3 +142,70 @@ def test_a_served_teacher_shown_the_context_reproduces_the_local_run(answered, m
         assert a["teacher_kl"] == pytest.approx(b["teacher_kl"], abs=1e-5)
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert read_jsonl(tmp_path / "remote" / "metrics.jsonl")
+
+
+def test_datasets_sharing_a_teacher_model_are_each_read_with_their_own_context(answered):
+    """One model loaded once, shown the answer on one dataset and not on the other: each row is
+    scored as its own dataset's teacher reads it (rows were once grouped by the model alone)."""
+    plain = dict(answered["datasets"][0], name="plain")
+    shown = dict(
+        answered["datasets"][0], name="shown", teacher=dict(answered["teacher"], context="It is {answer}.")
+    )
+    answered["datasets"] = [plain, shown]
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    assert trainer.teachers.per_dataset[0] is trainer.teachers.per_dataset[1]
+    batch = trainer.collect(0)
+    renderer, model = trainer.renderer, trainer.teachers.per_dataset[0].model
+    datasets = batch.rollouts.dataset_index_B.tolist()
+    assert set(datasets) == {0, 1}
+    for row, dataset in enumerate(datasets):
+        record, length = batch.rollouts.prompt_records[row], batch.rollouts.prompt_lengths[row]
+        ids = batch.rollouts.sequences[row]
+        messages = (
+            record.messages
+            if dataset == 0
+            else ({"role": "system", "content": f"It is {record.answer}."}, *record.messages)
+        )
+        shown_ids, completion = renderer.prompt_ids(messages), ids[length:]
+        with torch.no_grad():
+            logits = model(torch.tensor([shown_ids + completion])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(shown_ids) - 1 : -1].gather(
+            -1, torch.tensor(completion)[:, None]
+        )
+        mask = batch.rollouts.mask_BT[row].bool()
+        assert batch.teacher.logprobs_BT[row][mask] == pytest.approx(
+            expected[: int(mask.sum()), 0].tolist(), abs=1e-5
+        )
+
+
+def test_two_processes_shown_the_context_make_the_update_one_process_makes(models, tmp_path):  # noqa: F811
+    """The student as its own teacher, shown the answer, under FSDP on two processes (torchrun,
+    gloo) against one process: the same metrics row for row."""
+    from tests.test_distributed import assert_same_metrics, one_process, run_config, two_processes, write
+
+    def config(name: str) -> Path:
+        data = run_config(models, tmp_path / name)
+        data["teacher"] = dict(data["teacher"], model="student", context="The answer is {answer}.")
+        return write(data, tmp_path / f"{name}.yaml")
+
+    one_process(config("one"))
+    two_processes(config("two"), "training.parallel=fsdp")
+    reference = read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    assert reference[0]["teacher_kl"] > 1e-3  # the context moves the student's own judgement
+    assert_same_metrics(read_jsonl(tmp_path / "two" / "metrics.jsonl"), reference)
+
+
+def test_sigkill_then_resume_with_a_context_matches_an_uninterrupted_run(answered, tmp_path):
+    from opd.runs.checkpoints import list_checkpoints
+    from tests.test_resume import STEPS, assert_same_rows, kill_after_rows, run_cli, write_config
+
+    answered["teacher"] = {"model": "student", "context": "The answer is {answer}."}
+    run_cli(write_config(answered, tmp_path, "reference"))
+    reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
+    config_path = write_config(answered, tmp_path, "killed")
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    kill_after_rows(config_path, metrics, 5, timeout_s=120)
+    assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
+    assert 0 < list_checkpoints(tmp_path / "killed")[-1].step < STEPS
+    run_cli(config_path)
+    assert_same_rows(read_jsonl(metrics), reference)

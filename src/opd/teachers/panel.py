@@ -81,6 +81,7 @@ class TeacherPanel:
                 teacher_cfg.chat_template,
                 teacher_cfg.cross_tokenizer,
                 teacher_cfg.character_topk,
+                teacher_cfg.context is not None,  # a context needs the conversation re-rendered
             )
             if format_key not in formats:
                 formats[format_key] = self._teacher_format(teacher_cfg)
