@@ -202,6 +202,7 @@ def test_any_yaml_text_is_loaded_or_refused_with_the_file_name(tmp_path_factory,
     )
 )
 @example(["student.model=" + "a" * 5000])  # OSError: file name too long (campaign)
+@example(["datasets.0.source=" + "a" * 5000])  # OSError: file name too long (campaign)
 def test_any_command_line_override_is_applied_or_refused(overrides):
     try:
         config = config_from_dict(BASE, overrides)
@@ -540,3 +541,9 @@ def test_any_environment_name_is_found_or_refused_by_name(name):
     config = copy.deepcopy(BASE)
     config["datasets"][0]["env"] = {"name": name}
     check_config_outcome(config)
+
+
+def test_a_config_path_no_file_can_have_is_refused_by_name():
+    """Found beside the campaign's 5000-character paths: the config file's own name."""
+    with pytest.raises(ConfigError, match=r"not a file name this system can open"):
+        load_config("a" * 5000 + ".yaml")

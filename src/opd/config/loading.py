@@ -79,7 +79,13 @@ def _objective_as_mapping(data: dict) -> dict:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config file, apply dotted overrides, validate."""
     path = Path(path)
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except (OSError, ValueError) as error:  # a name no file can have (too long, a NUL byte)
+        raise ConfigError(
+            f"{str(path)[:80]}...: not a file name this system can open ({error})"[:300]
+        ) from None
+    if not found:
         raise ConfigError(f"{path}: config file not found")
     try:
         text = path.read_bytes().decode("utf-8")

@@ -28,12 +28,12 @@ class TableOptions:
 def is_table_source(source: str) -> bool:
     """A hub dataset, a ``save_to_disk`` directory or a Parquet file (not a JSONL prompt file)."""
     path = Path(source).expanduser()
-    return (
-        source.startswith(HUB_PREFIX)
-        or path.suffix == ".parquet"
-        or (path / "dataset_dict.json").is_file()
-        or (path / "state.json").is_file()
-    )
+    if source.startswith(HUB_PREFIX) or path.suffix == ".parquet":
+        return True
+    try:
+        return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte): no table
+        return False
 
 
 def _open(source: str, options: TableOptions):
