@@ -251,9 +251,9 @@ def test_a_bpe_teacher_writes_its_own_text_in_the_students_tokens(demo_models, b
     sampler = HFGenerateSampler(model, teacher_tokenizer, stop_token_ids=[stop])
     seeds = [row_seed(step_seed(0, 0), row) for row in range(len(batch.sequences))]
     ended = 0
-    for row, (sequence, messages) in enumerate(zip(batch.sequences, batch.messages, strict=True)):
+    for row, (sequence, record) in enumerate(zip(batch.sequences, batch.prompt_records, strict=True)):
         prompt = teacher_tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+            list(record.messages), add_generation_prompt=True, tokenize=False
         )
         prompt_ids = teacher_tokenizer(prompt, add_special_tokens=False)["input_ids"]
         (written,) = sampler.sample([prompt_ids], temperature=1.0, max_tokens=MAX_TOKENS, seed=[seeds[row]])
