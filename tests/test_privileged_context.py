@@ -37,6 +37,22 @@ def answered(base_config, tmp_path) -> dict:
     return base_config
 
 
+def assert_scored_as_shown(batch, row: int, renderer, model, messages) -> None:
+    """Row ``row``'s teacher log-probs equal a naive forward of ``model`` over ``messages`` rendered
+    by hand, followed by the row's completion."""
+    ids, length = batch.rollouts.sequences[row], batch.rollouts.prompt_lengths[row]
+    shown, completion = renderer.prompt_ids(messages), ids[length:]
+    with torch.no_grad():
+        logits = model(torch.tensor([shown + completion])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[len(shown) - 1 : -1].gather(
+        -1, torch.tensor(completion)[:, None]
+    )
+    mask = batch.rollouts.mask_BT[row].bool()
+    assert batch.teacher.logprobs_BT[row][mask] == pytest.approx(
+        expected[: int(mask.sum()), 0].tolist(), abs=1e-5
+    )
+
+
 def test_the_context_goes_where_its_role_says_and_the_prompt_is_otherwise_untouched():
     prompt = Prompt(({"role": "user", "content": "reverse abc"},), answer="cba", metadata={"k": {"v": 3}})
     context = PrivilegedContext("Answer: {answer} ({metadata.k.v}) {{literal}}")
@@ -72,19 +88,8 @@ def test_the_teacher_scores_the_student_tokens_after_the_context_it_alone_reads(
         ids = batch.rollouts.sequences[row]
         assert ids[:length] == renderer.prompt_ids(record.messages)  # the student's prompt: no context
         assert "The answer is" not in trainer.tokenizer.decode(ids)
-        shown = renderer.prompt_ids(
-            ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
-        )
-        completion = ids[length:]
-        with torch.no_grad():
-            logits = model(torch.tensor([shown + completion])).logits[0].float()
-        expected = torch.log_softmax(logits, -1)[len(shown) - 1 : -1].gather(
-            -1, torch.tensor(completion)[:, None]
-        )
-        mask = batch.rollouts.mask_BT[row].bool()
-        assert batch.teacher.logprobs_BT[row][mask] == pytest.approx(
-            expected[: int(mask.sum()), 0].tolist(), abs=1e-5
-        )
+        shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
+        assert_scored_as_shown(batch, row, renderer, model, shown)
 
 
 def test_the_student_as_its_own_teacher_agrees_with_itself_until_it_is_shown_the_answer(answered):
@@ -159,23 +164,13 @@ def test_datasets_sharing_a_teacher_model_are_each_read_with_their_own_context(a
     datasets = batch.rollouts.dataset_index_B.tolist()
     assert set(datasets) == {0, 1}
     for row, dataset in enumerate(datasets):
-        record, length = batch.rollouts.prompt_records[row], batch.rollouts.prompt_lengths[row]
-        ids = batch.rollouts.sequences[row]
+        record = batch.rollouts.prompt_records[row]
         messages = (
             record.messages
             if dataset == 0
             else ({"role": "system", "content": f"It is {record.answer}."}, *record.messages)
         )
-        shown_ids, completion = renderer.prompt_ids(messages), ids[length:]
-        with torch.no_grad():
-            logits = model(torch.tensor([shown_ids + completion])).logits[0].float()
-        expected = torch.log_softmax(logits, -1)[len(shown_ids) - 1 : -1].gather(
-            -1, torch.tensor(completion)[:, None]
-        )
-        mask = batch.rollouts.mask_BT[row].bool()
-        assert batch.teacher.logprobs_BT[row][mask] == pytest.approx(
-            expected[: int(mask.sum()), 0].tolist(), abs=1e-5
-        )
+        assert_scored_as_shown(batch, row, renderer, model, messages)
 
 
 def test_two_processes_shown_the_context_make_the_update_one_process_makes(models, tmp_path):  # noqa: F811
@@ -196,16 +191,9 @@ def test_two_processes_shown_the_context_make_the_update_one_process_makes(model
 
 
 def test_sigkill_then_resume_with_a_context_matches_an_uninterrupted_run(answered, tmp_path):
-    from opd.runs.checkpoints import list_checkpoints
-    from tests.test_resume import STEPS, assert_same_rows, kill_after_rows, run_cli, write_config
+    from tests.test_resume import assert_same_rows, killed_and_resumed, run_cli, write_config
 
     answered["teacher"] = {"model": "student", "context": "The answer is {answer}."}
     run_cli(write_config(answered, tmp_path, "reference"))
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
-    config_path = write_config(answered, tmp_path, "killed")
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    kill_after_rows(config_path, metrics, 5, timeout_s=120)
-    assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
-    assert 0 < list_checkpoints(tmp_path / "killed")[-1].step < STEPS
-    run_cli(config_path)
-    assert_same_rows(read_jsonl(metrics), reference)
+    assert_same_rows(killed_and_resumed(answered, tmp_path), reference)

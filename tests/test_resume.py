@@ -74,6 +74,18 @@ def kill_after_rows(config_path, metrics, rows: int, timeout_s: float) -> None:
     process.wait()
 
 
+def killed_and_resumed(config: dict, tmp_path, timeout_s: float = 120) -> list[dict]:
+    """``config`` run as ``killed``: SIGKILLed after 5 metrics rows (mid-run, past a checkpoint),
+    then the same command again; the rows it ends with."""
+    config_path = write_config(config, tmp_path, "killed")
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    kill_after_rows(config_path, metrics, 5, timeout_s=timeout_s)
+    assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
+    assert 0 < list_checkpoints(tmp_path / "killed")[-1].step < STEPS
+    run_cli(config_path)
+    return read_jsonl(metrics)
+
+
 @pytest.mark.parametrize("reward_coef", [0.0, 1.0])
 def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(
     base_config, tmp_path, char_tokenizer, reward_coef

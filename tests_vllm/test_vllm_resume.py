@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from opd.runs.checkpoints import list_checkpoints
 from opd.runs.metrics import read_jsonl
-from tests.test_resume import STEPS, assert_same_rows, kill_after_rows, run_cli, write_config
+from tests.test_resume import STEPS, assert_same_rows, killed_and_resumed, run_cli, write_config
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
@@ -22,11 +21,5 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(vllm_config, t
     else:
         assert [r["staleness_mean"] for r in reference] == [min(s, staleness) for s in range(STEPS)]
 
-    config_path = write_config(vllm_config, tmp_path, "killed")
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    kill_after_rows(config_path, metrics, 5, timeout_s=300)
-    assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
-    assert 0 < list_checkpoints(tmp_path / "killed")[-1].step < STEPS
-
-    run_cli(config_path)
-    assert_same_rows(read_jsonl(metrics), reference)  # same samples, same numbers, within 1e-6
+    resumed = killed_and_resumed(vllm_config, tmp_path, timeout_s=300)
+    assert_same_rows(resumed, reference)  # same samples, same numbers, within 1e-6
