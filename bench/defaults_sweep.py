@@ -106,7 +106,12 @@ def train_stage(
     return {
         "config": config_to_dict(config),
         "curve": [
-            {"step": row["step"], "accuracy": row[key], "teacher_kl": row.get(f"test/{task}/teacher_kl")}
+            {
+                "step": row["step"],
+                "accuracy": row[key],
+                "score": row.get(f"test/{task}/score"),
+                "teacher_kl": row.get(f"test/{task}/teacher_kl"),
+            }
             for row in metrics
             if key in row
         ],
@@ -153,8 +158,12 @@ def report(results: list[dict]) -> str:
         )
         teacher = group[0]["teacher_accuracy"]
         eval_steps = sorted({point["step"] for run in group for point in run["curve"]})
+        scored = [r for r in group if r.get("teacher_score") is not None]
+        teacher_score = f" (score {scored[0]['teacher_score']:.1%})" if scored else ""
         lines += [
-            f"\n### {task}: teacher {teacher:.1%}\n",
+            f"\n### {task}: teacher {teacher:.1%}{teacher_score}\n",
+            "Each cell is the share of held-out answers fully right (`test/<task>/accuracy`), and after"
+            " it in brackets the mean partial credit where the run recorded it (`score`).\n",
             "| variant | objective | mode | learning rate | seed | "
             + " | ".join(f"step {step}" for step in eval_steps)
             + " | best | gap closed | min entropy |",
@@ -162,7 +171,11 @@ def report(results: list[dict]) -> str:
         ]
         for run in group:
             accuracies = [point["accuracy"] for point in run["curve"]]
-            by_step = {point["step"]: f"{point['accuracy']:.1%}" for point in run["curve"]}
+            by_step = {
+                point["step"]: f"{point['accuracy']:.1%}"
+                + (f" ({point['score']:.1%})" if point.get("score") is not None else "")
+                for point in run["curve"]
+            }
             objective = run["config"]["training"]["objective"]
             name = objective["name"] + (f" (k {objective['topk']})" if "topk" in objective else "")
             entropy = min(
@@ -251,6 +264,7 @@ def main() -> None:
             spec = tasks[task]
             build = SimpleNamespace(seed=0, eval_every=10, steps=40)
             teacher, teacher_accuracy = prepare_teacher(task, spec, base, build)
+            teacher_score = json.loads((teacher / "teacher.json").read_text()).get("score")
             for mode in args.modes:
                 for lr in args.lrs:
                     for seed in args.seeds:
@@ -285,6 +299,7 @@ def main() -> None:
                             "then_overrides": args.then_set,
                             "teacher": str(teacher),
                             "teacher_accuracy": teacher_accuracy,
+                            "teacher_score": teacher_score,
                             "config": run["config"],
                             **({"sft_config": run["sft_config"]} if "sft_config" in run else {}),
                             "curve": run["curve"],

@@ -142,6 +142,7 @@ def curve_of(metrics: list[dict], task: str, step_offset: int = 0, seconds_offse
                     "step": row["step"] + step_offset,
                     "seconds": seconds,
                     "accuracy": row[f"test/{task}/accuracy"],
+                    "score": row.get(f"test/{task}/score"),
                     "teacher_kl": row.get(f"test/{task}/teacher_kl"),
                 }
             )
@@ -312,7 +313,9 @@ def prepare_teacher(task: str, spec: dict, base: Path, args) -> tuple[Path, floa
         staging = target.with_name(target.name + ".tmp")
         shutil.copytree(latest_model_dir(log_path), staging)
         shutil.rmtree(log_path)
-        state = {"accuracy": curve_of(metrics, task)[-1]["accuracy"], "steps": state["steps"] + TEACHER_STEPS}
+        last = curve_of(metrics, task)[-1]
+        steps = state["steps"] + TEACHER_STEPS
+        state = {"accuracy": last["accuracy"], "score": last["score"], "steps": steps}
         (staging / "teacher.json").write_text(json.dumps(state))
         shutil.rmtree(target, ignore_errors=True)
         staging.replace(target)
