@@ -145,3 +145,22 @@ def base_config(model_dirs, prompts_file, tmp_path):
             "max_steps": 2,
         },
     }
+
+
+ANSWERED_WORDS = ("abc", "hgf", "dcea", "bbad", "gah", "fed")
+
+
+@pytest.fixture
+def answered(base_config, tmp_path) -> dict:
+    """The base run on prompts that all carry an answer and a metadata entry (for teachers shown
+    what the student is not)."""
+    path = tmp_path / "answered.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"reverse {w}", "answer": w[::-1], "metadata": {"hint": {"first": w[-1]}}})
+            + "\n"
+            for w in ANSWERED_WORDS
+        )
+    )
+    base_config["datasets"][0]["source"] = str(path)
+    return base_config

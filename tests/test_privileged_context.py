@@ -5,7 +5,6 @@ teacher, the identity teacher == student at step 0, and a real ``opd serve`` pro
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,23 +17,6 @@ from opd.teachers.context import PrivilegedContext
 from opd.trainer.loop import Trainer, train
 from tests.servers import free_port, start_opd_serve, through_server
 from tests.test_distributed import models  # noqa: F401 (the tiny models of the torchrun tests)
-
-WORDS = ("abc", "hgf", "dcea", "bbad", "gah", "fed")
-
-
-@pytest.fixture
-def answered(base_config, tmp_path) -> dict:
-    """The base run on prompts that all carry an answer and a metadata entry."""
-    path = tmp_path / "answered.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps({"prompt": f"reverse {w}", "answer": w[::-1], "metadata": {"hint": {"first": w[-1]}}})
-            + "\n"
-            for w in WORDS
-        )
-    )
-    base_config["datasets"][0]["source"] = str(path)
-    return base_config
 
 
 def assert_scored_as_shown(batch, row: int, renderer, model, messages) -> None:
@@ -174,26 +156,79 @@ def test_datasets_sharing_a_teacher_model_are_each_read_with_their_own_context(a
 
 
 def test_two_processes_shown_the_context_make_the_update_one_process_makes(models, tmp_path):  # noqa: F811
-    """The student as its own teacher, shown the answer, under FSDP on two processes (torchrun,
-    gloo) against one process: the same metrics row for row."""
+    """The student as its own teacher, shown the answer, mixed with the tiny teacher
+    (``teacher.mixture``), under FSDP on two processes (torchrun, gloo) against one process: the
+    same metrics row for row, the KL to each teacher of the mixture included."""
     from tests.test_distributed import assert_same_metrics, one_process, run_config, two_processes, write
 
     def config(name: str) -> Path:
         data = run_config(models, tmp_path / name)
-        data["teacher"] = dict(data["teacher"], model="student", context="The answer is {answer}.")
+        shown = {"model": "student", "context": "The answer is {answer}.", "weight": 0.6}
+        data["teacher"] = {"mixture": [dict(data["teacher"], weight=0.4), shown]}
         return write(data, tmp_path / f"{name}.yaml")
 
     one_process(config("one"))
     two_processes(config("two"), "training.parallel=fsdp")
     reference = read_jsonl(tmp_path / "one" / "metrics.jsonl")
-    assert reference[0]["teacher_kl"] > 1e-3  # the context moves the student's own judgement
+    assert reference[0]["teacher_kl/mixture_1"] > 1e-3  # the context moves the student's own judgement
     assert_same_metrics(read_jsonl(tmp_path / "two" / "metrics.jsonl"), reference)
 
 
 def test_sigkill_then_resume_with_a_context_matches_an_uninterrupted_run(answered, tmp_path):
+    """The student shown the answer, mixed with the tiny teacher (``teacher.mixture``)."""
     from tests.test_resume import assert_same_rows, killed_and_resumed, run_cli, write_config
 
-    answered["teacher"] = {"model": "student", "context": "The answer is {answer}."}
+    shown = {"model": "student", "context": "The answer is {answer}.", "weight": 0.6}
+    answered["teacher"] = {"mixture": [dict(answered["teacher"], weight=0.4), shown]}
     run_cli(write_config(answered, tmp_path, "reference"))
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
     assert_same_rows(killed_and_resumed(answered, tmp_path), reference)
+
+
+def test_a_lora_student_is_its_own_teacher_with_its_adapters_off_and_no_second_copy(answered):
+    """``model: student`` with a LoRA student scores with the student's own model, adapters off:
+    no second copy, the trainer's train/eval mode untouched, and after three updates (adapters far
+    from zero) the same run as a frozen copy of the starting weights gives (the teacher's dtype
+    set explicitly, which asks for a copy)."""
+    answered["student"]["lora_rank"] = 4
+    answered["training"] |= {"max_steps": 3, "learning_rate": 0.05}
+    answered["teacher"] = {"model": "student", "context": "The answer is {answer}."}
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    assert trainer.teachers.per_dataset[0].model is trainer.policy.model
+    trainer.policy.model.train()
+    trainer.collect(0)
+    assert trainer.policy.model.training
+    shared = train(
+        config_from_dict(answered | {"log_path": answered["log_path"] + "-shared"}), progress=False
+    )
+    copied_config = answered | {"log_path": answered["log_path"] + "-copy"}
+    copied_config["teacher"] = dict(answered["teacher"], dtype="float32")
+    copy_trainer = Trainer(config_from_dict(copied_config), progress=False)
+    assert copy_trainer.teachers.per_dataset[0].model is not copy_trainer.policy.model
+    copied = train(config_from_dict(copied_config), progress=False)
+    assert shared.metrics[-1]["step"] == 2
+    for a, b in zip(shared.metrics, copied.metrics, strict=True):
+        for key in ("teacher_kl", "loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
+    assert shared.metrics[-1]["teacher_kl"] != pytest.approx(shared.metrics[0]["teacher_kl"], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["training.max_staleness=1"],
+        ["training.data_source=mixed", "training.off_policy_objective=nll"],
+        ["student.lora_rank=0"],
+    ],
+)
+def test_where_the_students_model_is_busy_or_trained_whole_the_teacher_is_a_frozen_copy(answered, overrides):
+    from opd.trainer.plan import describe_plan
+
+    answered["student"]["lora_rank"] = 4
+    answered["teacher"] = {"model": "student"}
+    config = config_from_dict(answered, overrides)
+    copy = "the student with its LoRA adapters off: no second copy"
+    assert copy not in describe_plan(config, 1)
+    assert copy in describe_plan(config_from_dict(answered), 1)
+    trainer = Trainer(config, progress=False)
+    assert trainer.teachers.per_dataset[0].model is not trainer.policy.model

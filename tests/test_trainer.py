@@ -3,6 +3,7 @@
 import json
 import math
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from opd.cli import main
 from opd.config import ConfigError, config_from_dict
+from opd.demo.char_tokenizer import build_char_tokenizer
 from opd.models import ModelLoadError
 from opd.runs.checkpoints import latest_model_dir
 from opd.runs.metrics import read_jsonl
@@ -209,17 +211,39 @@ def test_missing_model_path_is_named(base_config, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_teacher_with_another_vocabulary_is_refused(base_config, tmp_path):
-    from opd.demo.char_tokenizer import build_char_tokenizer
+def lowercasing_char_tokenizer():
+    """The char tokenizer's entries with a lower-casing normalizer: the same vocabulary, other ids."""
+    from tokenizers import normalizers
 
-    tokenizer = build_char_tokenizer(alphabet="0123456789abc")
+    tokenizer = build_char_tokenizer()
+    tokenizer.backend_tokenizer.normalizer = normalizers.Lowercase()
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "message"),
+    [
+        (
+            partial(build_char_tokenizer, alphabet="0123456789abc"),
+            r"^teacher\.model: the teacher's tokenizer differs.*cross-tokenizer",
+        ),
+        (
+            lowercasing_char_tokenizer,
+            r"^teacher\.model: the teacher's tokenizer has the student's entries but splits "
+            r"'The quick brown fox.*' otherwise .*normalizer or pre-tokenizer.*cross_tokenizer: true",
+        ),
+    ],
+    ids=["another-vocabulary", "same-entries-split-otherwise"],
+)
+def test_a_teacher_whose_tokenizer_reads_text_otherwise_is_refused(base_config, tmp_path, tokenizer, message):
+    """Another vocabulary, or the same entries with another normalizer (a probe text's ids
+    differ): the teacher would score other tokens than the student wrote."""
+    built = tokenizer()
     path = tmp_path / "other-teacher"
-    tiny_llama(len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    tiny_llama(len(built)).save_pretrained(path)
+    built.save_pretrained(path)
     base_config["teacher"]["model"] = str(path)
-    with pytest.raises(
-        ModelLoadError, match=r"teacher\.model: the teacher's tokenizer differs.*cross-tokenizer"
-    ):
+    with pytest.raises(ModelLoadError, match=message):
         Trainer(config_from_dict(base_config), progress=False)
 
 
@@ -254,8 +278,9 @@ def test_datasets_sharing_a_teacher_share_its_loaded_tokenizer_and_format(
     second = dict(base_config["datasets"][0], name="again", source=str(prompts_file))
     base_config["datasets"].append(second)
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.teachers.formats[0] is trainer.teachers.formats[1] is not None
-    assert trainer.teachers.per_dataset[0] is trainer.teachers.per_dataset[1]
+    (first, _), (second, _) = trainer.teachers.readings[0][0], trainer.teachers.readings[1][0]
+    assert first.format is second.format is not None
+    assert first.teacher is second.teacher
     # one load for the teacher's template format, one for the vocabulary check
     assert loads == [base_config["teacher"]["model"]] * 2
 

@@ -19,7 +19,7 @@ from opd.config import Config, DatasetConfig, LambdaSchedule, TrainingConfig
 from opd.envs.registry import EnvConfig, environments
 from opd.objectives.registry import objectives
 from opd.policy.config import StudentConfig
-from opd.teachers.config import TeacherConfig
+from opd.teachers.config import MixtureMember, TeacherConfig
 
 
 def _first_line(cls: type) -> str:
@@ -31,6 +31,11 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("", Config, "The top level of a config file."),
     ("student", StudentConfig, "The model being trained and the engine that samples it."),
     ("teacher", TeacherConfig, "The default teacher; a dataset's own `teacher:` takes the same keys."),
+    (
+        "teacher.mixture[]",
+        MixtureMember,
+        "Each teacher of a mixture: every `teacher` key above (but `mixture`), and its weight.",
+    ),
     ("datasets[]", DatasetConfig, "Each entry of the `datasets` list."),
     (
         "datasets[].env",
@@ -100,6 +105,8 @@ def default_text(field: dataclasses.Field) -> str:
         value = field.default_factory()
     else:
         return "required"
+    if value == "":  # required unless another key stands for it (the docs say which)
+        return "required"
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -113,8 +120,10 @@ def rows(prefix: str, cls: type) -> list[str]:
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     lines = ["| key | type | default | what it does |", "|---|---|---|---|"]
+    documented = {cls for _, cls, _ in SECTIONS}
+    inherited = {f.name for base in cls.__bases__ if base in documented for f in dataclasses.fields(base)}
     for field in dataclasses.fields(cls):
-        if not field.init or (cls is Config and field.name in NESTED):
+        if not field.init or (cls is Config and field.name in NESTED) or field.name in inherited:
             continue
         key = f"{prefix}.{field.name}" if prefix else field.name
         text = docs.get(field.name, "").replace("|", "\\|")

@@ -145,15 +145,38 @@ def load_causal_lm(name: str, field: str, *, dtype: str, device: str, trust_remo
     return model.to(target).eval()
 
 
+PROBE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "QUICK Brown 12 + 7 = 19; x**2 - 3*x >= 0",
+    "  two leading spaces\n\ttab, CR LF\r\nend ",
+    "caf\u00e9 na\u00efve \u00dc \u6771\u4eac \U0001f642",
+)
+"""Texts both tokenizers must split alike: cases, digits, whitespace, accents and other scripts
+(an equal vocabulary with another normalizer or pre-tokenizer gives other ids)."""
+
+
 def check_same_vocabulary(student_tokenizer, teacher_tokenizer, teacher_field: str) -> None:
-    """The sampled-token KL compares ids: both models must read ids the same way."""
+    """The sampled-token KL compares ids: both models must read ids the same way, the same
+    entries and the same ids for every probe text (:data:`PROBE_TEXTS`)."""
     student_vocab = student_tokenizer.get_vocab()
     teacher_vocab = teacher_tokenizer.get_vocab()
+    fix = (
+        "Scoring needs the same token ids; a teacher with a different tokenizer needs "
+        "cross-tokenizer mode: set cross_tokenizer: true beside it."
+    )
     if student_vocab != teacher_vocab:
         only_student = len(set(student_vocab.items()) - set(teacher_vocab.items()))
         raise ModelLoadError(
             f"{teacher_field}: the teacher's tokenizer differs from the student's "
             f"({len(teacher_vocab)} vs {len(student_vocab)} entries, {only_student} student entries not "
-            "in the teacher's). Scoring needs the same token ids; a teacher with a different "
-            "tokenizer needs cross-tokenizer mode: set cross_tokenizer: true beside it."
+            f"in the teacher's). {fix}"
         )
+    for text in PROBE_TEXTS:
+        ids = student_tokenizer.encode(text, add_special_tokens=False)
+        teacher_ids = teacher_tokenizer.encode(text, add_special_tokens=False)
+        if ids != teacher_ids:
+            raise ModelLoadError(
+                f"{teacher_field}: the teacher's tokenizer has the student's entries but splits "
+                f"{text!r} otherwise (ids {teacher_ids[:12]} against the student's {ids[:12]}): another "
+                f"normalizer or pre-tokenizer. {fix}"
+            )

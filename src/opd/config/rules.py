@@ -38,12 +38,35 @@ def validate(config: Config) -> Config:
         )
     fill_defaults(config)
     _check_objective(training)
+    _check_mixtures(config)
     for where, teacher in config.teachers():
         if teacher.cross_tokenizer:
             _check_cross_tokenizer_objectives(training, teacher, where)
         if teacher.backend != "local":
             _check_remote_teacher(training, teacher, where)
     return config
+
+
+def _check_mixtures(config: Config) -> None:
+    """A mixture scores the student's samples with log-probs or top-k: it writes no completions
+    (which member would?) and sends no full distribution (one teacher's lm head reads it)."""
+    training = config.training
+    for where, teacher in [("teacher", config.teacher)] + [
+        (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets)
+    ]:
+        if teacher is None or teacher.mixture is None:
+            continue
+        if training.data_source != "student":
+            raise ConfigError(
+                f"{where}.mixture: training.data_source '{training.data_source}' has the teacher write "
+                "completions, and a mixture only scores them; use data_source: student, or one teacher"
+            )
+        if training.objective.teacher_signal == "distribution":
+            served = [*objective_names(teacher_signal="logprobs"), *objective_names(teacher_signal="topk")]
+            raise ConfigError(
+                f"{where}.mixture: training.objective '{training.objective.name}' reads one teacher's "
+                f"full distribution; a mixture serves {' or '.join(served)}"
+            )
 
 
 def _check_remote_teacher(training: TrainingConfig, teacher: TeacherConfig, where: str) -> None:

@@ -67,9 +67,14 @@ class Config:
         yield from range_problems(self, non_negative=("save_every", "eval_every"))
 
     def teachers(self) -> list[tuple[str, TeacherConfig]]:
-        """Each teacher with the config key it is set at."""
-        return [("teacher", self.teacher)] + [
+        """Each teacher with the config key it is set at, a mixture's members one by one."""
+        sections = [("teacher", self.teacher)] + [
             (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(self.datasets) if d.teacher
+        ]
+        return [
+            (where if t.mixture is None else f"{where}.mixture[{j}]", member)
+            for where, t in sections
+            for j, (member, _) in enumerate(t.members)
         ]
 
     def teacher_for(self, dataset: DatasetConfig) -> TeacherConfig:

@@ -79,7 +79,8 @@ class TeacherScores:
     ``logprobs_BT`` (float32, 0 where not scored) always; ``topk_ids_BTK`` and ``topk_logprobs_BTK``
     when top-k was asked for; ``hidden_BTD`` (the teacher's dtype and device) with ``head`` and
     ``head_transform`` (its lm head and logit transform at the request's temperature) when the
-    full distribution was.
+    full distribution was. For a mixture's rows these are the mixture's, and
+    ``member_logprobs_MBT`` each teacher's log-probs.
     """
 
     logprobs_BT: torch.Tensor
@@ -88,6 +89,8 @@ class TeacherScores:
     hidden_BTD: torch.Tensor | None = None
     head: nn.Module | None = None
     head_transform: LogitTransform | None = None
+    member_logprobs_MBT: torch.Tensor | None = None
+    """A mixture's rows: each teacher's own log-probs (NaN on rows no mixture scored), for the KL to each."""
 
     @classmethod
     def zeros(cls, batch: int, width: int, request: TeacherRequest) -> TeacherScores:
@@ -108,12 +111,16 @@ class TeacherScores:
         def cut(tensor):
             return None if tensor is None else tensor[rows]
 
+        def cut_members(tensor):
+            return None if tensor is None else tensor[:, rows]
+
         return replace(
             self,
             logprobs_BT=self.logprobs_BT[rows],
             topk_ids_BTK=cut(self.topk_ids_BTK),
             topk_logprobs_BTK=cut(self.topk_logprobs_BTK),
             hidden_BTD=cut(self.hidden_BTD),
+            member_logprobs_MBT=cut_members(self.member_logprobs_MBT),
         )
 
     def rows(self, score_mask_BT: torch.Tensor, device: torch.device | None = None) -> TeacherRows:

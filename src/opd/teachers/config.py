@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from opd.checks import range_problems
@@ -18,10 +18,11 @@ STUDENT = "student"
 class TeacherConfig:
     """The model whose per-token judgement trains the student. Scored in one no-grad forward."""
 
-    model: str
+    model: str = ""
     """Hugging Face model id or local directory (``local``), or the served model name (remote).
     ``student`` (local): the student's own starting weights, loaded once more and frozen: with a
-    ``context``, self-distillation from the student shown what it is not."""
+    ``context``, self-distillation from the student shown what it is not. Required unless
+    ``mixture`` is given."""
     backend: Literal["local", "openai", "sglang"] = "local"
     """``local``: in the trainer's process; ``openai``: a vLLM (OpenAI-compatible) server;
     ``sglang``: an SGLang server. Remote teachers must share the student's token ids."""
@@ -71,10 +72,27 @@ class TeacherConfig:
     """Local: device, as for the student."""
     trust_remote_code: bool = False
     """Local: run model code shipped in the checkpoint."""
+    mixture: list[MixtureMember] | None = None
+    """Several teachers mixed token by token, ``q(x) = sum_i weight_i q_i(x)``: each entry a whole
+    teacher (``model``, ``backend``, ``chat_template``, ``context``, ...) with its ``weight``, the
+    weights summing to 1. Set nothing else beside it. ``sampled_reverse_kl`` and ``k3`` read the
+    mixture's exact log-prob of each sampled token; ``topk_forward_kl`` the union of the
+    teachers' top-k (docs/teachers.md gives the formula and its bound)."""
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this teacher's own settings, found before any model loads or
         server is asked (what it is asked for, by the objective, is checked in ``opd.config.rules``)."""
+        if self.mixture is not None:
+            yield from self._mixture_problems()
+            return
+        if not self.model:
+            yield (
+                "model",
+                (
+                    "required: a Hugging Face id or directory (local), the served model's name (remote) "
+                    "or student; or give mixture: [{model: ..., weight: ...}, ...]"
+                ),
+            )
         if self.context is not None:
             try:
                 if not template_fields(self.context) and not self.context.strip():
@@ -115,15 +133,56 @@ class TeacherConfig:
             non_negative=("max_retries",),
         )
 
+    def _mixture_problems(self) -> Iterator[tuple[str, str]]:
+        """A mixture names its members and nothing beside them; their weights sum to 1."""
+        if not self.mixture:
+            yield "mixture", "is empty: give at least one member, [{model: ..., weight: 1.0}]"
+            return
+        alone = TeacherConfig(mixture=self.mixture)
+        for name in (f.name for f in fields(self)):
+            if getattr(self, name) != getattr(alone, name):
+                yield name, f"is set on each member (mixture[i].{name}), not beside mixture"
+        weights = [member.weight for member in self.mixture]
+        if abs(sum(weights) - 1.0) > 1e-6:
+            listed = ", ".join(map(str, weights))
+            yield "mixture", f"the weights must sum to 1, got {sum(weights):g} ({listed})"
+
+    @property
+    def members(self) -> list[tuple[TeacherConfig, float]]:
+        """The teachers it mixes with their weights (itself with weight 1 when it mixes none)."""
+        if self.mixture is None:
+            return [(self, 1.0)]
+        return [(member, member.weight) for member in self.mixture]
+
     @property
     def privileged_context(self) -> PrivilegedContext | None:
         """The context it is shown, where it goes (None: it reads the student's conversation)."""
         return None if self.context is None else PrivilegedContext(self.context, self.context_role)
 
     def of_student(self, model: str, tokenizer: str | None, trust_remote_code: bool) -> TeacherConfig:
-        """This teacher with ``model: student`` (local) read as the student's own checkpoint."""
+        """This teacher (each member of a mixture) with ``model: student`` (local) read as the
+        student's own checkpoint."""
+        if self.mixture is not None:
+            members = [m.of_student(model, tokenizer, trust_remote_code) for m in self.mixture]
+            return replace(self, mixture=members)
         if self.backend != "local" or self.model != STUDENT:
             return self
         return replace(
             self, model=model, tokenizer=self.tokenizer or tokenizer, trust_remote_code=trust_remote_code
         )
+
+
+@dataclass
+class MixtureMember(TeacherConfig):
+    """One teacher of a mixture: a whole teacher's settings and its share."""
+
+    weight: float = 0.0
+    """Its share of the mixture, in (0, 1]; the members' weights sum to 1."""
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.mixture is not None:
+            yield "mixture", "mixtures do not nest: list every teacher in one mixture"
+            return
+        yield from super().problems()
+        if not 0.0 < self.weight <= 1.0:
+            yield "weight", f"must be in (0, 1], got {self.weight}"

@@ -133,6 +133,27 @@ class LocalTeacher:
         self.module(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device), answer)
 
 
+class AdaptersOffTeacher(LocalTeacher):
+    """A LoRA student's own base weights as its teacher: the student's model scores with its
+    adapters switched off (``disable_adapter``), so ``teacher.model: student`` needs no second copy
+    of the weights. Used only where nothing else runs the model meanwhile (synchronous collection,
+    weights not sharded: :func:`opd.build.teachers.teacher_is_the_students_base`)."""
+
+    def __init__(self, peft_model, **options):
+        training = peft_model.training
+        super().__init__(peft_model, **options)
+        peft_model.train(training)  # the student's mode is the trainer's to set
+
+    def score(self, inputs: TeacherInput, request: TeacherRequest) -> TeacherScores:
+        training = self.model.training
+        self.model.eval()
+        try:
+            with self.model.disable_adapter():
+                return super().score(inputs, request)
+        finally:
+            self.model.train(training)
+
+
 def _place(
     target_BT: torch.Tensor, rows: torch.Tensor, selected: torch.Tensor, values_N: torch.Tensor
 ) -> None:

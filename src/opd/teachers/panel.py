@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,9 +21,21 @@ from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import TeacherFormat
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores, rows_by_identity
 from opd.teachers.config import TeacherConfig
-from opd.teachers.local import LocalTeacher
+from opd.teachers.context import PrivilegedContext
+from opd.teachers.local import AdaptersOffTeacher, LocalTeacher
+from opd.teachers.mixture import mixed_logprobs, mixed_topk
 from opd.teachers.remote import RemoteTeacher
 from opd.teachers.writer import TeacherSample, TeacherWriter
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One teacher as it reads a dataset's rows: the model or server, the format it reads them in
+    (None: the student's tokens as they are) and the privileged context it is shown (None: none)."""
+
+    teacher: Teacher
+    format: TeacherFormat | None
+    context: PrivilegedContext | None
 
 
 class TeacherPanel:
@@ -47,50 +59,56 @@ class TeacherPanel:
         chunk_size: int = 1024,
         token_budget: int | None = None,
         packing: bool = True,
+        student_base: tuple[str, object] | None = None,
     ):
         self.tokenizer, self.renderer, self.pad_id, self.request = tokenizer, renderer, pad_id, request
         self.batch_size, self.chunk_size = batch_size, chunk_size
         self.token_budget, self.packing = token_budget, packing
+        self.student_base = student_base
+        """The student's model path and its LoRA model, whose base scores for a local teacher of
+        that path (None: every local teacher is loaded)."""
         self.vocab_size = len(tokenizer)
-        self.formats: list[TeacherFormat | None] = []
-        self.contexts = [teacher.privileged_context for teacher in teachers]
-        """Each dataset's teacher's privileged context (None: it reads the student's conversation)."""
-        self.per_dataset = self._load_all(teachers, fields)
-        readings: dict[tuple, tuple] = {}
-        self.readings = [
-            readings.setdefault((id(t), id(f), c), (t, f, c))
-            for t, f, c in zip(self.per_dataset, self.formats, self.contexts, strict=True)
-        ]
-        """Per dataset, the one object shared by the datasets read alike (the same teacher, format
-        and context), whose rows are scored together."""
-
-    def _load_all(self, teachers: list[TeacherConfig], fields: list[str]) -> list[Teacher]:
-        loaded: dict[tuple, Teacher] = {}
-        formats: dict[tuple, TeacherFormat | None] = {}
-        per_dataset = []
+        self._formats: dict[tuple, TeacherFormat | None] = {}
+        self._loaded: dict[tuple, Teacher] = {}
+        shared: dict[tuple, tuple[tuple[Reading, float], ...]] = {}
+        self.readings = []
+        """Per dataset, the teachers that score it with their weights (one, weight 1, unless its
+        teacher is a mixture): one object shared by the datasets read alike (the same teachers,
+        formats and contexts), whose rows are scored together."""
         for teacher_cfg, where in zip(teachers, fields, strict=True):
-            key = (
-                teacher_cfg.backend,
-                teacher_cfg.base_url,
-                teacher_cfg.model,
-                teacher_cfg.dtype,
-                teacher_cfg.device,
+            mixed = teacher_cfg.mixture is not None
+            members = tuple(
+                (self._reading(member, f"{where}.mixture[{j}]" if mixed else where), w)
+                for j, (member, w) in enumerate(teacher_cfg.members)
             )
-            format_key = (
-                teacher_cfg.tokenizer or teacher_cfg.model,
-                teacher_cfg.chat_template,
-                teacher_cfg.cross_tokenizer,
-                teacher_cfg.character_topk,
-                teacher_cfg.context is not None,  # a context needs the conversation re-rendered
-            )
-            if format_key not in formats:
-                formats[format_key] = self._teacher_format(teacher_cfg)
-            teacher_format = formats[format_key]
-            if key not in loaded:
-                loaded[key] = self._load_teacher(teacher_cfg, where, teacher_format)
-            per_dataset.append(loaded[key])
-            self.formats.append(teacher_format)
-        return per_dataset
+            key = tuple((id(r.teacher), id(r.format), r.context, w) for r, w in members)
+            self.readings.append(shared.setdefault(key, members))
+        self.per_dataset = [members[0][0].teacher for members in self.readings]
+        """Each dataset's (first) teacher."""
+
+    def _reading(self, teacher_cfg: TeacherConfig, where: str) -> Reading:
+        """The teacher of ``teacher_cfg`` as it reads rows: loaded once per model or server, with
+        one format per tokenizer and template."""
+        key = (
+            teacher_cfg.backend,
+            teacher_cfg.base_url,
+            teacher_cfg.model,
+            teacher_cfg.dtype,
+            teacher_cfg.device,
+        )
+        format_key = (
+            teacher_cfg.tokenizer or teacher_cfg.model,
+            teacher_cfg.chat_template,
+            teacher_cfg.cross_tokenizer,
+            teacher_cfg.character_topk,
+            teacher_cfg.context is not None,  # a context needs the conversation re-rendered
+        )
+        if format_key not in self._formats:
+            self._formats[format_key] = self._teacher_format(teacher_cfg)
+        teacher_format = self._formats[format_key]
+        if key not in self._loaded:
+            self._loaded[key] = self._load_teacher(teacher_cfg, where, teacher_format)
+        return Reading(self._loaded[key], teacher_format, teacher_cfg.privileged_context)
 
     def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
         """How a teacher with its own template or tokenizer sees the rollouts (None: as the student)."""
@@ -132,6 +150,15 @@ class TeacherPanel:
                 max_concurrency=teacher_cfg.max_concurrency,
                 request_batch_size=teacher_cfg.request_batch_size,
             )
+        options = {
+            "pad_id": self.pad_id,
+            "batch_size": self.batch_size,
+            "chunk_size": self.chunk_size,
+            "token_budget": self.token_budget,
+            "packing": self.packing,
+        }
+        if self.student_base is not None and teacher_cfg.model == self.student_base[0]:
+            return AdaptersOffTeacher(self.student_base[1], vocab_size=self.vocab_size, **options)
         model = load_causal_lm(
             teacher_cfg.model,
             f"{where}.model",
@@ -142,15 +169,7 @@ class TeacherPanel:
         vocab_size = self.vocab_size
         if teacher_cfg.cross_tokenizer:
             vocab_size = len(teacher_format.renderer.tokenizer)
-        teacher = LocalTeacher(
-            model,
-            vocab_size=vocab_size,
-            pad_id=self.pad_id,
-            batch_size=self.batch_size,
-            chunk_size=self.chunk_size,
-            token_budget=self.token_budget,
-            packing=self.packing,
-        )
+        teacher = LocalTeacher(model, vocab_size=vocab_size, **options)
         if teacher.packing_problem and launched_world().is_main:
             warnings.warn(
                 f"training.packing: {teacher.packing_problem}; the teacher {teacher_cfg.model} scores padded",
@@ -164,13 +183,14 @@ class TeacherPanel:
         teacher's turns end (its own template's, or the student's)."""
         built: dict[tuple[int, int], TeacherWriter] = {}
         writers = []
-        for teacher, teacher_format in zip(self.per_dataset, self.formats, strict=True):
-            key = (id(teacher), id(teacher_format))
+        for members in self.readings:
+            reading = members[0][0]  # a mixture writes nothing (opd.config.rules)
+            key = (id(reading.teacher), id(reading.format))
             if key not in built:
-                renderer = teacher_format.renderer if teacher_format else self.renderer
+                renderer = reading.format.renderer if reading.format else self.renderer
                 built[key] = TeacherWriter(
-                    _teacher_sample(teacher, renderer),
-                    teacher_format,
+                    _teacher_sample(reading.teacher, renderer),
+                    reading.format,
                     self.tokenizer,
                     self.renderer.stop_token_ids,
                 )
@@ -178,41 +198,92 @@ class TeacherPanel:
         return writers
 
     def score(self, batch: RolloutBatch, request: TeacherRequest | None = None) -> TeacherScores:
-        """Each row scored by its dataset's teacher, with what ``request`` (default: the panel's) asks for."""
+        """Each row scored by its dataset's teacher (or mixture), with what ``request`` (default:
+        the panel's) asks for."""
         request = request or self.request or TeacherRequest()
         inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT.bool())
         groups = rows_by_identity([self.readings[index] for index in batch.dataset_index_B.tolist()])
-        first = self.formats[int(batch.dataset_index_B[0])]
-        if len(groups) == 1 and first is None:  # one teacher reading the student's tokens: its answer as is
-            return self.per_dataset[int(batch.dataset_index_B[0])].score(inputs, request)
+        members = self.readings[int(batch.dataset_index_B[0])]
+        if len(groups) == 1 and len(members) == 1 and members[0][0].format is None:
+            return members[0][0].teacher.score(inputs, request)  # one teacher reading the student's tokens
         scores = TeacherScores.zeros(*batch.mask_BT.shape, request)
         for rows in groups:
-            dataset_index = int(batch.dataset_index_B[rows[0]])
-            teacher, teacher_format = self.per_dataset[dataset_index], self.formats[dataset_index]
-            if teacher_format is None:
-                answer = teacher.score(inputs.select(torch.tensor(rows)), request)
-                width = answer.logprobs_BT.shape[1]
-                for i, row in enumerate(rows):
-                    scores.logprobs_BT[row, :width] = answer.logprobs_BT[i]
-                    scores.put(row, slice(0, width), answer, i, slice(0, width))
-            else:
-                self._put_formatted(scores, rows, batch, teacher, teacher_format, request)
+            members = self.readings[int(batch.dataset_index_B[rows[0]])]
+            if len(members) == 1:
+                self._put(scores, rows, batch, inputs, members[0][0], request)
+                continue
+            answers = []
+            for reading, _ in members:
+                answers.append(TeacherScores.zeros(*batch.mask_BT.shape, request))
+                self._put(answers[-1], rows, batch, inputs, reading, request)
+            self._put_mixed(scores, rows, batch, answers, [w for _, w in members], request)
         return scores
+
+    def _put(
+        self,
+        scores: TeacherScores,
+        rows: list[int],
+        batch: RolloutBatch,
+        inputs: TeacherInput,
+        reading: Reading,
+        request: TeacherRequest,
+    ) -> None:
+        """One teacher's answer for ``rows``, written into ``scores``."""
+        if reading.format is not None:
+            self._put_formatted(scores, rows, batch, reading, request)
+            return
+        answer = reading.teacher.score(inputs.select(torch.tensor(rows)), request)
+        width = answer.logprobs_BT.shape[1]
+        for i, row in enumerate(rows):
+            scores.logprobs_BT[row, :width] = answer.logprobs_BT[i]
+            scores.put(row, slice(0, width), answer, i, slice(0, width))
+
+    def _put_mixed(
+        self,
+        scores: TeacherScores,
+        rows: list[int],
+        batch: RolloutBatch,
+        answers: list[TeacherScores],
+        weights: list[float],
+        request: TeacherRequest,
+    ) -> None:
+        """The mixture of the teachers' ``answers`` at the scored positions of ``rows``; each
+        teacher's log-probs kept beside it (``member_logprobs_MBT``) for its own KL."""
+        selected = torch.zeros_like(batch.mask_BT, dtype=torch.bool)
+        selected[rows] = batch.mask_BT[rows].bool()
+        weights_M = torch.tensor(weights)
+        logprobs_MN = torch.stack([a.logprobs_BT[selected] for a in answers])
+        scores.logprobs_BT[selected] = mixed_logprobs(logprobs_MN, weights_M)
+        if request.topk:
+            ids, logprobs = mixed_topk(
+                torch.stack([a.topk_ids_BTK[selected] for a in answers]),
+                torch.stack([a.topk_logprobs_BTK[selected] for a in answers]),
+                weights_M,
+                request.topk,
+                self.vocab_size,
+            )
+            scores.topk_ids_BTK[selected], scores.topk_logprobs_BTK[selected] = ids, logprobs
+        if scores.member_logprobs_MBT is None or scores.member_logprobs_MBT.shape[0] < len(answers):
+            kept = torch.full((len(answers), *scores.logprobs_BT.shape), float("nan"))
+            if scores.member_logprobs_MBT is not None:
+                kept[: scores.member_logprobs_MBT.shape[0]] = scores.member_logprobs_MBT
+            scores.member_logprobs_MBT = kept
+        for number, answer in enumerate(answers):
+            scores.member_logprobs_MBT[number][selected] = answer.logprobs_BT[selected]
 
     def _put_formatted(
         self,
         scores: TeacherScores,
         rows: list[int],
         batch: RolloutBatch,
-        teacher: Teacher,
-        teacher_format: TeacherFormat,
+        reading: Reading,
         request: TeacherRequest,
     ) -> None:
         """Score the rows in the teacher's own format, then map its answer back onto the student's
         tokens, turn by turn (an episode's environment replies are the teacher's to render, not to score)."""
+        teacher, teacher_format, context = reading.teacher, reading.format, reading.context
         sequences = batch.sequences
         trajectories = batch.trajectories or [None] * len(sequences)
-        context = self.contexts[int(batch.dataset_index_B[rows[0]])]
         records = [batch.prompt_records[r] for r in rows]
         built = [
             teacher_format.build(

@@ -131,7 +131,12 @@ class RunComponents:
         )
         request = self.objective.teacher_request(training.temperature)
         self.teachers = load_teachers(
-            process_config, student, self.engine.pad_id, request, token_budget=self.batching.tokens
+            process_config,
+            student,
+            self.engine.pad_id,
+            request,
+            token_budget=self.batching.tokens,
+            parallel=parallel,
         )
         if shards_its_teacher(config, parallel):
             self.teachers.per_dataset[0].shard()
@@ -228,10 +233,13 @@ class RunComponents:
     def _check_context(self, index: int, prompts: list[Prompt], where: str) -> None:
         """Refuse a dataset whose prompts lack a field its teacher's privileged context reads."""
         dataset = self.config.datasets[index]
-        context = self.config.teacher_for(dataset).privileged_context
-        if context is not None and (problem := context.missing(prompts, where)):
-            field = f"datasets[{index}].teacher" if dataset.teacher else "teacher"
-            raise ConfigError(f"{field}.context: {problem}")
+        teacher = self.config.teacher_for(dataset)
+        for number, (member, _) in enumerate(teacher.members):
+            context = member.privileged_context
+            if context is not None and (problem := context.missing(prompts, where)):
+                field = f"datasets[{index}].teacher" if dataset.teacher else "teacher"
+                field += "" if teacher.mixture is None else f".mixture[{number}]"
+                raise ConfigError(f"{field}.context: {problem}")
 
     def _load_dataset(self, index: int) -> list[Prompt]:
         dataset = self.config.datasets[index]

@@ -59,18 +59,33 @@ class Learning(RunComponents):
 
     def kl_metrics(self, batch: Batch) -> dict[str, float]:
         """``teacher_kl`` = sum(reverse KL) / completion tokens, overall and per dataset (over
-        every process's share)."""
+        every process's share); with a mixture, ``teacher_kl/mixture_<i>`` to its i-th teacher alone
+        (on the rows of the datasets a mixture scores)."""
         rollouts, reverse_kl = batch.rollouts, batch.reverse_kl_BT
         sums = [float(reverse_kl.sum()), float(rollouts.mask_BT.sum())]
         for index in range(len(self.config.datasets)):
             rows = rollouts.dataset_index_B == index
             sums += [float(reverse_kl[rows].sum()), float(rollouts.mask_BT[rows].sum())]
+        members = max(len(self.config.teacher_for(d).members) for d in self.config.datasets)
+        kept = batch.teacher.member_logprobs_MBT
+        for number in range(members if members > 1 else 0):
+            if kept is None or number >= kept.shape[0]:
+                sums += [0.0, 0.0]
+                continue
+            scored = rollouts.mask_BT.bool() & kept[number].isfinite()
+            gap = rollouts.sampled_logprobs_BT[scored] - kept[number][scored]
+            sums += [float(gap.sum()), float(scored.sum())]
         sums = all_reduce(sums)
         metrics = {"teacher_kl": sums[0] / max(sums[1], 1.0)}
         for index, dataset in enumerate(self.config.datasets):
             kl, tokens = sums[2 + 2 * index : 4 + 2 * index]
             if tokens > 0:
                 metrics[f"teacher_kl/{dataset.name}"] = kl / tokens
+        first = 2 + 2 * len(self.config.datasets)
+        for number in range(members if members > 1 else 0):
+            kl, tokens = sums[first + 2 * number : first + 2 + 2 * number]
+            if tokens > 0:
+                metrics[f"teacher_kl/mixture_{number}"] = kl / tokens
         return metrics
 
     def reward_terms(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:

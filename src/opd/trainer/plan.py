@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.build.teachers import run_teachers
+from opd.build.teachers import run_teachers, teacher_is_the_students_base
 from opd.config import Config, TrainingConfig
 from opd.errors import ModelLoadError
 from opd.models import model_source
@@ -148,17 +148,25 @@ def describe_plan(config: Config, processes: int) -> str:
     lines.append(f"student        {student.model}: {size} parameters, {dtype}, {mode}, {where}")
     teacher_sharded = shards_its_teacher(config, parallel)
     teachers = {
-        id(config.teacher_for(d)): t for d, t in zip(config.datasets, run_teachers(config), strict=True)
+        (id(config.teacher_for(d)), number): (member, weight, t.mixture is not None)
+        for d, t in zip(config.datasets, run_teachers(config), strict=True)
+        for number, (member, weight) in enumerate(t.members)
     }
     teacher_sizes = {}
-    for key, teacher in teachers.items():
+    shared = teacher_is_the_students_base(config, parallel)
+    for key, (teacher, weight, mixed) in teachers.items():
         size = None
+        share = f"weight {weight:g} of a mixture: " if mixed else ""
+        if shared and teacher.backend == "local" and teacher.model == student.model:
+            teacher_sizes[key] = None
+            lines.append(f"teacher        {share}the student with its LoRA adapters off: no second copy")
+            continue
         if teacher.backend == "local":
             size = model_size(
                 teacher.model, "teacher.model", lora_rank=0, trust_remote_code=teacher.trust_remote_code
             )
         teacher_sizes[key] = size
-        lines.append(f"teacher        {teacher_line(teacher, size, teacher_sharded, processes)}")
+        lines.append(f"teacher        {share}{teacher_line(teacher, size, teacher_sharded, processes)}")
     sampler = student.sampler
     if sampler == "vllm":
         tp = student.sampler_options.get("tensor_parallel_size", 1)
@@ -199,7 +207,7 @@ def describe_plan(config: Config, processes: int) -> str:
         f"  student      {total / GB:.2f} GB: weights {weights / GB:.2f} + gradients {gradients / GB:.2f} "
         f"+ AdamW {optimizer / GB:.2f}"
     )
-    for key, teacher in teachers.items():
+    for key, (teacher, _, _) in teachers.items():
         size = teacher_sizes[key]
         if size is None:
             continue

@@ -94,6 +94,7 @@ def shards_its_teacher(config: Config, parallel: str) -> bool:
         parallel_modes()[parallel].shards
         and len(teachers) == 1
         and teacher.backend == "local"
+        and teacher.mixture is None
         and not teacher.cross_tokenizer
         and training.objective.teacher_signal != "distribution"
         and training.data_source == "student"

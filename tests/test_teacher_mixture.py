@@ -1,0 +1,220 @@
+"""Teachers mixed token by token (``teacher.mixture``): the mixture's log-prob and top-k by hand
+on a 5-token vocabulary, a real run's teacher answer against naive forwards of each teacher, a
+one-teacher mixture bit for bit the plain teacher, a member behind ``opd serve`` equal to the same
+member in the process, and every misconfiguration refused naming its setting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from opd.config import ConfigError, config_from_dict
+from opd.teachers.mixture import mixed_logprobs, mixed_topk
+from opd.trainer.loop import Trainer, train
+from tests.servers import free_port, start_opd_serve
+
+CONTEXT = "The answer is {answer}."
+
+# two teachers on 5 tokens, mixed 0.4 / 0.6
+Q1 = [0.5, 0.2, 0.1, 0.1, 0.1]
+Q2 = [0.1, 0.6, 0.2, 0.05, 0.05]
+W = [0.4, 0.6]
+
+
+def test_the_mixture_log_prob_of_a_token_is_the_weighted_sum_of_the_teachers_probabilities():
+    logprobs_MN = torch.tensor([[math.log(Q1[t]) for t in range(5)], [math.log(Q2[t]) for t in range(5)]])
+    mixed = mixed_logprobs(logprobs_MN, torch.tensor(W))
+    by_hand = [0.4 * 0.5 + 0.6 * 0.1, 0.4 * 0.2 + 0.6 * 0.6, 0.4 * 0.1 + 0.6 * 0.2]
+    by_hand += [0.4 * 0.1 + 0.6 * 0.05] * 2
+    assert mixed.tolist() == pytest.approx([math.log(p) for p in by_hand], abs=1e-6)
+
+
+def test_the_mixture_top_k_reads_each_teacher_where_it_sent_the_token_and_its_tail_share_elsewhere():
+    """Top-2 of each: teacher 1 sends tokens 0, 1 (tail 0.3, a third of it per other token),
+    teacher 2 tokens 1, 2 (tail 0.2). Token 0: 0.4 * 0.5 + 0.6 * 0.2 / 3 = 0.24; token 1:
+    0.4 * 0.2 + 0.6 * 0.6 = 0.44; token 2: 0.4 * 0.3 / 3 + 0.6 * 0.2 = 0.16."""
+    ids = torch.tensor([[[0, 1]], [[1, 2]]])
+    logprobs = torch.tensor([[[math.log(0.5), math.log(0.2)]], [[math.log(0.6), math.log(0.2)]]])
+    top_ids, top_logprobs = mixed_topk(ids, logprobs, torch.tensor(W), k=2, vocab_size=5)
+    assert top_ids.tolist() == [[1, 0]]
+    assert top_logprobs.exp().tolist()[0] == pytest.approx([0.44, 0.24], abs=1e-6)
+    # the bound: off the true mixture by at most w_i min(r_i, p_i(k)) for each teacher that did not send it
+    true = [W[0] * Q1[t] + W[1] * Q2[t] for t in range(5)]
+    bound = {0: W[1] * min(0.2, 0.2), 1: 0.0, 2: W[0] * min(0.3, 0.2)}
+    for token, p in zip(top_ids[0].tolist(), top_logprobs.exp()[0].tolist(), strict=True):
+        assert abs(p - true[token]) <= bound[token] + 1e-6  # float32 log-probs
+    _, three = mixed_topk(ids, logprobs, torch.tensor(W), k=3, vocab_size=5)
+    assert three.exp().sum() <= 1.0  # the objective's tail bucket stays a probability
+
+
+def mixture(config: dict, weights=(0.3, 0.7)) -> dict:
+    """The tiny teacher and the student shown the answer, mixed."""
+    return {
+        "mixture": [
+            dict(config["teacher"], weight=weights[0]),
+            {"model": "student", "context": CONTEXT, "weight": weights[1]},
+        ]
+    }
+
+
+def naive_logprobs(model, renderer, messages, completion: list[int]) -> torch.Tensor:
+    """Log-probs of every token after the prompt, in one forward of ``model`` over the hand render."""
+    shown = renderer.prompt_ids(messages)
+    with torch.no_grad():
+        logits = model(torch.tensor([shown + completion])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(shown) - 1 : -1]
+
+
+def test_each_sampled_token_is_scored_by_the_mixture_of_naive_forwards_and_each_teacher_has_its_kl(answered):
+    answered["teacher"] = mixture(answered)
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    batch = trainer.collect(0)
+    renderer = trainer.renderer
+    teacher = trainer.teachers.readings[0][0][0].teacher.model
+    student = trainer.teachers.readings[0][1][0].teacher.model
+    gaps = [[], []]
+    rollouts = batch.rollouts
+    for row in range(rollouts.input_ids_BT.shape[0]):
+        record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
+        completion = rollouts.sequences[row][length:]
+        shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
+        each = [
+            naive_logprobs(teacher, renderer, record.messages, completion),
+            naive_logprobs(student, renderer, shown, completion),
+        ]
+        picked = [lp.gather(-1, torch.tensor(completion)[:, None])[:, 0] for lp in each]
+        by_hand = torch.logsumexp(torch.stack([math.log(0.3) + picked[0], math.log(0.7) + picked[1]]), 0)
+        mask = rollouts.mask_BT[row].bool()
+        scored = int(mask.sum())
+        assert batch.teacher.logprobs_BT[row][mask].tolist() == pytest.approx(
+            by_hand[:scored].tolist(), abs=1e-5
+        )
+        for number in (0, 1):
+            assert batch.teacher.member_logprobs_MBT[number, row][mask].tolist() == pytest.approx(
+                picked[number][:scored].tolist(), abs=1e-5
+            )
+            gaps[number] += (rollouts.sampled_logprobs_BT[row][mask] - picked[number][:scored]).tolist()
+    metrics = trainer.kl_metrics(batch)
+    for number in (0, 1):
+        assert metrics[f"teacher_kl/mixture_{number}"] == pytest.approx(
+            sum(gaps[number]) / len(gaps[number]), abs=1e-5
+        )
+
+
+def test_the_mixture_top_k_of_a_run_is_the_union_of_each_teachers_top_k(answered):
+    answered["teacher"] = mixture(answered, (0.5, 0.5))
+    answered["training"]["objective"] = {"name": "topk_forward_kl", "topk": 4}
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    batch = trainer.collect(0)
+    renderer, rollouts = trainer.renderer, batch.rollouts
+    teacher = trainer.teachers.readings[0][0][0].teacher.model
+    student = trainer.teachers.readings[0][1][0].teacher.model
+    for row in range(rollouts.input_ids_BT.shape[0]):
+        record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
+        completion = rollouts.sequences[row][length:]
+        shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
+        tops = [
+            naive_logprobs(teacher, renderer, record.messages, completion).topk(4, -1),
+            naive_logprobs(student, renderer, shown, completion).topk(4, -1),
+        ]
+        ids, logprobs = mixed_topk(
+            torch.stack([t.indices for t in tops]),
+            torch.stack([t.values for t in tops]),
+            torch.tensor([0.5, 0.5]),
+            4,
+            len(trainer.tokenizer),
+        )
+        mask = rollouts.mask_BT[row].bool()
+        scored = int(mask.sum())
+        assert batch.teacher.topk_ids_BTK[row][mask].tolist() == ids[:scored].tolist()
+        assert batch.teacher.topk_logprobs_BTK[row][mask] == pytest.approx(logprobs[:scored], abs=1e-5)
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [
+        {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/"))}
+        for row in rows
+    ]
+
+
+def test_a_one_teacher_mixture_is_the_plain_teacher_bit_for_bit(answered):
+    plain = train(config_from_dict(answered | {"log_path": answered["log_path"] + "-plain"}), progress=False)
+    answered["teacher"] = {"mixture": [dict(answered["teacher"], weight=1.0)]}
+    one = train(config_from_dict(answered), progress=False)
+    assert without_times(one.metrics) == without_times(plain.metrics)
+
+
+def test_a_mixture_member_behind_opd_serve_gives_the_run_the_local_member_gives(
+    answered, model_dirs, tmp_path
+):
+    answered["teacher"] = mixture(answered)
+    local = train(config_from_dict(answered), progress=False).metrics
+    port = free_port()
+    server = start_opd_serve(model_dirs["teacher"], port, "--max-logprobs", "5")
+    try:
+        remote = dict(answered, log_path=str(tmp_path / "remote"))
+        remote["teacher"] = {
+            "mixture": [
+                {
+                    "model": "teacher",
+                    "backend": "openai",
+                    "base_url": f"http://127.0.0.1:{port}/v1",
+                    "tokenizer": str(model_dirs["teacher"]),
+                    "weight": 0.3,
+                },
+                answered["teacher"]["mixture"][1],
+            ]
+        }
+        served = train(config_from_dict(remote), progress=False).metrics
+    finally:
+        server.kill()
+        server.wait()
+    for a, b in zip(local, served, strict=True):
+        for key in ("teacher_kl", "teacher_kl/mixture_0", "teacher_kl/mixture_1", "loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("teacher", "training", "message"),
+    [
+        (
+            {"mixture": [{"model": "T", "weight": 0.5}, {"model": "T", "weight": 0.4}]},
+            {},
+            r"^teacher\.mixture: the weights must sum to 1, got 0\.9 \(0\.5, 0\.4\)$",
+        ),
+        (
+            {"mixture": [{"model": "T", "weight": 1.0}], "dtype": "float32"},
+            {},
+            r"^teacher\.dtype: is set on each member \(mixture\[i\]\.dtype\), not beside mixture$",
+        ),
+        (
+            {"mixture": [{"mixture": [{"model": "T", "weight": 1.0}], "weight": 1.0}]},
+            {},
+            r"^teacher\.mixture\[0\]\.mixture: mixtures do not nest",
+        ),
+        ({"mixture": []}, {}, r"^teacher\.mixture: is empty"),
+        (
+            {"mixture": [{"model": "T", "weight": 0.0}, {"model": "T", "weight": 1.0}]},
+            {},
+            r"^teacher\.mixture\[0\]\.weight: must be in \(0, 1\], got 0\.0$",
+        ),
+        ({"context": "x"}, {}, r"^teacher\.model: required: .*or give mixture"),
+        (
+            None,
+            {"objective": "jsd"},
+            r"^teacher\.mixture: training\.objective 'jsd' reads one teacher's full distribution",
+        ),
+        (
+            None,
+            {"data_source": "teacher", "objective": "nll"},
+            r"^teacher\.mixture: training\.data_source 'teacher' has the teacher write",
+        ),
+    ],
+)
+def test_a_bad_mixture_is_refused_naming_the_setting(answered, teacher, training, message):
+    answered["teacher"] = teacher or mixture(answered)
+    answered["training"] |= training
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(answered)
