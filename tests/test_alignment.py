@@ -298,7 +298,9 @@ def test_rows_of_two_teachers_are_written_one_call_per_teacher_in_row_order():
 
     first, second = (TeacherWriter(sampler(name), None, None, [2]) for name in (100, 200))
     prompts, seeds = [[1], [2, 2], [3], [4]], [11, 12, 13, 14]
-    written = write_rows([first, second, second, first], prompts, [()] * 4, SamplingParams(1.0, 8), seeds)
+    written = write_rows(
+        [first, second, second, first], prompts, [()] * 4, SamplingParams(1.0, 8), seeds, [None] * 4
+    )
     assert calls == [(100, [[1], [4]], [11, 14]), (200, [[2, 2], [3]], [12, 13])]
     assert [c.token_ids for c in written] == [[100, 1, 11], [200, 2, 2, 12], [200, 3, 13], [100, 4, 14]]
 

@@ -232,3 +232,24 @@ def test_where_the_students_model_is_busy_or_trained_whole_the_teacher_is_a_froz
     assert copy in describe_plan(config_from_dict(answered), 1)
     trainer = Trainer(config, progress=False)
     assert trainer.teachers.per_dataset[0].model is not trainer.policy.model
+
+
+def test_a_teacher_shown_the_context_writes_after_it_when_it_writes_the_completions(answered):
+    """``data_source: teacher``: the teacher samples from the conversation rendered with the
+    context (by hand here), and the student's rows keep the plain prompt."""
+    answered["teacher"]["context"] = "The answer is {answer}."
+    answered["training"] |= {"data_source": "teacher", "objective": "nll"}
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    (writer,) = {id(w): w for w in trainer.teacher_writers}.values()
+    asked = []
+    sample = writer.sample
+    writer.sample = lambda prompts, *rest: asked.extend(prompts) or sample(prompts, *rest)
+    batch = trainer.collect(0)
+    rollouts = batch.rollouts
+    assert len(asked) == rollouts.input_ids_BT.shape[0]
+    for row, prompt_ids in enumerate(asked):
+        record = rollouts.prompt_records[row]
+        shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
+        assert prompt_ids == trainer.renderer.prompt_ids(shown)
+        length = rollouts.prompt_lengths[row]
+        assert rollouts.sequences[row][:length] == trainer.renderer.prompt_ids(record.messages)

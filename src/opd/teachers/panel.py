@@ -179,13 +179,13 @@ class TeacherPanel:
 
     def writers(self) -> list[TeacherWriter]:
         """Each dataset's teacher as the writer of the completions of ``data_source: teacher`` (and
-        ``mixed``'s teacher steps): one per distinct teacher and format, stopping where the
-        teacher's turns end (its own template's, or the student's)."""
-        built: dict[tuple[int, int], TeacherWriter] = {}
+        ``mixed``'s teacher steps): one per distinct teacher, format and context, stopping where
+        the teacher's turns end (its own template's, or the student's)."""
+        built: dict[tuple, TeacherWriter] = {}
         writers = []
         for members in self.readings:
             reading = members[0][0]  # a mixture writes nothing (opd.config.rules)
-            key = (id(reading.teacher), id(reading.format))
+            key = (id(reading.teacher), id(reading.format), reading.context)
             if key not in built:
                 renderer = reading.format.renderer if reading.format else self.renderer
                 built[key] = TeacherWriter(
@@ -193,6 +193,7 @@ class TeacherPanel:
                     reading.format,
                     self.tokenizer,
                     self.renderer.stop_token_ids,
+                    reading.context,
                 )
             writers.append(built[key])
         return writers

@@ -7,17 +7,20 @@ its template renders it; one with its own tokenizer too, and its text is then to
 student. Either way the student gets its own token ids, its own end of turn where the teacher
 ended its turn, and a completion cut at ``max_tokens`` of its tokens is marked unfinished. In an
 episode the same holds turn by turn: each turn the teacher answers the whole conversation so
-far, the environment's replies included.
+far, the environment's replies included. A teacher shown a privileged context writes after it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
+from opd.data.prompts import Prompt
 from opd.data.sequences import Completion
 from opd.sampling.base import SamplingParams
 from opd.teachers.alignment import TeacherFormat
 from opd.teachers.base import rows_by_identity
+from opd.teachers.context import PrivilegedContext
 
 TeacherSample = Callable[[list[list[int]], float, int, list[int]], list[Completion]]
 """``(prompt ids, temperature, max_tokens, seeds)``: one completion per prompt, in the teacher's ids."""
@@ -38,9 +41,12 @@ class TeacherWriter:
         teacher_format: TeacherFormat | None,
         student_tokenizer,
         student_stop_ids: list[int],
+        context: PrivilegedContext | None = None,
     ):
         self.sample = sample
         self.format = teacher_format
+        self.context = context
+        """What the teacher is shown before each conversation (a context needs a format)."""
         self.student_tokenizer = student_tokenizer
         self.student_stop = student_stop_ids[0]
 
@@ -50,11 +56,18 @@ class TeacherWriter:
         conversations: Sequence[Sequence[dict[str, str]]],
         params: SamplingParams,
         seeds: list[int],
+        records: Sequence[Prompt],
     ) -> list[Completion]:
         """One completion per row: ``prompts`` are the rows in the student's ids, ``conversations``
-        the same rows as messages (what a teacher with its own format renders)."""
+        the same rows as messages (what a teacher with its own format renders), ``records`` each
+        row's prompt (the fields its privileged context reads)."""
         if self.format is None:
             return self.sample(prompts, params.temperature, params.max_tokens, seeds)
+        if self.context is not None:
+            conversations = [
+                self.context.messages(replace(record, messages=tuple(messages)))
+                for messages, record in zip(conversations, records, strict=True)
+            ]
         rendered = [self.format.renderer.prompt_ids(list(messages)) for messages in conversations]
         written = self.sample(rendered, params.temperature, params.max_tokens, seeds)
         return [self.in_student_ids(completion, params.max_tokens) for completion in written]
@@ -84,13 +97,18 @@ def write_rows(
     conversations: Sequence[Sequence[dict[str, str]]],
     params: SamplingParams,
     seeds: list[int],
+    records: Sequence[Prompt],
 ) -> list[Completion]:
     """Each row's completion by its own writer (``writers[row]``, its dataset's teacher), in row
     order; a writer gets all of its rows in one call, so a teacher decodes them together."""
     completions: list[Completion] = [None] * len(prompts)
     for rows in rows_by_identity(writers):
         written = writers[rows[0]].write(
-            [prompts[r] for r in rows], [conversations[r] for r in rows], params, [seeds[r] for r in rows]
+            [prompts[r] for r in rows],
+            [conversations[r] for r in rows],
+            params,
+            [seeds[r] for r in rows],
+            [records[r] for r in rows],
         )
         for row, completion in zip(rows, written, strict=True):
             completions[row] = completion

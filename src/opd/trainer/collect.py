@@ -129,6 +129,7 @@ class Collection(RunComponents):
                         conversations,
                         replace(params, max_tokens=max_tokens),
                         turn_seeds,
+                        [items[r] for r in turn_rows],
                     )
 
             try:
