@@ -253,3 +253,29 @@ def test_a_teacher_shown_the_context_writes_after_it_when_it_writes_the_completi
         assert prompt_ids == trainer.renderer.prompt_ids(shown)
         length = rollouts.prompt_lengths[row]
         assert rollouts.sequences[row][:length] == trainer.renderer.prompt_ids(record.messages)
+
+
+def test_a_teacher_shown_a_context_renders_with_the_students_template_and_its_variables(answered):
+    """No template of its own: the student's, with the student's template variables (thinking
+    mode), plus the context; what ``--dry-run`` shows is what the teacher scores."""
+    from opd.build.teachers import teacher_views
+
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if think %}<think>{% endif %}assistant:"
+    )
+    answered["student"] |= {"chat_template": template, "chat_template_kwargs": {"think": True}}
+    answered["teacher"]["context"] = "The answer is {answer}."
+    config = config_from_dict(answered)
+    views = teacher_views(config)
+    assert views[views.index("teacher        reads it as:") + 1 :] == [
+        "  | system: The answer is cba.",
+        "  | user: reverse abc",
+        "  | <think>assistant:",
+    ]
+    trainer = Trainer(config, progress=False)
+    batch = trainer.collect(0)
+    record = batch.rollouts.prompt_records[0]
+    shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
+    assert trainer.renderer.render_text(shown).endswith("<think>assistant:")
+    assert_scored_as_shown(batch, 0, trainer.renderer, trainer.teachers.per_dataset[0].model, shown)

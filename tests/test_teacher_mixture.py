@@ -218,3 +218,23 @@ def test_a_bad_mixture_is_refused_naming_the_setting(answered, teacher, training
     answered["training"] |= training
     with pytest.raises(ConfigError, match=message):
         config_from_dict(answered)
+
+
+def test_the_dry_run_shows_a_prompt_as_the_student_and_each_teacher_read_it(answered, tmp_path, capsys):
+    import yaml
+
+    from opd.cli import main
+
+    answered["teacher"] = mixture(answered)
+    path = tmp_path / "mixed.yaml"
+    path.write_text(yaml.safe_dump(answered))
+    assert main(["train", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plain = "<|im_start|>user\nreverse abc<|im_end|>\n<|im_start|>assistant\n"
+    shown = "<|im_start|>system\nThe answer is cba.<|im_end|>\n" + plain
+    boxed = ["  | " + line for line in plain.split("\n")]
+    assert "\n".join(["prompt         rev, its first prompt, as the student reads it:", *boxed]) in out
+    assert "teacher mixture[0] reads it as the student does" in out
+    view = ["teacher mixture[1] reads it as:", *("  | " + line for line in shown.split("\n"))]
+    assert "\n".join(view) in out
+    assert not (tmp_path / "run").exists()

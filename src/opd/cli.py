@@ -32,16 +32,21 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _dry_run(args: argparse.Namespace) -> None:
-    """Resolve and check the config for its processes and print the plan; nothing is loaded or written."""
+    """Resolve and check the config for its processes and print the plan, then a prompt as the
+    student and each teacher read it (tokenizers and prompts are read; no model is loaded,
+    nothing is written)."""
+    from opd.build.teachers import teacher_views
     from opd.distributed import launched_world
     from opd.trainer.plan import describe_plan
 
     launched = launched_world()
     processes = args.nproc or launched.size
-    plan = describe_plan(load_config(args.config, args.overrides), processes)
+    config = load_config(args.config, args.overrides)
+    plan = describe_plan(config, processes)
     if launched.is_main:
         print(f"opd train {args.config} --dry-run: the config resolves and fits {processes} process(es)")
         print(plan)
+        print("\n".join(teacher_views(config)))
 
 
 def _launch(args: argparse.Namespace) -> None:

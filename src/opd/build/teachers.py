@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from opd.build.student import Student
-from opd.config import Config
+from opd.config import Config, ConfigError
+from opd.data.render import ChatRenderer
+from opd.data.sources import load_prompts
+from opd.data.tables import TableOptions
 from opd.distributed import announce
+from opd.errors import DataError, ModelLoadError
+from opd.models import load_tokenizer
 from opd.policy.parallel import parallel_modes
 from opd.teachers.base import TeacherRequest
 from opd.teachers.config import STUDENT, TeacherConfig
-from opd.teachers.panel import TeacherPanel
+from opd.teachers.panel import TeacherPanel, teacher_renderer
 
 
 def load_teachers(
@@ -79,3 +84,51 @@ def teacher_is_the_students_base(config: Config, parallel: str) -> bool:
         and all(t.dtype == student.dtype and t.device == student.device for t in own)
         and not any(t.cross_tokenizer for t in own)
     )
+
+
+def teacher_views(config: Config) -> list[str]:
+    """The first prompt of each dataset as the student reads it, and as each of its teachers does
+    (their template, template variables such as thinking mode, and privileged context): what
+    ``--dry-run`` shows, so a teacher reading something else than meant is seen before a step.
+    Where the tokenizer or the prompts cannot be read here, a line says why instead."""
+    student = config.student
+    try:
+        tokenizer = load_tokenizer(
+            student.tokenizer or student.model, "student.model", trust_remote_code=student.trust_remote_code
+        )
+        variables = student.chat_template_kwargs
+        renderer = ChatRenderer(tokenizer, student.chat_template, template_kwargs=variables)
+    except (ModelLoadError, ConfigError, OSError, ValueError) as error:
+        return [f"prompts        not shown: {error}"]
+    lines = []
+    for dataset, teacher in zip(config.datasets, run_teachers(config), strict=True):
+        try:
+            table = TableOptions(dataset.split, dataset.subset, dataset.fields)
+            prompt = load_prompts(
+                dataset.source, seed=config.seed, count=1, task_config=dataset.task_config, table=table
+            )[0]
+            seen = renderer.render_text(prompt.messages)
+        except (DataError, ConfigError, OSError, ValueError, IndexError) as error:
+            lines.append(f"prompt         {dataset.name}: not shown: {error}")
+            continue
+        lines.append(f"prompt         {dataset.name}, its first prompt, as the student reads it:")
+        lines += _indented(seen)
+        for number, (member, _) in enumerate(teacher.members):
+            name = "teacher" if teacher.mixture is None else f"teacher mixture[{number}]"
+            try:
+                view = teacher_renderer(member, renderer)
+                messages = member.privileged_context.messages(prompt) if member.context else prompt.messages
+                text = seen if view is None else view.render_text(messages)
+            except (ModelLoadError, ConfigError, OSError, ValueError) as error:
+                lines.append(f"{name:<14} not shown: {error}")
+                continue
+            if text == seen:
+                lines.append(f"{name:<14} reads it as the student does")
+            else:
+                lines += [f"{name:<14} reads it as:", *_indented(text)]
+    return lines
+
+
+def _indented(text: str) -> list[str]:
+    """A rendered prompt, each line indented (an ending newline shown as an empty line)."""
+    return [f"  | {line}" for line in text.split("\n")]

@@ -112,13 +112,10 @@ class TeacherPanel:
 
     def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
         """How a teacher with its own template or tokenizer sees the rollouts (None: as the student)."""
-        if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer and teacher_cfg.context is None:
+        renderer = teacher_renderer(teacher_cfg, self.renderer)
+        if renderer is None:
             return None
-        name = teacher_cfg.tokenizer or teacher_cfg.model
-        own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
-        tokenizer = load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(self.tokenizer)
-        template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
-        renderer = ChatRenderer(tokenizer, template, template_kwargs=teacher_cfg.chat_template_kwargs)
+        tokenizer = renderer.tokenizer
         return TeacherFormat(
             renderer,
             self.tokenizer,
@@ -345,6 +342,21 @@ class TeacherPanel:
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers applied)."""
         return self.score(batch, TeacherRequest()).logprobs_BT
+
+
+def teacher_renderer(teacher_cfg: TeacherConfig, student: ChatRenderer) -> ChatRenderer | None:
+    """How a teacher renders conversations when it does not read the student's tokens as they are
+    (its own template or tokenizer, or a privileged context to insert); None when it does. A
+    teacher without a template of its own renders as the student does, the student's template
+    variables included."""
+    if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer and teacher_cfg.context is None:
+        return None
+    name = teacher_cfg.tokenizer or teacher_cfg.model
+    own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
+    tokenizer = load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(student.tokenizer)
+    template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
+    variables = teacher_cfg.chat_template_kwargs if teacher_cfg.chat_template else student.template_kwargs
+    return ChatRenderer(tokenizer, template, template_kwargs=variables)
 
 
 def _teacher_sample(teacher: Teacher, renderer: ChatRenderer) -> TeacherSample:
