@@ -196,9 +196,9 @@ def test_a_mixture_member_behind_opd_serve_gives_the_run_the_local_member_gives(
         ),
         ({"mixture": []}, {}, r"^teacher\.mixture: is empty"),
         (
-            {"mixture": [{"model": "T", "weight": 0.0}, {"model": "T", "weight": 1.0}]},
+            {"mixture": [{"model": "T"}, {"model": "T", "weight": 1.0}]},
             {},
-            r"^teacher\.mixture\[0\]\.weight: must be in \(0, 1\], got 0\.0$",
+            r"^teacher\.mixture\[0\]\.weight: required: its share of the mixture, in \(0, 1\]$",
         ),
         ({"context": "x"}, {}, r"^teacher\.model: required: .*or give mixture"),
         (

@@ -177,12 +177,14 @@ class MixtureMember(TeacherConfig):
     """One teacher of a mixture: a whole teacher's settings and its share."""
 
     weight: float = 0.0
-    """Its share of the mixture, in (0, 1]; the members' weights sum to 1."""
+    """Required: its share of the mixture, in (0, 1]; the members' weights sum to 1."""
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.mixture is not None:
             yield "mixture", "mixtures do not nest: list every teacher in one mixture"
             return
         yield from super().problems()
-        if not 0.0 < self.weight <= 1.0:
+        if self.weight == 0.0:
+            yield "weight", "required: its share of the mixture, in (0, 1]"
+        elif not 0.0 < self.weight <= 1.0:
             yield "weight", f"must be in (0, 1], got {self.weight}"
