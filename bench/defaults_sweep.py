@@ -156,14 +156,23 @@ def report(results: list[dict]) -> str:
             (r for r in results if r["task"] == task),
             key=lambda r: (r["label"], r["mode"], r["learning_rate"], r["seed"]),
         )
-        teacher = group[0]["teacher_accuracy"]
         eval_steps = sorted({point["step"] for run in group for point in run["curve"]})
         scored = [r for r in group if r.get("teacher_score") is not None]
-        teacher_score = f" (score {scored[0]['teacher_score']:.1%})" if scored else ""
+        score_only = [r for r in group if r.get("curve_counts") == "score"]
+        counted = [r for r in group if r.get("curve_counts") != "score"]
+        teacher = []
+        if counted:
+            run = (scored or counted)[0]
+            teacher.append(f"teacher {run['teacher_accuracy']:.1%}")
+            if scored:
+                teacher[-1] += f" (score {run['teacher_score']:.1%})"
+        if score_only:
+            teacher.append(f"the score-only runs' teacher: score {score_only[0]['teacher_accuracy']:.1%}")
         lines += [
-            f"\n### {task}: teacher {teacher:.1%}{teacher_score}\n",
+            f"\n### {task}: {'; '.join(teacher)}\n",
             "Each cell is the share of held-out answers fully right (`test/<task>/accuracy`), and after"
-            " it in brackets the mean partial credit where the run recorded it (`score`).\n",
+            " it in brackets the mean partial credit where the run recorded it (`score`); runs marked"
+            " (score only) recorded the mean partial credit alone, in their accuracy's place.\n",
             "| variant | objective | mode | learning rate | seed | "
             + " | ".join(f"step {step}" for step in eval_steps)
             + " | best | gap closed | min entropy |",
@@ -171,8 +180,11 @@ def report(results: list[dict]) -> str:
         ]
         for run in group:
             accuracies = [point["accuracy"] for point in run["curve"]]
+            score_only = run.get("curve_counts") == "score"  # recorded before opd counted fully right
             by_step = {
-                point["step"]: f"{point['accuracy']:.1%}"
+                point["step"]: (
+                    f"score {point['accuracy']:.1%}" if score_only else f"{point['accuracy']:.1%}"
+                )
                 + (f" ({point['score']:.1%})" if point.get("score") is not None else "")
                 for point in run["curve"]
             }
@@ -182,7 +194,8 @@ def report(results: list[dict]) -> str:
                 (row["entropy"] for row in run["metrics"] if "entropy" in row), default=float("nan")
             )
             lines.append(
-                f"| {run['label']} | {name} | {run['mode']} | {run['learning_rate']:g} | {run['seed']} | "
+                f"| {run['label']}{' (score only)' if score_only else ''} | {name} | {run['mode']} | "
+                f"{run['learning_rate']:g} | {run['seed']} | "
                 + " | ".join(by_step.get(step, "-") for step in eval_steps)
                 + f" | {max(accuracies):.1%} | {gap_closed(run):+.0%} | {entropy:.3f} |"
             )

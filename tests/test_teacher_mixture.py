@@ -238,3 +238,17 @@ def test_the_dry_run_shows_a_prompt_as_the_student_and_each_teacher_read_it(answ
     view = ["teacher mixture[1] reads it as:", *("  | " + line for line in shown.split("\n"))]
     assert "\n".join(view) in out
     assert not (tmp_path / "run").exists()
+
+
+def test_one_teacher_model_with_thinking_on_and_off_is_read_in_two_formats(answered):
+    """The same model and template with other template variables: a format each (they were once
+    shared, the second reading the first one's rendering)."""
+    template = "{% if think %}<think>{% endif %}{{ messages[-1]['content'] }}: "
+    on = dict(answered["teacher"], chat_template=template, chat_template_kwargs={"think": True}, weight=0.5)
+    off = dict(on, chat_template_kwargs={"think": False})
+    answered["teacher"] = {"mixture": [on, off]}
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    (first, _), (second, _) = trainer.teachers.readings[0]
+    assert first.teacher is second.teacher  # one model loaded
+    assert first.format.renderer.render_text([{"role": "user", "content": "q"}]) == "<think>q: "
+    assert second.format.renderer.render_text([{"role": "user", "content": "q"}]) == "q: "

@@ -99,6 +99,7 @@ class TeacherPanel:
         format_key = (
             teacher_cfg.tokenizer or teacher_cfg.model,
             teacher_cfg.chat_template,
+            repr(sorted(teacher_cfg.chat_template_kwargs.items())),  # thinking on and off: two formats
             teacher_cfg.cross_tokenizer,
             teacher_cfg.character_topk,
             teacher_cfg.context is not None,  # a context needs the conversation re-rendered
