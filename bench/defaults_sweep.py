@@ -102,9 +102,14 @@ def train_stage(
         shutil.rmtree(export, ignore_errors=True)
         export_student(directory, export, merge_lora=True)
     shutil.rmtree(directory, ignore_errors=True)
+    return stage_record(config_to_dict(config), metrics, task)
+
+
+def stage_record(config: dict, metrics: list[dict], task: str) -> dict:
+    """A stage's resolved config, held-out curve and the per-step training metrics kept."""
     key = f"test/{task}/accuracy"
     return {
-        "config": config_to_dict(config),
+        "config": config,
         "curve": [
             {
                 "step": row["step"],
@@ -139,6 +144,20 @@ def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list
         "curve": [p for p in first["curve"] if p["step"] < args.sft_steps] + shifted(second["curve"]),
         "steps": first["steps"] + shifted(second["steps"]),
     }
+
+
+def stopped_run(directory: Path, task: str) -> dict:
+    """A run directory's record as :func:`train_stage` returns it, from what it logged before it
+    was stopped: its last logged step, and its wall time from the first span to the last."""
+    from opd.runs.metrics import read_jsonl
+
+    metrics = read_jsonl(directory / "metrics.jsonl")
+    spans = read_jsonl(directory / "timing.jsonl")
+    config = yaml.safe_load((directory / "config.yaml").read_text())
+    record = stage_record(config, metrics, task)
+    record["stopped_at_step"] = max(row["step"] for row in metrics)
+    record["wall_seconds"] = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    return record
 
 
 def gap_closed(run: dict) -> float:
@@ -267,6 +286,12 @@ def main() -> None:
     parser.add_argument("--label", default="defaults", help="names the variant in the tables")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "defaults")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--stopped",
+        type=Path,
+        help="the run directory of a run stopped before its last step (for time): its result from"
+        " the metrics it logged, marked with the step it reached (one task, mode, rate and seed)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
@@ -290,11 +315,15 @@ def main() -> None:
                         resolved_lr = config_from_dict(data, overrides).training.learning_rate
                         steps = args.sft_steps + args.steps
                         name = f"{task}-{args.label}-{mode}-lr{resolved_lr:g}-seed{seed}-{steps}steps"
+                        started = time.perf_counter()
+                        if args.stopped:
+                            run = stopped_run(args.stopped, task)
+                            name += f"-stopped-at-{run['stopped_at_step']}"
                         result_file = args.out / f"{name}.json"
                         if result_file.exists():
                             continue
-                        started = time.perf_counter()
-                        run = run_one(task, spec, base, teacher, overrides, args)
+                        if not args.stopped:
+                            run = run_one(task, spec, base, teacher, overrides, args)
                         result = {
                             "bench": "bench/defaults_sweep.py",
                             "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -319,6 +348,12 @@ def main() -> None:
                             "metrics": run["steps"],
                             "wall_seconds": time.perf_counter() - started,
                         }
+                        if args.stopped:
+                            ran = [a for a in sys.argv if a not in ("--stopped", str(args.stopped))]
+                            result["command"] = " ".join([Path(sys.executable).name, *ran])
+                            result["collected_by"] = " ".join([Path(sys.executable).name, *sys.argv])
+                            result["stopped_at_step"] = run["stopped_at_step"]
+                            result["wall_seconds"] = run["wall_seconds"]
                         result_file.write_text(json.dumps(result, indent=1) + "\n")
                         print(json.dumps({"run": name, "curve": run["curve"]}), flush=True)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
