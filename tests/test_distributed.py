@@ -427,3 +427,43 @@ def test_the_local_teacher_is_sharded_with_the_student_where_every_process_calls
     resolved = config_from_dict(config)
     assert shards_its_teacher(resolved, "fsdp") is sharded
     assert shards_its_teacher(resolved, "ddp") is False
+
+
+def test_two_nodes_on_loopback_make_the_run_one_node_with_two_processes_makes(models, tmp_path):
+    """``torchrun --nnodes 2`` with one process each, rendezvous (c10d) on 127.0.0.1, against one
+    node with two processes: the same metrics and final weights. Each node's process has
+    ``LOCAL_RANK`` 0, so code that takes it for ``RANK`` (data shares, the one writer of the run)
+    differs here."""
+    from tests.servers import free_port
+
+    one_node = write(run_config(models, tmp_path / "one-node"), tmp_path / "one-node.yaml")
+    two_processes(one_node, "training.parallel=fsdp")
+    nodes = write(run_config(models, tmp_path / "two-nodes"), tmp_path / "two-nodes.yaml")
+    port = free_port()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
+    launch += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=opd-two-nodes"]
+    train_command = ["-m", "opd", "train", str(nodes), "training.parallel=fsdp", "--no-progress"]
+    jobs = [
+        subprocess.Popen(
+            [*launch, f"--node_rank={rank}", *train_command],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
+        for rank in (0, 1)
+    ]
+    for job in jobs:
+        _, stderr = job.communicate(timeout=300)
+        assert job.returncode == 0, stderr[-3000:]
+    # one world of two (fsdp refuses one process), each node's shard saved once
+    (last,) = list_checkpoints(tmp_path / "two-nodes")[-1:]
+    assert sorted(p.name for p in (last.path / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert_same_metrics(
+        read_jsonl(tmp_path / "two-nodes" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "one-node" / "metrics.jsonl"),
+    )
+    ours = final_weights(tmp_path / "two-nodes", tmp_path / "two-nodes-export")
+    reference = final_weights(tmp_path / "one-node", tmp_path / "one-node-export")
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, atol=1e-5, rtol=0)
