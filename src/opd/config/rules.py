@@ -51,10 +51,8 @@ def _check_mixtures(config: Config) -> None:
     """A mixture scores the student's samples with log-probs or top-k: it writes no completions
     (which member would?) and sends no full distribution (one teacher's lm head reads it)."""
     training = config.training
-    for where, teacher in [("teacher", config.teacher)] + [
-        (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(config.datasets)
-    ]:
-        if teacher is None or teacher.mixture is None:
+    for where, teacher in config.teacher_sections():
+        if teacher.mixture is None:
             continue
         if training.data_source != "student":
             raise ConfigError(

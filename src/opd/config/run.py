@@ -66,14 +66,17 @@ class Config:
             yield "load_checkpoint_path", problem
         yield from range_problems(self, non_negative=("save_every", "eval_every"))
 
-    def teachers(self) -> list[tuple[str, TeacherConfig]]:
-        """Each teacher with the config key it is set at, a mixture's members one by one."""
-        sections = [("teacher", self.teacher)] + [
+    def teacher_sections(self) -> list[tuple[str, TeacherConfig]]:
+        """Each ``teacher`` section with the config key it is set at (a mixture as one)."""
+        return [("teacher", self.teacher)] + [
             (f"datasets[{i}].teacher", d.teacher) for i, d in enumerate(self.datasets) if d.teacher
         ]
+
+    def teachers(self) -> list[tuple[str, TeacherConfig]]:
+        """Each teacher with the config key it is set at, a mixture's members one by one."""
         return [
             (where if t.mixture is None else f"{where}.mixture[{j}]", member)
-            for where, t in sections
+            for where, t in self.teacher_sections()
             for j, (member, _) in enumerate(t.members)
         ]
 
