@@ -4,7 +4,9 @@
 MODE: slow (answers after 5 s), few (one log-prob short), wrong_ids (log-probs for other
 tokens), badjson (not JSON), error500 (always HTTP 500), nan (a NaN log-prob); and the faults a
 run survives: flaky (every other request HTTP 500), late (every third request answered after
-5 s), reorder (choices in reverse order), ok (honest answers). Honest answers give every token
+5 s), reorder (choices in reverse order), ok (honest answers); replicas (two models behind one
+address, as a round-robin balancer over two servers of different weights would be: every other
+request answered with the log-prob -2 - (token id mod 5) / 10). Honest answers give every token
 the log-prob -1 - (token id mod 7) / 10.
 """
 
@@ -44,6 +46,8 @@ class Handler(BaseHTTPRequestHandler):
         choices = []
         for index, ids in enumerate(body["prompt"]):
             entries = [None] + [{str(t): {"logprob": -1.0 - (t % 7) / 10, "rank": 1}} for t in ids[1:]]
+            if MODE == "replicas" and number % 2 == 1:
+                entries = [None] + [{str(t): {"logprob": -2.0 - (t % 5) / 10, "rank": 1}} for t in ids[1:]]
             if MODE == "few":
                 entries = entries[:-1]
             if MODE == "wrong_ids":

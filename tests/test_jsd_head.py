@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from opd.logprobs import HeadGradients, LogitTransform
-from opd.objectives.jsd_head import chunked_jsd
+from opd.objectives.jsd_head import chunked_jsd, chunked_jsd_mixed
+from opd.teachers.base import HeadRows
 from tests.reference import generalized_jsd
 
 N, D, TEACHER_D, V, PADDED_V = 11, 6, 8, 19, 23
@@ -173,3 +174,56 @@ def test_mismatched_rows_and_vocabularies_are_refused():
             teacher_head,
             0.0,
         )
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("chunk_size", [1, 3, 100])
+def test_several_teacher_heads_read_as_their_weighted_sum_per_row(beta, chunk_size):
+    """Rows 0-3 a mixture (0.3 / 0.7), rows 4-7 the first teacher's alone, rows 8-10 the second's
+    (weights 1 / 0, as rows of two datasets with their own teachers): the loss and the gradients
+    equal autograd through the naive JSD against ``log(sum_i w_i softmax_i)``, chunks crossing
+    the kinds of rows."""
+    torch.manual_seed(5)
+    hidden = torch.randn(N, D, requires_grad=True)
+    head = torch.nn.Linear(D, PADDED_V, bias=True)
+    first_hidden, second_hidden = torch.randn(N, TEACHER_D) * 2, torch.randn(N, D) * 2
+    first_head = torch.nn.Linear(TEACHER_D, PADDED_V, bias=False)
+    second_head = torch.nn.Linear(D, PADDED_V, bias=True)
+    first_weight = torch.tensor([0.3] * 4 + [1.0] * 4 + [0.0] * 3)
+    second_transform = LogitTransform(temperature=0.8)
+    ids = torch.randint(0, V, (N,))
+    upstream = torch.randn(N)
+    teachers = [
+        HeadRows(first_hidden, first_head, LogitTransform(), first_weight),
+        HeadRows(second_hidden, second_head, second_transform, 1.0 - first_weight),
+    ]
+    loss, _, _ = chunked_jsd_mixed(hidden, head, ids, teachers, beta, chunk_size=chunk_size, vocab_size=V)
+    (loss * upstream).sum().backward()
+    fused_grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = None
+    head.zero_grad()
+
+    student_log = torch.log_softmax((hidden @ head.weight[:V].T) + head.bias[:V], -1)
+    with torch.no_grad():
+        first = torch.softmax(first_hidden @ first_head.weight[:V].T, -1)
+        second = torch.softmax((second_hidden @ second_head.weight[:V].T + second_head.bias[:V]) / 0.8, -1)
+        teacher_log = (first_weight[:, None] * first + (1 - first_weight[:, None]) * second).log()
+    reference = generalized_jsd(student_log, teacher_log, beta)
+    (reference * upstream).sum().backward()
+    torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
+    for fused, expected in zip(fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True):
+        torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_one_teacher_head_with_every_weight_1_is_the_plain_kernel_bit_for_bit():
+    torch.manual_seed(6)
+    hidden = torch.randn(N, D, requires_grad=True)
+    head = torch.nn.Linear(D, V)
+    teacher_hidden, teacher_head = torch.randn(N, TEACHER_D), torch.nn.Linear(TEACHER_D, V)
+    ids = torch.randint(0, V, (N,))
+    plain = chunked_jsd(hidden, head, ids, teacher_hidden, teacher_head, 0.5, chunk_size=4)
+    (plain_grad,) = torch.autograd.grad(plain[0].sum(), hidden)
+    rows = HeadRows(teacher_hidden, teacher_head, LogitTransform(), torch.ones(N))
+    weighted = chunked_jsd_mixed(hidden, head, ids, [rows], 0.5, chunk_size=4)
+    (weighted_grad,) = torch.autograd.grad(weighted[0].sum(), hidden)
+    assert torch.equal(plain[0], weighted[0]) and torch.equal(plain_grad, weighted_grad)

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from opd.config import ConfigError, config_from_dict
+from opd.models import PROBE_TEXTS
 from opd.runs.checkpoints import list_checkpoints
 from opd.runs.metrics import read_jsonl
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 from opd.teachers.remote import RemoteTeacher, RemoteTeacherError
+from opd.teachers.replicas import check_replicas
 from opd.trainer.loop import Trainer, train
 from tests.servers import free_port, start_opd_serve, through_server, wait_until_up
 
@@ -172,7 +174,9 @@ def test_faulty_servers_give_clear_errors(mode, message):
         process.wait()
 
 
-def test_no_step_is_applied_when_the_server_fails(base_config, model_dirs):
+def test_no_step_is_applied_when_the_server_fails(base_config, model_dirs, char_tokenizer):
+    """A server failing mid-run (here from its first answer: the probe is off) fails the step
+    before the update; with the probe on, the same server is refused before the run starts."""
     port, process = fault_server("few")
     try:
         config = dict(
@@ -185,6 +189,10 @@ def test_no_step_is_applied_when_the_server_fails(base_config, model_dirs):
                 "tokenizer": str(model_dirs["teacher"]),
             },
         )
+        probe = len(char_tokenizer.encode(" ".join(PROBE_TEXTS), add_special_tokens=False))
+        with pytest.raises(RemoteTeacherError, match=f"sent {probe - 1} prompt log-probs for {probe} tokens"):
+            Trainer(config_from_dict(config), progress=False)
+        config["teacher"]["replica_probes"] = 0
         trainer = Trainer(config_from_dict(config), progress=False)
         before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
         with pytest.raises(RemoteTeacherError):
@@ -382,3 +390,72 @@ def test_sampling_settings_the_server_does_not_serve_are_refused(served_teacher)
         assert caught.value.code == 400, change
         assert f"'{field}'" in json.loads(caught.value.read())["error"]["message"], change
     assert process.poll() is None
+
+
+def test_replicas_that_disagree_are_refused_before_any_work(base_config, model_dirs, tmp_path):
+    """Two models behind one address (every other answer another model's, as a round-robin
+    balancer over two servers of different weights gives): opd train stops before any step,
+    naming the address and the gap; one model's answers pass; replica_probes: 0 lets it run."""
+    port, process = fault_server("replicas")
+    try:
+        teacher = RemoteTeacher(backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="t")
+        ids = list(range(1, 40))
+        honest = torch.tensor([0.0] + [-1.0 - (t % 7) / 10 for t in ids[1:]])
+        other = torch.tensor([0.0] + [-2.0 - (t % 5) / 10 for t in ids[1:]])
+        gap = (honest - other).abs()[1:]
+        with pytest.raises(RemoteTeacherError) as refused:
+            check_replicas(teacher, ids, 4, "teacher")
+        assert (
+            f"{gap.mean().item():.3f} nats a token apart on average (at most {gap.max().item():.3f})"
+            in str(refused.value)
+        )
+        assert "on request 2 of 4" in str(refused.value)
+        check_replicas(teacher, ids, 1, "teacher")  # one probe compares nothing
+
+        config = dict(
+            base_config,
+            log_path=str(tmp_path / "run"),
+            teacher={
+                "model": "t",
+                "backend": "openai",
+                "base_url": f"http://127.0.0.1:{port}/v1",
+                "tokenizer": str(model_dirs["teacher"]),
+            },
+        )
+        path = tmp_path / "replicas.yaml"
+        path.write_text(json.dumps(config))
+        result = subprocess.run(
+            [sys.executable, "-m", "opd", "train", str(path), "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        address = f"http://127.0.0.1:{port}/v1/completions"
+        assert f"teacher.base_url: the teacher server {address} answered the same probe" in result.stderr
+        assert "replica_probes: 0" in result.stderr
+        assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == []
+
+        config["teacher"]["replica_probes"] = 0
+        config["training"] = dict(base_config["training"], max_steps=1)
+        assert len(train(config_from_dict(config), progress=False).metrics) >= 1
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_replica_probes_is_checked_with_the_teacher():
+    with pytest.raises(ConfigError, match=r"teacher.replica_probes: must be >= 0, got -1"):
+        config_from_dict(
+            {
+                "student": {"model": "s"},
+                "teacher": {
+                    "model": "t",
+                    "backend": "openai",
+                    "base_url": "http://127.0.0.1:1/v1",
+                    "replica_probes": -1,
+                },
+                "datasets": [{"name": "d", "source": "reasoning_gym:chain_sum"}],
+            }
+        )

@@ -132,6 +132,61 @@ def test_the_mixture_top_k_of_a_run_is_the_union_of_each_teachers_top_k(answered
         assert batch.teacher.topk_logprobs_BTK[row][mask] == pytest.approx(logprobs[:scored], abs=1e-5)
 
 
+def full_distributions(batch, row: int) -> torch.Tensor:
+    """The teacher distribution (log) at each scored position of ``row``, as the objective reads it:
+    ``logsumexp_i(log w_i + log softmax(head_i(hidden_i)))`` over the heads the batch carries."""
+    mask = batch.rollouts.mask_BT[row : row + 1].bool()
+    heads = batch.teacher.select([row]).rows(mask).heads
+    parts = []
+    for head in heads:
+        log = torch.log_softmax(head.head(head.hidden_ND).float(), -1)
+        weight = torch.ones(log.shape[0]) if head.weight_N is None else head.weight_N
+        parts.append(log + weight.log()[:, None])
+    return torch.logsumexp(torch.stack(parts), 0)
+
+
+def test_jsd_reads_each_datasets_own_teacher_and_a_mixture_of_local_teachers(answered):
+    """Two datasets in one batch, each with its own teacher: each row's full distribution is its
+    own teacher's (it was the first dataset's teacher's lm head for every row before); and a
+    mixture of two local teachers (one the student shown the answer) under jsd: each position's
+    distribution is ``log(0.3 softmax(teacher) + 0.7 softmax(student shown the answer))`` of naive
+    forwards, and a step learns from it."""
+    answered["training"]["objective"] = {"name": "jsd", "beta": 0.0}
+    answered["datasets"].append(dict(answered["datasets"][0], name="own", teacher={"model": "student"}))
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    batch = trainer.collect(0)
+    rollouts = batch.rollouts
+    assert sorted(set(rollouts.dataset_index_B.tolist())) == [0, 1]
+    for row in range(rollouts.input_ids_BT.shape[0]):
+        dataset = int(rollouts.dataset_index_B[row])
+        model = trainer.teachers.readings[dataset][0][0].teacher.model
+        record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
+        naive = naive_logprobs(model, trainer.renderer, record.messages, rollouts.sequences[row][length:])
+        got = full_distributions(batch, row)
+        torch.testing.assert_close(got, naive[: got.shape[0]], atol=1e-5, rtol=0)
+    assert math.isfinite(trainer.learn(batch)["loss"])
+
+    answered["datasets"].pop()
+    answered["teacher"] = mixture(answered)
+    trainer = Trainer(config_from_dict(answered), progress=False)
+    batch = trainer.collect(0)
+    rollouts = batch.rollouts
+    teacher = trainer.teachers.readings[0][0][0].teacher.model
+    student = trainer.teachers.readings[0][1][0].teacher.model
+    for row in range(rollouts.input_ids_BT.shape[0]):
+        record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
+        completion = rollouts.sequences[row][length:]
+        shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
+        mixed = (
+            0.3 * naive_logprobs(teacher, trainer.renderer, record.messages, completion).exp()
+            + 0.7 * naive_logprobs(student, trainer.renderer, shown, completion).exp()
+        ).log()
+        got = full_distributions(batch, row)
+        torch.testing.assert_close(got, mixed[: got.shape[0]], atol=1e-5, rtol=0)
+    metrics = trainer.learn(batch)
+    assert math.isfinite(metrics["loss"]) and "teacher_kl/mixture_1" in metrics
+
+
 def without_times(rows: list[dict]) -> list[dict]:
     return [
         {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/"))}
@@ -202,9 +257,15 @@ def test_a_mixture_member_behind_opd_serve_gives_the_run_the_local_member_gives(
         ),
         ({"context": "x"}, {}, r"^teacher\.model: required: .*or give mixture"),
         (
-            None,
+            {
+                "mixture": [
+                    {"model": "T", "backend": "openai", "base_url": "http://127.0.0.1:1/v1", "weight": 0.5},
+                    {"model": "student", "weight": 0.5},
+                ]
+            },
             {"objective": "jsd"},
-            r"^teacher\.mixture: training\.objective 'jsd' reads one teacher's full distribution",
+            r"^training\.objective: 'jsd' needs the teacher's full distribution, which teacher\.mixture\[0\] "
+            r"\(backend 'openai'\) does not send",
         ),
         (
             None,

@@ -48,8 +48,8 @@ def validate(config: Config) -> Config:
 
 
 def _check_mixtures(config: Config) -> None:
-    """A mixture scores the student's samples with log-probs or top-k: it writes no completions
-    (which member would?) and sends no full distribution (one teacher's lm head reads it)."""
+    """A mixture scores the student's samples: it writes no completions (which member would?).
+    What each member can send is its own rule (a remote member sends no full distribution)."""
     training = config.training
     for where, teacher in config.teacher_sections():
         if teacher.mixture is None:
@@ -58,12 +58,6 @@ def _check_mixtures(config: Config) -> None:
             raise ConfigError(
                 f"{where}.mixture: training.data_source '{training.data_source}' has the teacher write "
                 "completions, and a mixture only scores them; use data_source: student, or one teacher"
-            )
-        if training.objective.teacher_signal == "distribution":
-            served = [*objective_names(teacher_signal="logprobs"), *objective_names(teacher_signal="topk")]
-            raise ConfigError(
-                f"{where}.mixture: training.objective '{training.objective.name}' reads one teacher's "
-                f"full distribution; a mixture serves {' or '.join(served)}"
             )
 
 

@@ -13,11 +13,18 @@ checkpointing recomputes them all before differentiating; here a chunk needs thr
 ``chunk x V`` buffers at most for beta 0 or 1 (six for an interior beta), worked in place.
 Backward recomputes both heads' logits instead of keeping them, except for the last chunk,
 whose gradient forward leaves in one of its buffers (with a single chunk, nothing is redone).
+
+The teacher side may be several teachers' heads, each with a weight per row: ``T`` is then
+``sum_i w_i T_i`` (a mixture; or rows of different teachers, each row's own at weight 1), read
+as ``logsumexp_i(log w_i + log T_i)`` chunk by chunk; a chunk whose rows one teacher scores
+alone reads it as one teacher does, bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,6 +38,7 @@ from opd.logprobs import (
     head_weights,
     row_dot,
 )
+from opd.teachers.base import HeadRows
 
 
 def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
@@ -46,6 +54,58 @@ def _mixture_log_(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: fl
     return torch.logaddexp(student_log + math.log(1.0 - beta), teacher_log, out=teacher_log)
 
 
+@dataclass
+class _Head:
+    """One teacher's head as the kernel reads it: weights cut to the vocabulary, detached."""
+
+    hidden_ND: torch.Tensor
+    weight_VD: torch.Tensor
+    bias_V: torch.Tensor | None
+    transform: LogitTransform
+    log_weight_N: torch.Tensor | None
+    """Each row's log weight of this head (None: 0, the head alone on every row)."""
+    lse_N: torch.Tensor | None = None
+
+
+class _TeacherHeads:
+    """The teacher distribution of each row from one or several heads, chunk by chunk: forward
+    keeps each head's logsumexp so that backward recomputes log-probs without another reduction."""
+
+    def __init__(self, heads: list[_Head]):
+        self.heads = heads
+        rows = heads[0].hidden_ND.shape[0]
+        for head in heads:
+            head.lse_N = torch.empty(rows, dtype=torch.float32, device=head.hidden_ND.device)
+
+    def _active(self, start: int, end: int) -> list[_Head]:
+        """The heads with weight on some row of the chunk."""
+        return [
+            h
+            for h in self.heads
+            if h.log_weight_N is None or bool((h.log_weight_N[start:end] > -math.inf).any())
+        ]
+
+    def log_probs(self, start: int, end: int, again: bool = False) -> torch.Tensor:
+        """``log T`` of rows ``start:end`` in a fresh float32 ``chunk x V`` buffer; ``again``: with
+        the logsumexps forward kept."""
+        mixed = None
+        active = self._active(start, end)
+        alone = len(active) == 1 and (
+            active[0].log_weight_N is None or bool((active[0].log_weight_N[start:end] == 0).all())
+        )
+        for head in active:
+            log = chunk_logits_inplace(head.hidden_ND[start:end], head.weight_VD, head.bias_V, head.transform)
+            if again:
+                log -= head.lse_N[start:end, None]
+            else:
+                head.lse_N[start:end] = _log_softmax_(log)
+            if alone:
+                return log
+            log += head.log_weight_N[start:end, None]
+            mixed = log if mixed is None else torch.logaddexp(mixed, log, out=mixed)
+        return mixed
+
+
 class _ChunkedJSD(torch.autograd.Function):
     """Per-row generalized JSD, the student's log-prob of each token and its entropy, chunk by chunk.
 
@@ -59,20 +119,17 @@ class _ChunkedJSD(torch.autograd.Function):
         hidden_ND,
         weight_VD,
         bias_V,
-        teacher_hidden_ND,
-        teacher_weight_VD,
-        teacher_bias_V,
+        teachers,
         token_ids_N,
         beta,
         chunk_size,
         transform,
-        teacher_transform,
         keep_last,
     ):
         rows = hidden_ND.shape[0]
         loss_N = hidden_ND.new_empty(rows, dtype=torch.float32)
         selected_N, entropy_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
-        student_lse_N, teacher_lse_N = torch.empty_like(loss_N), torch.empty_like(loss_N)
+        student_lse_N = torch.empty_like(loss_N)
         student_mixture_kl_N = torch.empty_like(loss_N)
         ctx.kept = None
         for start in range(0, rows, chunk_size):
@@ -82,10 +139,7 @@ class _ChunkedJSD(torch.autograd.Function):
             selected_N[start:end] = student_log.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             student_prob = student_log.exp()
             entropy_N[start:end] = -row_dot(student_prob, student_log)
-            teacher_log = chunk_logits_inplace(
-                teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, teacher_transform
-            )
-            teacher_lse_N[start:end] = _log_softmax_(teacher_log)
+            teacher_log = teachers.log_probs(start, end)
             keep = keep_last and end >= rows and transform.softcap is None
             if beta == 0.0:
                 teacher_prob = torch.exp(teacher_log, out=student_prob)
@@ -114,50 +168,34 @@ class _ChunkedJSD(torch.autograd.Function):
                     ctx.kept = (student_log.mul_(student_prob), 1.0 - beta)
             del student_log, student_prob, teacher_log
         divergence_N = student_mixture_kl_N if 0.0 < beta < 1.0 else loss_N
-        ctx.save_for_backward(
-            hidden_ND,
-            weight_VD,
-            bias_V,
-            teacher_hidden_ND,
-            teacher_weight_VD,
-            teacher_bias_V,
-            student_lse_N,
-            teacher_lse_N,
-            divergence_N,
-        )
-        ctx.beta, ctx.chunk_size = beta, chunk_size
-        ctx.transform, ctx.teacher_transform = transform, teacher_transform
+        ctx.save_for_backward(hidden_ND, weight_VD, bias_V, student_lse_N, divergence_N)
+        ctx.beta, ctx.chunk_size, ctx.transform, ctx.teachers = beta, chunk_size, transform, teachers
         ctx.mark_non_differentiable(selected_N, entropy_N)
         return loss_N, selected_N, entropy_N
 
     @staticmethod
     def backward(ctx, grad_loss_N, _grad_selected_N, _grad_entropy_N):
-        hidden_ND, weight_VD, bias_V, *teacher_side = ctx.saved_tensors
+        hidden_ND, weight_VD, bias_V, *student_side = ctx.saved_tensors
         grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
         kept, ctx.kept = ctx.kept, None  # used once: a second backward recomputes
         gradients = grads.chunked_backward(
             grad_loss_N,
             ctx.chunk_size,
             kept,
-            lambda start, end: _recomputed_gradient(ctx, grads, start, end, teacher_side),
+            lambda start, end: _recomputed_gradient(ctx, grads, start, end, student_side),
         )
-        return (*gradients, *[None] * 9)
+        return (*gradients, *[None] * 6)
 
 
-def _recomputed_gradient(ctx, grads: HeadGradients, start: int, end: int, teacher_side: list):
+def _recomputed_gradient(ctx, grads: HeadGradients, start: int, end: int, student_side: list):
     """d JSD / d z of rows ``start:end`` from both heads' logits again: ``(buffer, factor, dz/draw)``.
 
     The gradient is ``buffer * factor``: the sign and ``1 - beta`` go into the row scale.
     """
-    teacher_hidden_ND, teacher_weight_VD, teacher_bias_V, student_lse_N, teacher_lse_N, divergence_N = (
-        teacher_side
-    )
+    student_lse_N, divergence_N = student_side
     student_log, derivative = grads.logits(start, end)
     student_log -= student_lse_N[start:end, None]
-    teacher_log = chunk_logits_inplace(
-        teacher_hidden_ND[start:end], teacher_weight_VD, teacher_bias_V, ctx.teacher_transform
-    )
-    teacher_log -= teacher_lse_N[start:end, None]
+    teacher_log = ctx.teachers.log_probs(start, end, again=True)
     if ctx.beta == 0.0:
         student_log.exp_()
         student_log -= teacher_log.exp_()
@@ -199,33 +237,70 @@ def chunked_jsd(
     Returns:
         ``(loss_N, logprobs_N, entropy_N)`` in float32; gradients flow into ``loss_N`` only.
     """
+    teacher = HeadRows(teacher_hidden_ND, teacher_head, teacher_transform)
+    return chunked_jsd_mixed(
+        hidden_ND,
+        lm_head,
+        token_ids_N,
+        [teacher],
+        beta,
+        chunk_size=chunk_size,
+        transform=transform,
+        vocab_size=vocab_size,
+    )
+
+
+def chunked_jsd_mixed(
+    hidden_ND: torch.Tensor,
+    lm_head: nn.Linear,
+    token_ids_N: torch.Tensor,
+    teachers: Sequence[HeadRows],
+    beta: float,
+    *,
+    chunk_size: int = 1024,
+    transform: LogitTransform = PLAIN_LOGITS,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`chunked_jsd` against ``T = sum_i w_i T_i`` per row: a mixture of teachers, or rows
+    of several teachers (each row's own at weight 1, the others 0). Each row's weights sum to 1."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if teacher_hidden_ND.shape[0] != hidden_ND.shape[0]:
-        raise ValueError(
-            "student and teacher must score the same rows; "
-            f"got {hidden_ND.shape[0]} and {teacher_hidden_ND.shape[0]}"
-        )
     weight, bias = head_weights(lm_head, vocab_size)
-    teacher_weight, teacher_bias = head_weights(teacher_head, vocab_size)
-    if teacher_weight.shape[0] != weight.shape[0]:
-        raise ValueError(
-            f"student and teacher heads must cover the same vocabulary; got {weight.shape[0]} and "
-            f"{teacher_weight.shape[0]} rows (set vocab_size to the tokenizer's)"
+    heads = []
+    for teacher in teachers:
+        if teacher.hidden_ND.shape[0] != hidden_ND.shape[0]:
+            raise ValueError(
+                "student and teacher must score the same rows; "
+                f"got {hidden_ND.shape[0]} and {teacher.hidden_ND.shape[0]}"
+            )
+        teacher_weight, teacher_bias = head_weights(teacher.head, vocab_size)
+        if teacher_weight.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"student and teacher heads must cover the same vocabulary; got {weight.shape[0]} and "
+                f"{teacher_weight.shape[0]} rows (set vocab_size to the tokenizer's)"
+            )
+        log_weight = None
+        if teacher.weight_N is not None and not bool((teacher.weight_N == 1).all()):
+            log_weight = teacher.weight_N.to(device=hidden_ND.device, dtype=torch.float32).log()
+        heads.append(
+            _Head(
+                teacher.hidden_ND.detach(),
+                teacher_weight.detach(),
+                None if teacher_bias is None else teacher_bias.detach(),
+                teacher.head_transform,
+                log_weight,
+            )
         )
     return _ChunkedJSD.apply(
         hidden_ND,
         weight,
         bias,
-        teacher_hidden_ND.detach(),
-        teacher_weight.detach(),
-        None if teacher_bias is None else teacher_bias.detach(),
+        _TeacherHeads(heads),
         token_ids_N,
         float(beta),
         chunk_size,
         transform,
-        teacher_transform,
         head_gradient_expected(hidden_ND, lm_head),
     )

@@ -61,8 +61,24 @@ class TeacherInput:
 
 
 @dataclass
+class HeadRows:
+    """One local teacher's full distribution at some rows: its final hidden states and lm head,
+    and each row's weight of it in the teacher distribution there (None: 1 on every row; a
+    mixture's weight; 0 where another teacher scores the row)."""
+
+    hidden_ND: torch.Tensor
+    head: nn.Module
+    head_transform: LogitTransform
+    weight_N: torch.Tensor | None = None
+
+
+@dataclass
 class TeacherRows:
-    """The teacher's answer at the scored positions only, one row per position (N rows)."""
+    """The teacher's answer at the scored positions only, one row per position (N rows).
+
+    ``hidden_ND`` / ``head`` / ``head_transform``: one teacher's full distribution on every row;
+    ``heads``: the teachers' full distributions whose weighted sum is each row's teacher
+    distribution (one entry with no weights where one teacher scores every row)."""
 
     logprobs_N: torch.Tensor
     topk_ids_NK: torch.Tensor | None = None
@@ -70,6 +86,26 @@ class TeacherRows:
     hidden_ND: torch.Tensor | None = None
     head: nn.Module | None = None
     head_transform: LogitTransform | None = None
+    heads: list[HeadRows] | None = None
+
+
+@dataclass
+class HeadShare:
+    """One local teacher's full distribution on the rows it scores in a batch composed from several
+    teachers (:class:`opd.teachers.panel.TeacherPanel`): its hidden states (zero elsewhere), its lm
+    head and logit transform, and each position's weight of it (1: its rows alone; a mixture's
+    weight; 0: not its position)."""
+
+    owner: object
+    """What wrote it (one share per teacher reading per mixture member): never two answers in one share."""
+    hidden_BTD: torch.Tensor
+    head: nn.Module
+    head_transform: LogitTransform
+    weight_BT: torch.Tensor
+
+    def select(self, rows: slice | list[int]) -> HeadShare:
+        """Its share of the same rows as :meth:`TeacherScores.select`."""
+        return replace(self, hidden_BTD=self.hidden_BTD[rows], weight_BT=self.weight_BT[rows])
 
 
 @dataclass
@@ -79,7 +115,9 @@ class TeacherScores:
     ``logprobs_BT`` (float32, 0 where not scored) always; ``topk_ids_BTK`` and ``topk_logprobs_BTK``
     when top-k was asked for; ``hidden_BTD`` (the teacher's dtype and device) with ``head`` and
     ``head_transform`` (its lm head and logit transform at the request's temperature) when the
-    full distribution was. For a mixture's rows these are the mixture's, and
+    full distribution was, from one teacher. Composed from several teachers (per dataset, or a
+    mixture), the full distributions are ``shares`` instead, one per teacher (and per mixture
+    member). For a mixture's rows log-probs and top-k are the mixture's, and
     ``member_logprobs_MBT`` each teacher's log-probs.
     """
 
@@ -91,6 +129,7 @@ class TeacherScores:
     head_transform: LogitTransform | None = None
     member_logprobs_MBT: torch.Tensor | None = None
     """A mixture's rows: each teacher's own log-probs (NaN on rows no mixture scored), for the KL to each."""
+    shares: list[HeadShare] | None = None
 
     @classmethod
     def zeros(cls, batch: int, width: int, request: TeacherRequest) -> TeacherScores:
@@ -121,6 +160,7 @@ class TeacherScores:
             topk_logprobs_BTK=cut(self.topk_logprobs_BTK),
             hidden_BTD=cut(self.hidden_BTD),
             member_logprobs_MBT=cut_members(self.member_logprobs_MBT),
+            shares=None if self.shares is None else [share.select(rows) for share in self.shares],
         )
 
     def rows(self, score_mask_BT: torch.Tensor, device: torch.device | None = None) -> TeacherRows:
@@ -132,29 +172,51 @@ class TeacherScores:
             values = flat_rows(tensor, score_mask_BT)
             return values if device is None else values.to(device)
 
+        heads = None
+        if self.shares is not None:
+            heads = [
+                HeadRows(flat(s.hidden_BTD), s.head, s.head_transform, flat(s.weight_BT)) for s in self.shares
+            ]
+        elif self.hidden_BTD is not None:
+            heads = [HeadRows(flat(self.hidden_BTD), self.head, self.head_transform)]
         return TeacherRows(
             flat(self.logprobs_BT),
             flat(self.topk_ids_BTK),
             flat(self.topk_logprobs_BTK),
-            flat(self.hidden_BTD),
-            self.head,
-            self.head_transform,
+            heads[0].hidden_ND if heads and self.shares is None else None,
+            self.head if self.shares is None else None,
+            self.head_transform if self.shares is None else None,
+            heads,
         )
 
     def put(
-        self, row: int, positions: torch.Tensor, source: TeacherScores, source_row: int, source_positions
+        self,
+        row: int,
+        positions: torch.Tensor,
+        source: TeacherScores,
+        source_row: int,
+        source_positions,
+        owner: object,
     ) -> None:
         """Copy the top-k and hidden states of ``source``'s row at ``source_positions`` into row ``row``
-        at ``positions`` (boolean masks with as many positions set, or slices of one length)."""
+        at ``positions`` (boolean masks with as many positions set, or slices of one length); the
+        hidden states go to ``owner``'s share (its teacher reading: rows of several teachers each
+        keep their own lm head)."""
         if self.topk_ids_BTK is not None:
             self.topk_ids_BTK[row, positions] = source.topk_ids_BTK[source_row, source_positions]
             self.topk_logprobs_BTK[row, positions] = source.topk_logprobs_BTK[source_row, source_positions]
-        if source.hidden_BTD is not None:
-            if self.hidden_BTD is None:
-                batch, width = self.logprobs_BT.shape
-                self.hidden_BTD = source.hidden_BTD.new_zeros(batch, width, source.hidden_BTD.shape[-1])
-                self.head, self.head_transform = source.head, source.head_transform
-            self.hidden_BTD[row, positions] = source.hidden_BTD[source_row, source_positions]
+        if source.hidden_BTD is None:
+            return
+        self.shares = self.shares or []
+        share = next((s for s in self.shares if s.owner is owner), None)
+        if share is None:
+            batch, width = self.logprobs_BT.shape
+            hidden_BTD = source.hidden_BTD.new_zeros(batch, width, source.hidden_BTD.shape[-1])
+            weight_BT = torch.zeros(batch, width)
+            share = HeadShare(owner, hidden_BTD, source.head, source.head_transform, weight_BT)
+            self.shares.append(share)
+        share.hidden_BTD[row, positions] = source.hidden_BTD[source_row, source_positions]
+        share.weight_BT[row, positions] = 1.0
 
 
 class Teacher(Protocol):

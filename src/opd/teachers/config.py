@@ -58,6 +58,10 @@ class TeacherConfig:
     """Remote (openai): sequences per scoring request. A teacher that writes completions sends
     one request a row (each with its own seed), ``max_concurrency`` x ``request_batch_size`` in
     flight at once: as many sequences as scoring has in flight."""
+    replica_probes: int = 4
+    """Remote: before any step, the same probe sequence is scored this many times, each on a
+    connection of its own; replicas behind one address that answer it otherwise (another model,
+    revision or quantization) are refused, naming the address (0: no probe)."""
     context: str | None = None
     """Privileged context: text the teacher reads before the student's prompt and the student
     never sees, a template over the prompt's fields, e.g. ``"The correct answer is {answer}."``
@@ -77,7 +81,8 @@ class TeacherConfig:
     teacher (``model``, ``backend``, ``chat_template``, ``context``, ...) with its ``weight``, the
     weights summing to 1. Set nothing else beside it. ``sampled_reverse_kl`` and ``k3`` read the
     mixture's exact log-prob of each sampled token; ``topk_forward_kl`` the union of the
-    teachers' top-k (docs/teachers.md gives the formula and its bound)."""
+    teachers' top-k (docs/teachers.md gives the formula and its bound); ``jsd`` the mixed full
+    distribution (every member local)."""
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this teacher's own settings, found before any model loads or
@@ -130,7 +135,7 @@ class TeacherConfig:
         yield from range_problems(
             self,
             positive=("timeout_s", "max_concurrency", "request_batch_size"),
-            non_negative=("max_retries",),
+            non_negative=("max_retries", "replica_probes"),
         )
 
     def _mixture_problems(self) -> Iterator[tuple[str, str]]:

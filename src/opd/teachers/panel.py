@@ -16,7 +16,7 @@ import torch
 from opd.data.render import ChatRenderer
 from opd.data.sequences import RolloutBatch, turn_spans
 from opd.distributed import launched_world
-from opd.models import check_same_vocabulary, load_causal_lm, load_tokenizer
+from opd.models import PROBE_TEXTS, check_same_vocabulary, load_causal_lm, load_tokenizer
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import TeacherFormat
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores, rows_by_identity
@@ -25,6 +25,7 @@ from opd.teachers.context import PrivilegedContext
 from opd.teachers.local import AdaptersOffTeacher, LocalTeacher
 from opd.teachers.mixture import mixed_logprobs, mixed_topk
 from opd.teachers.remote import RemoteTeacher
+from opd.teachers.replicas import check_replicas
 from opd.teachers.writer import TeacherSample, TeacherWriter
 
 
@@ -138,7 +139,7 @@ class TeacherPanel:
             )
             check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
         if teacher_cfg.backend != "local":
-            return RemoteTeacher(
+            remote = RemoteTeacher(
                 backend=teacher_cfg.backend,
                 base_url=teacher_cfg.base_url,
                 model=teacher_cfg.model,
@@ -148,6 +149,10 @@ class TeacherPanel:
                 max_concurrency=teacher_cfg.max_concurrency,
                 request_batch_size=teacher_cfg.request_batch_size,
             )
+            probe_tokenizer = teacher_format.renderer.tokenizer if teacher_format else self.tokenizer
+            probe_ids = probe_tokenizer.encode(" ".join(PROBE_TEXTS), add_special_tokens=False)
+            check_replicas(remote, probe_ids, teacher_cfg.replica_probes, where)
+            return remote
         options = {
             "pad_id": self.pad_id,
             "batch_size": self.batch_size,
@@ -235,7 +240,7 @@ class TeacherPanel:
         width = answer.logprobs_BT.shape[1]
         for i, row in enumerate(rows):
             scores.logprobs_BT[row, :width] = answer.logprobs_BT[i]
-            scores.put(row, slice(0, width), answer, i, slice(0, width))
+            scores.put(row, slice(0, width), answer, i, slice(0, width), reading)
 
     def _put_mixed(
         self,
@@ -269,6 +274,9 @@ class TeacherPanel:
             scores.member_logprobs_MBT = kept
         for number, answer in enumerate(answers):
             scores.member_logprobs_MBT[number][selected] = answer.logprobs_BT[selected]
+        for answer, weight in zip(answers, weights, strict=True):  # full distributions: each its share
+            for share in answer.shares or []:
+                scores.shares = (scores.shares or []) + [replace(share, weight_BT=share.weight_BT * weight)]
 
     def _put_formatted(
         self,
@@ -338,7 +346,7 @@ class TeacherPanel:
             teacher_scored = torch.zeros(answer.logprobs_BT.shape[1], dtype=torch.bool)
             teacher_scored[: len(built[i].token_ids)] = torch.tensor(built[i].score_mask)
             teacher_scored[0] = False
-            scores.put(row, scored, answer, i, teacher_scored)
+            scores.put(row, scored, answer, i, teacher_scored, reading)
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers applied)."""

@@ -226,6 +226,10 @@ class RemoteTeacher:
         with ThreadPoolExecutor(max_workers=max(1, min(in_flight, len(prompts)))) as pool:
             return list(pool.map(one, range(len(prompts))))
 
+    def score_sequence(self, ids: list[int]) -> torch.Tensor:
+        """One sequence's log-prob of each token, alone in one request (position 0's is not read)."""
+        return self._score_batch([ids], 0)[0][0]
+
     def _score_batch(
         self, batch: list[list[int]], topk: int
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
