@@ -40,13 +40,17 @@ def test_a_secret_in_a_teacher_url_is_in_no_file_and_no_message(base_config, tmp
         },
     )
     path = tmp_path / "leaky.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = subprocess.run(
-        [sys.executable, "-m", "opd", "train", str(path), "--no-progress"], capture_output=True, text=True
-    )
-    assert result.returncode == 2
-    assert "opd: error: teacher server http://***@127.0.0.1:9/v1?api_key=***" in result.stderr
-    assert secret not in result.stderr + result.stdout
+    # refused by the replica probe before the run starts; with the probe off, at the first step,
+    # after the run wrote its config
+    for probes in (4, 0):
+        config["teacher"]["replica_probes"] = probes
+        path.write_text(yaml.safe_dump(config))
+        result = subprocess.run(
+            [sys.executable, "-m", "opd", "train", str(path), "--no-progress"], capture_output=True, text=True
+        )
+        assert result.returncode == 2
+        assert "opd: error: teacher server http://***@127.0.0.1:9/v1?api_key=***" in result.stderr
+        assert secret not in result.stderr + result.stdout
     written = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
     assert any(p.name == "config.yaml" for p in written)
     for file in written:
