@@ -232,6 +232,8 @@ def test_the_teachers_scores_of_environment_tokens_never_move_the_update(
         teacher.topk_ids_BTK[replies] = 5
     if teacher.hidden_BTD is not None:
         teacher.hidden_BTD[replies] = 100.0
+    for share in teacher.shares or []:  # a batch composed from several teachers' answers
+        share.hidden_BTD[replies] = 100.0
     trainer.policy.model.load_state_dict(start)
     trainer.optimizer.state.clear()
     trainer.scheduler.last_epoch -= 1  # the same learning rate for the second update
