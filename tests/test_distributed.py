@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -431,7 +432,8 @@ def test_the_local_teacher_is_sharded_with_the_student_where_every_process_calls
 
 def test_two_nodes_on_loopback_make_the_run_one_node_with_two_processes_makes(models, tmp_path):
     """``torchrun --nnodes 2`` with one process each, rendezvous (c10d) on 127.0.0.1, against one
-    node with two processes: the same metrics and final weights. Each node's process has
+    node with two processes: the same metrics and final weights, and the two nodes' checkpoint
+    resumed on one node ends there too. Each node's process has
     ``LOCAL_RANK`` 0, so code that takes it for ``RANK`` (data shares, the one writer of the run)
     differs here."""
     from tests.servers import free_port
@@ -467,3 +469,15 @@ def test_two_nodes_on_loopback_make_the_run_one_node_with_two_processes_makes(mo
     reference = final_weights(tmp_path / "one-node", tmp_path / "one-node-export")
     for name, tensor in reference.items():
         torch.testing.assert_close(ours[name], tensor, atol=1e-5, rtol=0)
+    # the two nodes' checkpoint of step 2 (a shard from each node) resumed on one node with two
+    # processes: the last step redone ends where both runs ended
+    shutil.rmtree(last.path)
+    assert list_checkpoints(tmp_path / "two-nodes")[-1].step == 2
+    two_processes(nodes, "training.parallel=fsdp")
+    assert_same_metrics(
+        read_jsonl(tmp_path / "two-nodes" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "one-node" / "metrics.jsonl"),
+    )
+    resumed = final_weights(tmp_path / "two-nodes", tmp_path / "resumed-export")
+    for name, tensor in reference.items():
+        torch.testing.assert_close(resumed[name], tensor, atol=1e-5, rtol=0)
