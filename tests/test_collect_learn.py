@@ -63,7 +63,9 @@ def test_teacher_scores_of_a_padded_batch_equal_each_row_scored_alone(base_confi
                 rows_together.topk_logprobs_NK, rows_alone.topk_logprobs_NK, atol=1e-5, rtol=0
             )
         if request_.hidden:
-            torch.testing.assert_close(rows_together.hidden_ND, rows_alone.hidden_ND, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                rows_together.heads[0].hidden_ND, rows_alone.heads[0].hidden_ND, atol=1e-5, rtol=1e-5
+            )
             assert together.head is teacher.lm_head
 
 

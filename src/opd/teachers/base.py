@@ -76,16 +76,12 @@ class HeadRows:
 class TeacherRows:
     """The teacher's answer at the scored positions only, one row per position (N rows).
 
-    ``hidden_ND`` / ``head`` / ``head_transform``: one teacher's full distribution on every row;
     ``heads``: the teachers' full distributions whose weighted sum is each row's teacher
     distribution (one entry with no weights where one teacher scores every row)."""
 
     logprobs_N: torch.Tensor
     topk_ids_NK: torch.Tensor | None = None
     topk_logprobs_NK: torch.Tensor | None = None
-    hidden_ND: torch.Tensor | None = None
-    head: nn.Module | None = None
-    head_transform: LogitTransform | None = None
     heads: list[HeadRows] | None = None
 
 
@@ -180,13 +176,7 @@ class TeacherScores:
         elif self.hidden_BTD is not None:
             heads = [HeadRows(flat(self.hidden_BTD), self.head, self.head_transform)]
         return TeacherRows(
-            flat(self.logprobs_BT),
-            flat(self.topk_ids_BTK),
-            flat(self.topk_logprobs_BTK),
-            heads[0].hidden_ND if heads and self.shares is None else None,
-            self.head if self.shares is None else None,
-            self.head_transform if self.shares is None else None,
-            heads,
+            flat(self.logprobs_BT), flat(self.topk_ids_BTK), flat(self.topk_logprobs_BTK), heads
         )
 
     def put(
