@@ -13,7 +13,13 @@ with each, so reading the weights is most of the step's time. For
 and the ratios to the floor. When the first two sit close to the floor, a faster sampler
 written around the same model in the same precision has little left to win.
 
+``--update-tokens T`` also times the update's floor: each linear layer's three matmuls of a
+forward and backward pass (``x @ W.T``, ``dy @ W``, ``dy.T @ x``) over T tokens (a step's
+prompt and completion tokens), lm head included, without attention, norms or the optimizer;
+6 x linear parameters x T flops, at the rate this machine's matmuls reach.
+
     python bench/sampler_floor.py --model ~/.cache/opd/smollm2-135m-instruct
+    python bench/sampler_floor.py --model ~/.cache/opd/smollm2-135m-instruct --update-tokens 1924
 """
 
 from __future__ import annotations
@@ -52,6 +58,24 @@ def vllm_engine(model_dir: str, model, tokenizer, *, stop_token_ids: list[int]):
     return engine
 
 
+def update_floor(linears: list[nn.Linear], tokens: int, repeats: int) -> dict:
+    """Median seconds of every linear layer's forward and backward matmuls over ``tokens`` tokens."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(tokens, m.in_features, generator=generator) for m in linears]
+    grads = [torch.randn(tokens, m.out_features, generator=generator) for m in linears]
+
+    @torch.inference_mode()
+    def matmuls() -> None:
+        for linear, x, dy in zip(linears, inputs, grads, strict=True):
+            x @ linear.weight.T
+            dy @ linear.weight
+            dy.T @ x
+
+    seconds = per_token_seconds(matmuls, 1, repeats)
+    flop = sum(6 * tokens * m.in_features * m.out_features for m in linears)
+    return {"tokens": tokens, "seconds": seconds, "flop": flop, "gflop_per_s": flop / seconds / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -62,6 +86,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm", action="store_true", help="also time opd's vLLM engine (needs vLLM)")
+    parser.add_argument("--update-tokens", type=int, help="also time the update's matmuls at T tokens")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
 
@@ -139,6 +164,13 @@ def main() -> None:
         "ms_per_token": {name: 1000 * s for name, s in rows.items()},
         "weights_mib": weight_bytes / 2**20,
     }
+    if args.update_tokens:
+        results["update_floor"] = update_floor(linears, args.update_tokens, args.repeats)
+        floor = results["update_floor"]
+        print(
+            f"the update's matmuls at {args.update_tokens} tokens: {floor['seconds']:.2f} s "
+            f"({floor['flop'] / 1e12:.2f} Tflop at {floor['gflop_per_s']:.0f} Gflop/s)"
+        )
     write_result(args.out, "bench/sampler_floor.py", vars(args), results)
 
 

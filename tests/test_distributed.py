@@ -135,6 +135,29 @@ def two_processes(config_path: Path, *overrides: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def two_nodes(config_path: Path, *overrides: str) -> None:
+    """``opd train`` as two nodes of one process each (``torchrun --nnodes 2 --node_rank 0|1``),
+    their rendezvous (c10d) on 127.0.0.1: each process has ``LOCAL_RANK`` 0."""
+    from tests.servers import free_port
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
+    launch += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=opd-two-nodes"]
+    train_command = ["-m", "opd", "train", str(config_path), *overrides, "--no-progress"]
+    jobs = [
+        subprocess.Popen(
+            [*launch, f"--node_rank={rank}", *train_command],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
+        for rank in (0, 1)
+    ]
+    for job in jobs:
+        _, stderr = job.communicate(timeout=300)
+        assert job.returncode == 0, stderr[-3000:]
+
+
 def assert_same_metrics(rows: list[dict], reference: list[dict], tolerance: float = TOLERANCE) -> None:
     """Every metric of every row (held-out evaluations too) but times, within ``tolerance``."""
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
@@ -436,28 +459,10 @@ def test_two_nodes_on_loopback_make_the_run_one_node_with_two_processes_makes(mo
     resumed on one node ends there too. Each node's process has
     ``LOCAL_RANK`` 0, so code that takes it for ``RANK`` (data shares, the one writer of the run)
     differs here."""
-    from tests.servers import free_port
-
     one_node = write(run_config(models, tmp_path / "one-node"), tmp_path / "one-node.yaml")
     two_processes(one_node, "training.parallel=fsdp")
     nodes = write(run_config(models, tmp_path / "two-nodes"), tmp_path / "two-nodes.yaml")
-    port = free_port()
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
-    launch += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=opd-two-nodes"]
-    train_command = ["-m", "opd", "train", str(nodes), "training.parallel=fsdp", "--no-progress"]
-    jobs = [
-        subprocess.Popen(
-            [*launch, f"--node_rank={rank}", *train_command],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
-        )
-        for rank in (0, 1)
-    ]
-    for job in jobs:
-        _, stderr = job.communicate(timeout=300)
-        assert job.returncode == 0, stderr[-3000:]
+    two_nodes(nodes, "training.parallel=fsdp")
     # one world of two (fsdp refuses one process), each node's shard saved once
     (last,) = list_checkpoints(tmp_path / "two-nodes")[-1:]
     assert sorted(p.name for p in (last.path / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -4,7 +4,9 @@ own template or tokenizer, and bad input named before any work."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -241,6 +243,63 @@ def test_the_teachers_scores_of_environment_tokens_never_move_the_update(
     for name, value in trainer.policy.model.state_dict().items():
         assert torch.equal(value, updated[name]), name
     assert any(not torch.equal(updated[name], start[name]) for name in start)
+
+
+class OneTurnAtATime:
+    """A turn stream over the HF engine that samples one pending turn per call, the last submitted
+    first: a row's turns interleave with other rows' as a streaming engine's may."""
+
+    def __init__(self, engine, params):
+        self.engine, self.params, self.queue = engine, params, []
+
+    def submit(self, key, prompt, seed, max_tokens):
+        self.queue.append((key, prompt, seed, max_tokens))
+
+    def finished(self):
+        if not self.queue:
+            return None
+        key, prompt, seed, max_tokens = self.queue.pop()
+        params = dataclasses.replace(self.params, max_tokens=max_tokens)
+        (completion,) = self.engine.rollout([prompt], params, seeds=[seed])
+        return [(key, completion)]
+
+
+class Streaming:
+    """The run's HF engine, offering a turn stream as the vLLM engines do."""
+
+    def __init__(self, engine):
+        self.engine, self.streams = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @contextlib.contextmanager
+    def turn_stream(self, params):
+        self.streams += 1
+        yield OneTurnAtATime(self.engine, params)
+
+
+@pytest.mark.parametrize(("max_tokens", "episode_tokens"), [(6, 64), (10, 30)])
+def test_episodes_streamed_turn_by_turn_are_the_episodes_played_in_lock_step(
+    episode_models, prompts_file, tmp_path, max_tokens, episode_tokens
+):
+    """Each row's next turn submitted when its environment answered, rows finishing in another
+    order than the batch's: the same turns, seeds and limits as every row waiting for the slowest."""
+    config = episode_config(episode_models, prompts_file, tmp_path)
+    config["training"]["max_tokens"] = max_tokens
+    config["datasets"][0]["env"]["max_episode_tokens"] = episode_tokens
+    config = config_from_dict(config)
+    lockstep = Trainer(config, progress=False)
+    streamed = Trainer(config, progress=False)
+    streamed.engine = Streaming(streamed.engine)
+    expected, got = lockstep.collect(0).rollouts, streamed.collect(0).rollouts
+    assert streamed.engine.streams == 1
+    assert got.trajectories == expected.trajectories
+    assert torch.equal(got.input_ids_BT, expected.input_ids_BT)
+    assert torch.equal(got.mask_BT, expected.mask_BT)
+    torch.testing.assert_close(got.sampled_logprobs_BT, expected.sampled_logprobs_BT, atol=1e-5, rtol=0)
+    ends = {(len(t.turns), t.ended) for t in got.trajectories}
+    assert len(ends) > 1, ends  # episodes of different lengths or ends: the interleaving was exercised
 
 
 def test_a_multi_turn_run_logs_its_episodes(episode_models, prompts_file, tmp_path):

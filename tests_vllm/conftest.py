@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.conftest import char_tokenizer, prompts_file, tiny_llama
+from tests.conftest import char_tokenizer, prompts_file, quick_to_stop, tiny_llama
 
 __all__ = ["char_tokenizer", "prompts_file"]
 
@@ -22,7 +22,8 @@ ENGINE_OPTIONS = {"max_model_len": 256, "kv_cache_memory_bytes": 64 * 2**20}
 
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory, char_tokenizer):
-    """'tied' and 'untied' students and a 'teacher', hidden 128 with 4 heads."""
+    """'tied' and 'untied' students and a 'teacher', hidden 128 with 4 heads; 'quick': the untied
+    student ending most turns within a few tokens (multi-turn episodes)."""
     root = tmp_path_factory.mktemp("vllm-models")
     paths = {}
     for name, seed, tie in (("tied", 1, True), ("untied", 3, False), ("teacher", 2, True)):
@@ -30,6 +31,10 @@ def vllm_models(tmp_path_factory, char_tokenizer):
         tiny_llama(len(char_tokenizer), hidden=128, seed=seed, tie=tie).save_pretrained(path)
         char_tokenizer.save_pretrained(path)
         paths[name] = path
+    quick = tiny_llama(len(char_tokenizer), hidden=128, seed=3, tie=False)
+    quick_to_stop(quick).save_pretrained(root / "quick")
+    char_tokenizer.save_pretrained(root / "quick")
+    paths["quick"] = root / "quick"
     return paths
 
 

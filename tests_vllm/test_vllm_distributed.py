@@ -34,6 +34,7 @@ from tests.test_distributed import (
     final_weights,
     rank_pid,
     start_job,
+    two_nodes,
     two_processes,
     wait_for_rows,
     write,
@@ -45,6 +46,24 @@ TENSOR_PARALLEL_TOLERANCE = 1e-4
 """An engine sharded 2 ways sums each layer's output in two halves: its log-probs differ from one
 engine's by about 1e-5 relative (measured), which reaches the advantages and so the updates (final
 weights 6.6e-5 apart, measured); the tokens stay the same."""
+
+
+EPISODES = [
+    "student.model={quick}",
+    "datasets.0.env.name=retry",
+    "datasets.0.env.max_turns=3",
+    "datasets.0.env.max_episode_tokens=120",
+    "training.max_tokens=8",
+]
+"""Rows played as ``retry`` episodes by a student that ends its turns early, streamed into each
+process's engine a turn at a time (vLLM's data-parallel ranks step together until no process has
+a turn left)."""
+
+
+def reference_model(overrides: list[str], vllm_models: dict[str, Path]) -> str:
+    """The student model the overrides name, else the runs' own."""
+    named = [o.split("=", 1)[1] for o in overrides if o.startswith("student.model=")]
+    return named[-1] if named else str(vllm_models["untied"])
 
 
 def run_config(vllm_models: dict[str, Path], prompts: Path, log_path: Path) -> dict:
@@ -136,7 +155,7 @@ def assert_every_step_on_policy(rows: list[dict]) -> None:
     ("parallel", "student", "tensor_parallel"),
     [
         ("fsdp", ["student.lora_rank=0"], 1),
-        ("ddp", ["student.lora_rank=0"], 1),
+        ("ddp", ["student.lora_rank=0", *EPISODES], 1),
         ("fsdp", ["student.lora_rank=4"], 1),
         ("fsdp", ["student.lora_rank=4", "student.lora_sync=adapter"], 1),
         ("fsdp", ["student.lora_rank=0"], 2),
@@ -145,6 +164,7 @@ def assert_every_step_on_policy(rows: list[dict]) -> None:
 def test_two_processes_sampling_with_vllm_make_the_update_one_process_makes(
     vllm_models, prompts, reference_runs, tmp_path, parallel, student, tensor_parallel
 ):
+    student = [override.format(quick=vllm_models["quick"]) for override in student]
     reference = reference_runs(*student)
     config = run_config(vllm_models, prompts, tmp_path / "two")
     path = write(config, tmp_path / "two.yaml")
@@ -169,15 +189,17 @@ def test_two_processes_sampling_with_vllm_make_the_update_one_process_makes(
     want = final_weights(reference, tmp_path / "out1")
     assert set(got) == set(want)
     assert max(float((got[name] - want[name]).abs().max()) for name in want) < tolerance
+    if any(override.startswith("datasets.0.env") for override in student):
+        assert max(row["episode/turns"] for row in rows if "episode/turns" in row) > 1
     if "student.lora_rank=0" in student:
-        initial = load_file(vllm_models["untied"] / "model.safetensors")
+        initial = load_file(Path(reference_model(student, vllm_models)) / "model.safetensors")
         moved = max(float((want[name] - initial[name]).abs().max()) for name in want)
     else:
         moved = max(float(want[name].abs().max()) for name in want if "lora_B" in name)  # B starts at 0
     assert moved > 100 * TOLERANCE  # training moved the weights: the equality above is not trivial
 
 
-def test_collection_ahead_with_vllm_on_two_processes_equals_one(
+def test_collection_ahead_with_vllm_on_two_nodes_equals_one_process(
     vllm_models, prompts, reference_runs, tmp_path
 ):
     # the recorded log-probs build the advantage, as the engines' equality is what is tested here:
@@ -188,7 +210,9 @@ def test_collection_ahead_with_vllm_on_two_processes_equals_one(
     ahead = ("training.max_staleness=1", "training.advantage_logprobs=behaviour")
     reference = reference_runs(*ahead)
     path = write(run_config(vllm_models, prompts, tmp_path / "two"), tmp_path / "two.yaml")
-    two_processes(path, *ahead)
+    # as two nodes on loopback (LOCAL_RANK 0 in both processes): each node's engine is one of
+    # vLLM's data-parallel ranks, and only the run's rank 0 writes
+    two_nodes(path, *ahead)
     rows = read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert [r["staleness_mean"] for r in rows if "staleness_mean" in r] == [0, 1, 1]
     assert_same_metrics(rows, read_jsonl(reference / "metrics.jsonl"), TOLERANCE)

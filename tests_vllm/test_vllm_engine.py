@@ -116,11 +116,24 @@ def test_ten_steps_keep_kl_sample_train_below_1e_3(vllm_config, vllm_models, stu
     assert all(m["time/weight_sync"] > 0 for m in metrics[1:])
 
 
+class InLockStep:
+    """The run's vLLM engine with its turn stream hidden: episodes played a turn of every row at a time."""
+
+    turn_stream = None
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 def test_multi_turn_episodes_keep_kl_sample_train_below_1e_3(
     vllm_config, vllm_models, tmp_path, char_tokenizer
 ):
     """vLLM samples each turn of ``retry`` episodes (a student that ends its turns early, so that
-    episodes go on after a wrong answer); the environment's replies are never trained on."""
+    episodes go on after a wrong answer); the environment's replies are never trained on. Turns
+    streamed into the running batch are the turns played in lock step, token for token."""
     quick = tmp_path / "quick"
     quick_to_stop(tiny_llama(len(char_tokenizer), hidden=128, seed=3, tie=False)).save_pretrained(quick)
     char_tokenizer.save_pretrained(quick)
@@ -132,9 +145,15 @@ def test_multi_turn_episodes_keep_kl_sample_train_below_1e_3(
     }
     config["training"] |= {"max_steps": 3, "learning_rate": 5e-3}
     trainer = Trainer(config_from_dict(config), progress=False)
-    first = trainer.collect(0)
+    first = trainer.collect(0)  # each episode's next turn joins vLLM's running batch when ready
     assert max(len(t.turns) for t in first.rollouts.trajectories) > 1
     assert gap(trainer, first) < 1e-4
+    streamed = trainer.engine
+    trainer.engine = InLockStep(streamed)
+    again = trainer.collect(0)  # every row waiting for the batch's longest turn, as before
+    assert again.rollouts.trajectories == first.rollouts.trajectories
+    assert torch.equal(again.rollouts.input_ids_BT, first.rollouts.input_ids_BT)
+    trainer.engine = streamed
     metrics = train(config_from_dict(config), progress=False).metrics
     assert max(abs(m["kl_sample_train"]) for m in metrics) < 1e-3, metrics
     assert max(m["episode/turns"] for m in metrics) > 1

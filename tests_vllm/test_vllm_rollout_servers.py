@@ -153,9 +153,19 @@ def run_config(vllm_models, prompts: Path, log_path: Path, **student) -> dict:
     }
 
 
-def colocated(vllm_models, prompts, log_path: Path, *overrides: dict) -> list[dict]:
+def playing_episodes(config: dict, vllm_models) -> dict:
+    """``config`` with its rows played as ``retry`` episodes by a student that ends turns early."""
+    config["student"]["model"] = str(vllm_models["quick"])
+    config["datasets"][0]["env"] = {"name": "retry", "max_turns": 3, "max_episode_tokens": 120}
+    config["training"]["max_tokens"] = 8
+    return config
+
+
+def colocated(vllm_models, prompts, log_path: Path, *overrides: dict, episodes: bool = False) -> list[dict]:
     """The same run with the in-process vLLM engine: what the servers must reproduce."""
     config = run_config(vllm_models, prompts, log_path, sampler="vllm", sampler_options=dict(ENGINE_OPTIONS))
+    if episodes:
+        config = playing_episodes(config, vllm_models)
     for override in overrides:
         for section, values in override.items():
             config[section] = config[section] | values
@@ -192,6 +202,26 @@ def test_a_server_samples_from_the_trained_weights_as_the_in_process_engine(
     ).metrics
     assert_on_policy(rows)
     assert_same_first_step(rows, reference)
+
+
+def test_episodes_streamed_to_a_server_draw_the_tokens_the_in_process_engine_draws(
+    vllm_models, prompts, servers, tmp_path
+):
+    """Each turn sent to the server as soon as its row's environment answered, as the in-process
+    engine streams turns into its running batch: the same episodes, token for token. The update's
+    figures are not compared: the server's log-probs come from another process (kl_sample_train
+    1.0e-6 against the in-process engine's 2.8e-7, measured), which this quick-stopping student's
+    gradients (norm ~220) carry to 1.8e-5 relative."""
+    one_step = {"training": {"max_steps": 1}}
+    (want, *_) = colocated(vllm_models, prompts, tmp_path / "colocated", one_step, episodes=True)
+    config = playing_episodes(on_servers(vllm_models, prompts, tmp_path / "server", servers[:1]), vllm_models)
+    config["training"]["max_steps"] = 1
+    (row, *_) = train(config_from_dict(config), progress=False).metrics
+    assert_on_policy([row], steps=1)
+    assert row["episode/turns"] > 1
+    # the same tokens: a token drawn otherwise would move the batch's teacher KL by ~1e-2 (of 8 nats)
+    assert (row["num_tokens"], row["episode/turns"]) == (want["num_tokens"], want["episode/turns"])
+    assert row["teacher_kl"] == pytest.approx(want["teacher_kl"], rel=1e-6)
 
 
 def test_two_servers_and_two_training_processes_with_lora(vllm_models, prompts, servers, tmp_path):

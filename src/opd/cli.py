@@ -159,7 +159,7 @@ def _rollout_server(args: argparse.Namespace) -> None:
 
     from opd.errors import ConfigError
     from opd.sampling.rollout_guard import WEIGHTS_DIR_ENV, default_weights_root
-    from opd.sampling.vllm_server import rollout_server_command
+    from opd.sampling.rollout_server import rollout_server_command
 
     command = rollout_server_command(args.model, args.host, args.port, args.vllm_args)
     if importlib.util.find_spec("vllm") is None:

@@ -134,6 +134,9 @@ def load_causal_lm(name: str, field: str, *, dtype: str, device: str, trust_remo
             dtype=resolve_dtype(dtype, target),
             trust_remote_code=trust_remote_code,
             local_files_only=cached_only,
+            # transformers looks for a PEFT adapter config online even with local_files_only: a
+            # minute of retries to an unreachable hub (seen with transformers 5.25) without this
+            **({"adapter_kwargs": {"local_files_only": True}} if cached_only else {}),
         )
     except (OSError, ValueError) as error:
         raise ModelLoadError(

@@ -19,7 +19,15 @@ if TYPE_CHECKING:
 
     from opd.policy.policy import Policy
 
-__all__ = ["Completion", "RolloutEngine", "Sampler", "SamplingParams", "row_seed", "row_seeds"]
+__all__ = [
+    "Completion",
+    "RolloutEngine",
+    "Sampler",
+    "SamplingParams",
+    "TurnStream",
+    "row_seed",
+    "row_seeds",
+]
 
 
 @dataclass(frozen=True)
@@ -122,4 +130,21 @@ class RolloutEngine(Protocol):
     ) -> list[Completion]:
         """One completion per prompt, drawn with that prompt's seed, each with its behaviour
         log-probs and policy version."""
+        ...
+
+
+class TurnStream(Protocol):
+    """Turns sampled one row at a time: a row's next turn is submitted as soon as its environment
+    answered, while the engine still samples other rows' turns (no row waits for a batch's
+    longest turn). An engine that can, offers one as ``turn_stream(params)``, a context manager
+    that drops whatever is still pending when it exits."""
+
+    def submit(self, key: int, prompt: list[int], seed: int, max_tokens: int) -> None:
+        """Start sampling one completion of ``prompt``, drawn with ``seed``, known as ``key``."""
+        ...
+
+    def finished(self) -> list[tuple[int, Completion]] | None:
+        """The turns that finished since the last call (waiting for the engine to move; may be
+        empty), each as ``(key, completion)``; None once nothing is pending anywhere (every
+        process of the run, where the engines sample together)."""
         ...

@@ -6,7 +6,10 @@ Each turn is one call of the engine (HF generate, colocated vLLM, rollout server
 sampler) on the rows still playing, each row's prompt being its whole episode so far; a row's
 turn k is drawn with a seed made from its own seed and k only, so a row samples the same
 whatever rows share its batch or process. Rows without an environment play one turn and come
-back exactly as the engine wrote them.
+back exactly as the engine wrote them. An engine that streams turns (the vLLM engines:
+:class:`opd.sampling.base.TurnStream`) plays each episode at its own pace instead
+(:func:`play_episodes_streamed`): the same seeds and limits, so the same tokens wherever the
+engine's numbers do not depend on which rows it batches together.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from opd.data.sequences import Completion, Trajectory
 from opd.distributed import all_reduce
 from opd.envs.base import Episode, Step
 from opd.errors import EpisodeError
-from opd.sampling.base import row_seed
+from opd.sampling.base import TurnStream, row_seed
 
 TurnSampler = Callable[
     [list[int], list[list[int]], list[list[dict[str, str]]], list[int], int], list[Completion]
@@ -83,6 +86,13 @@ def _checked(step: object, spec: EpisodeSpec, turn: int) -> Step:
     if step.reward is not None and not isinstance(step.reward, int | float):
         raise EpisodeError(f"{where}: reward must be a number or None, got {step.reward!r}")
     return step
+
+
+def _limit(played: _Played, max_tokens: int) -> int:
+    """The tokens the row's next turn may take: the turn's bound, and what its episode has left."""
+    if played.spec.episode is None:
+        return max_tokens
+    return min(max_tokens, played.spec.max_episode_tokens - len(played.token_ids))
 
 
 def _take_turn(
@@ -168,12 +178,7 @@ def play_episodes(
             sample([0], [prompts[0]], [playing[0].history], [turn_seed(seeds[0], turn)], 1)
             turn += 1
             continue
-        limits = [
-            max_tokens
-            if playing[r].spec.episode is None
-            else min(max_tokens, playing[r].spec.max_episode_tokens - len(playing[r].token_ids))
-            for r in active
-        ]
+        limits = [_limit(playing[r], max_tokens) for r in active]
         completions = sample(
             active,
             [prompts[r] + playing[r].token_ids for r in active],
@@ -185,4 +190,30 @@ def play_episodes(
             _take_turn(playing[row], completion, limit, renderer, turn)
         active = [r for r in active if playing[r].ended is None]
         turn += 1
+    return [_result(played) for played in playing]
+
+
+def play_episodes_streamed(
+    stream: TurnStream,
+    renderer: ChatRenderer,
+    prompts: list[list[int]],
+    specs: list[EpisodeSpec],
+    seeds: list[int],
+    max_tokens: int,
+) -> list[Completion]:
+    """:func:`play_episodes` on a stream: a row's next turn is submitted as soon as its environment
+    answered its last one, with the seed and token limit the lock-step play would give it."""
+    playing = [_Played(spec, list(spec.messages)) for spec in specs]
+    limits = [_limit(played, max_tokens) for played in playing]
+    for row, prompt in enumerate(prompts):
+        stream.submit(row, prompt, turn_seed(seeds[row], 0), limits[row])
+    while (done := stream.finished()) is not None:
+        for row, completion in done:
+            played = playing[row]
+            turn = len(played.turns)
+            _take_turn(played, completion, limits[row], renderer, turn)
+            if played.ended is None:
+                limits[row] = _limit(played, max_tokens)
+                seed = turn_seed(seeds[row], turn + 1)
+                stream.submit(row, prompts[row] + played.token_ids, seed, limits[row])
     return [_result(played) for played in playing]

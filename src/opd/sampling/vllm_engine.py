@@ -29,6 +29,8 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +39,7 @@ from opd.distributed import all_gather_objects, announce, consecutive_groups, ra
 from opd.errors import ConfigError
 from opd.models import DTYPES
 from opd.policy.config import StudentConfig
-from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
+from opd.sampling.base import SamplingParams, TurnStream, pad_id_for, row_seeds
 from opd.sampling.vllm_settings import (
     attention_head_problem,
     engine_options,
@@ -183,8 +185,6 @@ class VLLMEngine:
     ) -> list[Completion]:
         """One completion per prompt from the engine's current weights (greedy ignores the temperature);
         ``seed`` as :meth:`opd.sampling.base.Sampler.sample` takes it."""
-        from vllm import SamplingParams as VLLMSamplingParams
-
         if self.version is None:
             raise RuntimeError("VLLMEngine.sample before the first sync: call sync(policy) first")
         seeds = [None] * len(prompts) if seed is None else row_seeds(seed, len(prompts))
@@ -196,24 +196,7 @@ class VLLMEngine:
             share = (start, start + len(prompts))
             prompts = [row for rows, _ in shares for row in rows]
             seeds = [row for _, rows in shares for row in rows]
-        params = [
-            VLLMSamplingParams(
-                n=1,
-                temperature=0.0 if greedy else temperature,
-                top_p=1.0,
-                top_k=0,
-                max_tokens=max_tokens,
-                seed=seed_of_row,
-                logprobs=0,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=True,
-                stop=self.stop_strings or None,
-                include_stop_str_in_output=True,
-                allowed_token_ids=self.allowed_token_ids,
-                skip_special_tokens=False,
-            )
-            for seed_of_row in seeds
-        ]
+        params = [self._params(temperature, max_tokens, greedy, seed_of_row) for seed_of_row in seeds]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts],
             params,
@@ -222,12 +205,83 @@ class VLLMEngine:
         )
         return [self._completion(output.outputs[0]) for output in outputs[share[0] : share[1]]]
 
+    def _params(self, temperature: float, max_tokens: int, greedy: bool, seed: int | None):
+        """vLLM's sampling parameters for one row: exactly ``softmax(logits / temperature)``."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        return VLLMSamplingParams(
+            n=1,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=max_tokens,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=True,
+            stop=self.stop_strings or None,
+            include_stop_str_in_output=True,
+            allowed_token_ids=self.allowed_token_ids,
+            skip_special_tokens=False,
+        )
+
+    @contextmanager
+    def turn_stream(self, params: SamplingParams) -> Iterator[TurnStream | None]:
+        """Rollout turns submitted one row at a time into the engine's running batch (None where
+        the engine is sharded over a tensor-parallel group, whose processes must submit together);
+        turns still pending at exit (an environment failed) are aborted."""
+        if self.version is None:
+            raise RuntimeError("VLLMEngine.turn_stream before the first sync: call sync(policy) first")
+        if self.group is not None:
+            yield None
+            return
+        stream = _EngineTurns(self, params)
+        try:
+            yield stream
+        finally:
+            if stream.pending:
+                self.llm.llm_engine.abort_request(list(stream.pending))
+        if self.sleep_mode:
+            self.llm.sleep(level=1 if self.adapter_sync else 2)
+            self.sleeping = True
+
     def _completion(self, output) -> Completion:
         token_ids = list(output.token_ids)
         logprobs = [
             float(step[token].logprob) for step, token in zip(output.logprobs, token_ids, strict=True)
         ]
         return Completion(token_ids, logprobs, finished=output.finish_reason == "stop")
+
+
+class _EngineTurns:
+    """A :class:`TurnStream` on the in-process engine: requests join vLLM's running batch (its
+    continuous batching) and come back as they finish, one engine step at a time. Under torchrun
+    the engines are vLLM's data-parallel ranks: every process steps until none has work left."""
+
+    def __init__(self, engine: VLLMEngine, params: SamplingParams):
+        self.engine, self.params = engine, params
+        self.pending: dict[str, int] = {}
+
+    def submit(self, key: int, prompt: list[int], seed: int, max_tokens: int) -> None:
+        engine, params = self.engine, self.params
+        request = engine._params(params.temperature, max_tokens, params.greedy, seed)
+        (internal,) = engine.llm.enqueue(
+            [{"prompt_token_ids": list(prompt)}], [request], use_tqdm=False, lora_request=engine.lora_request
+        )
+        # vLLM answers with the id it was given; the one enqueue returns has a random suffix
+        self.pending[internal.rsplit("-", 1)[0]] = key
+
+    def finished(self) -> list[tuple[int, Completion]] | None:
+        core = self.engine.llm.llm_engine
+        if not core.has_unfinished_requests():
+            return None
+        done = []
+        for output in core.step():
+            if output.finished:
+                completion = self.engine._completion(output.outputs[0])
+                done.append((self.pending.pop(output.request_id), completion))
+        version = self.engine.version
+        return [(key, dataclasses.replace(c, policy_version=version)) for key, c in done]
 
 
 def refresh_shared_weight_layers(model) -> None:

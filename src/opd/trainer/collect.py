@@ -21,7 +21,7 @@ from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.errors import EpisodeError
 from opd.runs.timing import SpanRecorder
 from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
-from opd.sampling.episodes import EpisodeSpec, TurnSampler, play_episodes
+from opd.sampling.episodes import EpisodeSpec, TurnSampler, play_episodes, play_episodes_streamed
 from opd.teachers.writer import write_rows
 from opd.trainer.batch import Batch
 from opd.trainer.components import RunComponents
@@ -133,7 +133,15 @@ class Collection(RunComponents):
                     )
 
             try:
-                completions = self.play(sample, prompts, items, dataset_indices, seeds, lockstep=lockstep)
+                completions = self.play(
+                    sample,
+                    prompts,
+                    items,
+                    dataset_indices,
+                    seeds,
+                    lockstep=lockstep,
+                    engine=engine if source == "student" else None,
+                )
             except EpisodeError as error:
                 raise EpisodeError(f"step {step}: {error}") from None
         rollouts = build_rollout_batch(prompts, completions, dataset_indices, self.engine.pad_id, items)
@@ -164,12 +172,21 @@ class Collection(RunComponents):
         seeds: list[int],
         *,
         lockstep: bool,
+        engine: RolloutEngine | None = None,
     ) -> list[Completion]:
-        """Each row's completion from ``sample``: one turn, or its dataset's environment's episode."""
-        max_tokens = self.config.training.max_tokens
+        """Each row's completion from ``sample``: one turn, or its dataset's environment's episode.
+        Episodes are played on ``engine``'s turn stream where it has one (the vLLM engines): each
+        row's next turn starts when its environment answered, not when the batch's slowest turn ends."""
+        training = self.config.training
+        max_tokens = training.max_tokens
         if not any(self.environments):
             return sample(list(range(len(prompts))), prompts, [p.messages for p in items], seeds, max_tokens)
         specs = [self.episode_spec(index, item) for index, item in zip(dataset_indices, items, strict=True)]
+        if (turn_stream := getattr(engine, "turn_stream", None)) is not None:
+            params = SamplingParams(temperature=training.temperature, max_tokens=max_tokens)
+            with turn_stream(params) as stream:
+                if stream is not None:
+                    return play_episodes_streamed(stream, self.renderer, prompts, specs, seeds, max_tokens)
         return play_episodes(sample, self.renderer, prompts, specs, seeds, max_tokens, lockstep=lockstep)
 
     def episode_spec(self, dataset_index: int, prompt: Prompt) -> EpisodeSpec:
