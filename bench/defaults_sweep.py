@@ -57,6 +57,11 @@ KEPT_METRICS = (
     "advantage/max",
     "on_policy",
     "lmbda",
+    "reward/mean",
+    "reward/group_std",
+    "reward/constant_groups",
+    "advantage/kl_abs_mean",
+    "advantage/reward_abs_mean",
 )
 
 
