@@ -167,12 +167,16 @@ class VLLMEngine:
             greedy=params.greedy,
             seed=seeds,
         )
+        self._sleep()
+        return [dataclasses.replace(c, policy_version=self.version) for c in completions]
+
+    def _sleep(self) -> None:
+        """After a rollout, free the engine's memory for the update where sleep mode is on: level 2
+        frees the weights, which the next sync pushes again; an adapter sync does not push the base
+        weights, so they are kept in host memory (level 1)."""
         if self.sleep_mode:
-            # level 2 frees the weights, which the next sync pushes again; an adapter sync does
-            # not push the base weights, so they are kept in host memory (level 1)
             self.llm.sleep(level=1 if self.adapter_sync else 2)
             self.sleeping = True
-        return [dataclasses.replace(c, policy_version=self.version) for c in completions]
 
     def sample(
         self,
@@ -241,9 +245,7 @@ class VLLMEngine:
         finally:
             if stream.pending:
                 self.llm.llm_engine.abort_request(list(stream.pending))
-        if self.sleep_mode:
-            self.llm.sleep(level=1 if self.adapter_sync else 2)
-            self.sleeping = True
+        self._sleep()
 
     def _completion(self, output) -> Completion:
         token_ids = list(output.token_ids)
