@@ -18,7 +18,7 @@ from typing import Any
 from opd.config import Config, DatasetConfig, LambdaSchedule, TrainingConfig
 from opd.envs.registry import EnvConfig, environments
 from opd.objectives.registry import objectives
-from opd.policy.config import StudentConfig
+from opd.sampling.engines import StudentSection
 from opd.teachers.config import MixtureMember, TeacherConfig
 
 
@@ -29,7 +29,7 @@ def _first_line(cls: type) -> str:
 
 SECTIONS: list[tuple[str, type, str]] = [
     ("", Config, "The top level of a config file."),
-    ("student", StudentConfig, "The model being trained and the engine that samples it."),
+    ("student", StudentSection, "The model being trained and the engine that samples it."),
     ("teacher", TeacherConfig, "The default teacher; a dataset's own `teacher:` takes the same keys."),
     (
         "teacher.mixture[]",

@@ -2,8 +2,10 @@
 
 A YAML file maps onto :class:`Config`; ``dotted.key=value`` overrides from the command line
 are applied before it is built. Each section checks its own fields as it is built
-(:class:`opd.policy.StudentConfig`, :class:`opd.teachers.TeacherConfig`, :class:`DatasetConfig`,
-the sections of :class:`TrainingConfig`, every objective and environment in its own module);
+(the ``student`` section, :class:`opd.sampling.engines.StudentSection`: the model's settings and
+each rollout engine's beside the engine; :class:`opd.teachers.TeacherConfig`,
+:class:`DatasetConfig`, the sections of :class:`TrainingConfig`, every objective and environment
+in its own module);
 :mod:`opd.config.rules` holds only the rules between sections. Unknown keys, wrong types and
 out-of-range values raise :class:`ConfigError` naming the field (and a close spelling when there
 is one).
@@ -27,6 +29,7 @@ from opd.config.run import RUN_CONFIG_NAME, Config
 from opd.config.training import LambdaSchedule, TrainingConfig
 from opd.errors import ConfigError
 from opd.policy.config import StudentConfig
+from opd.sampling.engines import StudentSection
 from opd.teachers.config import TeacherConfig
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "DatasetConfig",
     "LambdaSchedule",
     "StudentConfig",
+    "StudentSection",
     "TeacherConfig",
     "TrainingConfig",
     "apply_overrides",

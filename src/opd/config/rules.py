@@ -1,7 +1,7 @@
 """The rules that span components, checked once every section has checked its own fields: what an
-objective needs against where the batches come from and what each teacher can send, the sampler's
-settings against the student, an environment against the data source, collection ahead against
-LoRA syncing. Each rule names the setting to change."""
+objective needs against where the batches come from and what each teacher can send, an environment
+against the data source, collection ahead against LoRA syncing. Each rule names the setting to
+change."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ from opd.config.run import Config
 from opd.config.training import TrainingConfig
 from opd.errors import ConfigError
 from opd.objectives.registry import objective_names
-from opd.sampling.vllm_settings import student_settings_problems
 from opd.teachers.config import TeacherConfig
 
 
 def validate(config: Config) -> Config:
     """Fill the defaults that depend on other settings, then check the rules between sections."""
-    for key, problem in student_settings_problems(config.student):
-        raise ConfigError(f"student.{key}: {problem}")
     training = config.training
     for i, dataset in enumerate(config.datasets):
         if dataset.env is not None and training.data_source == "dataset":

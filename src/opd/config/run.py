@@ -10,7 +10,7 @@ from opd.checks import range_problems
 from opd.config.datasets import DatasetConfig
 from opd.config.training import TrainingConfig
 from opd.locations import missing_path_problem
-from opd.policy.config import StudentConfig
+from opd.sampling.engines import StudentSection
 from opd.teachers.config import TeacherConfig
 
 RUN_CONFIG_NAME = "config.yaml"
@@ -21,8 +21,8 @@ RUN_CONFIG_NAME = "config.yaml"
 class Config:
     """A whole run: where it logs, what trains on what, and how."""
 
-    student: StudentConfig
-    """The model being trained."""
+    student: StudentSection
+    """The model being trained, and the engine that samples its rollouts."""
     teacher: TeacherConfig
     """The default teacher, used by every dataset that names none."""
     datasets: list[DatasetConfig]

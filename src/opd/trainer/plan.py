@@ -13,12 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from opd.build.teachers import run_teachers, teacher_is_the_students_base
-from opd.config import Config, TrainingConfig
+from opd.config import Config, StudentSection, TrainingConfig
 from opd.errors import ModelLoadError
 from opd.models import model_source
-from opd.policy.config import StudentConfig
 from opd.policy.parallel import parallel_mode
-from opd.sampling.vllm_engine import GPU_MEMORY_UTILIZATION
+from opd.sampling.vllm_settings import GPU_MEMORY_UTILIZATION
 from opd.teachers.config import TeacherConfig
 from opd.trainer.micro_batching import activation_bytes_per_token, device_memory, sized_budget
 from opd.trainer.processes import check_processes, shards_its_teacher, step_group_sizes
@@ -84,7 +83,7 @@ def billions(count: int) -> str:
     return f"{count:,} ({short})"
 
 
-def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, student: StudentConfig) -> str:
+def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, student: StudentSection) -> str:
     """How the update's forwards are cut: the budget set, rows, or the budget a run would size."""
     how = "packed" if training.packing else "padded"
     if training.micro_batch_tokens is not None:
@@ -168,17 +167,7 @@ def describe_plan(config: Config, processes: int) -> str:
         teacher_sizes[key] = size
         lines.append(f"teacher        {share}{teacher_line(teacher, size, teacher_sharded, processes)}")
     sampler = student.sampler
-    if sampler == "vllm":
-        tp = student.sampler_options.get("tensor_parallel_size", 1)
-        share = student.sampler_options.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
-        lines.append(
-            f"sampler        vllm in every process (tensor_parallel_size {tp}), "
-            f"gpu_memory_utilization {share:g} on a GPU"
-        )
-    elif sampler == "vllm_server":
-        lines.append(f"sampler        vllm servers {', '.join(student.rollout_servers)}")
-    else:
-        lines.append("sampler        hf generate, in every process")
+    lines.append(f"sampler        {student.plan_line()}")
     sequences = sum(step_group_sizes(config))
     lines.append(
         f"per step       {sequences} sequences ({sequences // processes} per process), up to "
