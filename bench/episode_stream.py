@@ -11,11 +11,16 @@ Run alone (nothing else on the CPU):
 
     python bench/episode_stream.py --model ~/.cache/opd/smollm2-135m-instruct \\
         --out docs/results/episode_stream.json
+
+``--tool-delay S --step-workers N``: the calculator answers after ``S`` seconds (a tool that
+waits), and each step is also sampled both ways with ``env.step_workers: N`` (answers in N threads
+beside the engine): four variants a step, the order rotating.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -26,6 +31,7 @@ from provenance import write_result
 
 from opd.config import config_from_dict, config_to_dict
 from opd.data.builtin_tasks import generate_task_prompts
+from opd.envs.calculator import Calculator, CalculatorEpisode
 from opd.trainer.loop import Trainer
 
 SYSTEM = (
@@ -44,6 +50,26 @@ SHOTS = [
 ]
 """Two worked episodes before the question: without them SmolLM2 called the tool in 0 of 16
 answers, with them in 13 of 16 (measured at temperature 1)."""
+
+
+@dataclasses.dataclass
+class SlowCalculatorEpisode(CalculatorEpisode):
+    delay: float = 0.0
+
+    def step(self, reply: str):
+        time.sleep(self.delay)
+        return super().step(reply)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowCalculator(Calculator):
+    """The calculator, answering after ``delay`` seconds (a tool behind a network call)."""
+
+    delay: float = 0.0
+
+    def start(self, prompt, grader) -> SlowCalculatorEpisode:
+        episode = super().start(prompt, grader)
+        return SlowCalculatorEpisode(**vars(episode), delay=self.delay)
 
 
 class InLockStep:
@@ -85,7 +111,8 @@ def run_config(args, prompts: Path, log_path: Path) -> dict:
                 "groups_per_batch": args.prompts,
                 "group_size": args.group_size,
                 "env": {
-                    "name": "calculator",
+                    "name": "episode_stream:SlowCalculator" if args.tool_delay else "calculator",
+                    **({"delay": args.tool_delay} if args.tool_delay else {}),
                     "max_turns": args.max_turns,
                     "max_episode_tokens": args.episode_tokens,
                 },
@@ -93,12 +120,6 @@ def run_config(args, prompts: Path, log_path: Path) -> dict:
         ],
         "training": {"max_tokens": args.max_tokens, "temperature": 1.0, "max_steps": args.steps},
     }
-
-
-def timed(trainer: Trainer, step: int) -> tuple[float, object]:
-    started = time.perf_counter()
-    sampled = trainer.sample(step)
-    return time.perf_counter() - started, sampled.rollouts
 
 
 def main() -> None:
@@ -112,6 +133,10 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--episode-tokens", type=int, default=320, help="tokens an episode at most")
     parser.add_argument("--steps", type=int, default=4, help="timed steps (each sampled both ways)")
+    parser.add_argument("--tool-delay", type=float, default=0.0, help="seconds each tool answer takes")
+    parser.add_argument(
+        "--step-workers", type=int, default=1, help="also sample with env.step_workers N (N > 1)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -119,33 +144,45 @@ def main() -> None:
     prompts = prompts_file(work / "prompts.jsonl", args.prompts * (args.steps + 1))
     config = config_from_dict(run_config(args, prompts, work / "run"))
     trainer = Trainer(config, progress=False)
-    streamed_engine, lockstep_engine = trainer.engine, InLockStep(trainer.engine)
-    engines = {"streamed": streamed_engine, "lockstep": lockstep_engine}
-    for engine in engines.values():  # warm up both paths (first calls build vLLM's caches)
-        trainer.engine = engine
-        timed(trainer, args.steps)
+    dataset = trainer.config.datasets[0]
+    engines = {"streamed": trainer.engine, "lockstep": InLockStep(trainer.engine)}
+    variants = {name: (engine, 1) for name, engine in engines.items()}
+    if args.step_workers > 1:
+        variants |= {f"{name}-threads": (engine, args.step_workers) for name, engine in engines.items()}
 
+    def timed(step: int, name: str) -> tuple[float, object]:
+        trainer.engine, workers = variants[name]
+        dataset.env = dataclasses.replace(dataset.env, step_workers=workers)
+        started = time.perf_counter()
+        sampled = trainer.sample(step)
+        return time.perf_counter() - started, sampled.rollouts
+
+    for name in variants:  # warm up every path (first calls build vLLM's caches)
+        timed(args.steps, name)
+
+    names = list(variants)
     steps = []
     for step in range(args.steps):
-        order = ["streamed", "lockstep"] if step % 2 == 0 else ["lockstep", "streamed"]
+        order = names[step % len(names) :] + names[: step % len(names)]
         record = {"step": step}
         rollouts = {}
         for name in order:
-            trainer.engine = engines[name]
-            seconds, rollouts[name] = timed(trainer, step)
+            seconds, rollouts[name] = timed(step, name)
             record[f"{name}_s"] = seconds
-        a, b = rollouts["streamed"], rollouts["lockstep"]
+        a = rollouts["streamed"]
         rows = len(a.trajectories)
-        same = [
-            a.trajectories[r] == b.trajectories[r]
-            and a.input_ids_BT[r][a.attention_mask_BT[r].bool()].tolist()
-            == b.input_ids_BT[r][b.attention_mask_BT[r].bool()].tolist()
-            for r in range(rows)
-        ]
+        for name in names[1:]:
+            b = rollouts[name]
+            record[f"same_episodes_{name}"] = sum(
+                a.trajectories[r] == b.trajectories[r]
+                and a.input_ids_BT[r][a.attention_mask_BT[r].bool()].tolist()
+                == b.input_ids_BT[r][b.attention_mask_BT[r].bool()].tolist()
+                for r in range(rows)
+            )
         turns = [len(t.turns) for t in a.trajectories]
         record |= {
             "episodes": rows,
-            "same_episodes": sum(same),
+            "same_episodes": record["same_episodes_lockstep"],
             "turns_mean": statistics.mean(turns),
             "turns_max": max(turns),
             "tool_calls": sum(t.metrics.get("tool_calls", 0.0) for t in a.trajectories),
@@ -153,28 +190,32 @@ def main() -> None:
             "success": statistics.mean(float((t.reward or 0.0) >= 1.0) for t in a.trajectories),
         }
         steps.append(record)
+        times = ", ".join(f"{name} {record[f'{name}_s']:.2f} s" for name in names)
         print(
-            f"step {step}: streamed {record['streamed_s']:.2f} s, lock step {record['lockstep_s']:.2f} s "
-            f"({record['streamed_s'] / record['lockstep_s']:.2f}x); {sum(same)}/{rows} episodes the same; "
-            f"turns mean {record['turns_mean']:.2f} max {record['turns_max']}",
+            f"step {step}: {times}; {record['same_episodes']}/{rows} episodes the same streamed and in "
+            f"lock step; turns mean {record['turns_mean']:.2f} max {record['turns_max']}, "
+            f"{record['tool_calls']:.0f} tool calls",
             flush=True,
         )
 
     episodes = sum(r["episodes"] for r in steps)
-    streamed_s = sum(r["streamed_s"] for r in steps)
-    lockstep_s = sum(r["lockstep_s"] for r in steps)
+    seconds = {name: sum(r[f"{name}_s"] for r in steps) for name in names}
     summary = {
         "episodes": episodes,
-        "streamed_episodes_per_s": episodes / streamed_s,
-        "lockstep_episodes_per_s": episodes / lockstep_s,
-        "streamed_vs_lockstep_time": streamed_s / lockstep_s,
+        **{f"{name}_episodes_per_s": episodes / seconds[name] for name in names},
+        "streamed_vs_lockstep_time": seconds["streamed"] / seconds["lockstep"],
         "per_step_time_ratios": [r["streamed_s"] / r["lockstep_s"] for r in steps],
+        **{f"same_episodes_{name}": sum(r[f"same_episodes_{name}"] for r in steps) for name in names[1:]},
         "same_episodes": sum(r["same_episodes"] for r in steps),
     }
+    for name in names[2:]:
+        base = name.removesuffix("-threads")
+        summary[f"{name}_vs_{base}_time"] = seconds[name] / seconds[base]
     print(
-        f"episodes/s: streamed {summary['streamed_episodes_per_s']:.3f}, lock step "
-        f"{summary['lockstep_episodes_per_s']:.3f}; time streamed / lock step "
-        f"{summary['streamed_vs_lockstep_time']:.2f}; {summary['same_episodes']}/{episodes} episodes the same"
+        "episodes/s: "
+        + ", ".join(f"{name} {summary[f'{name}_episodes_per_s']:.3f}" for name in names)
+        + f"; time streamed / lock step {summary['streamed_vs_lockstep_time']:.2f}; "
+        + ", ".join(f"{name}: {summary[f'same_episodes_{name}']}/{episodes} the same" for name in names[1:])
     )
     write_result(
         args.out,

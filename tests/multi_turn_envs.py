@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 from opd.envs.base import Environment, Episode, Step
@@ -53,3 +55,44 @@ class WordReward(Environment):
 
     def start(self, prompt, grader) -> WordRewardEpisode:
         return WordRewardEpisode()
+
+
+class Overlap:
+    """How many steps run at once, and the most there ever were (the threads' counter)."""
+
+    def __init__(self) -> None:
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+    def __enter__(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+OVERLAP = Overlap()
+"""Shared by every :class:`SlowReply` episode of a process, as a tool's client would be."""
+
+
+@dataclass
+class SlowReplyEpisode(ReplyOnceEpisode):
+    delay: float = 0.0
+
+    def step(self, reply: str) -> Step:
+        with OVERLAP:
+            time.sleep(self.delay)
+        return super().step(reply)
+
+
+@dataclass(frozen=True)
+class SlowReply(ReplyOnce):
+    """:class:`ReplyOnce` whose every answer takes ``delay`` seconds (a tool that waits), counted in
+    :data:`OVERLAP`."""
+
+    delay: float = 0.05
+
+    def start(self, prompt, grader) -> SlowReplyEpisode:
+        return SlowReplyEpisode(self.reply, delay=self.delay)

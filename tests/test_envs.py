@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import quick_to_stop, tiny_llama
+from multi_turn_envs import OVERLAP
 
 from opd.cli import main
 from opd.config import config_from_dict
@@ -255,9 +256,9 @@ class OneTurnAtATime:
     def submit(self, key, prompt, seed, max_tokens):
         self.queue.append((key, prompt, seed, max_tokens))
 
-    def finished(self):
+    def finished(self, waiting=False):
         if not self.queue:
-            return None
+            return [] if waiting else None
         key, prompt, seed, max_tokens = self.queue.pop()
         params = dataclasses.replace(self.params, max_tokens=max_tokens)
         (completion,) = self.engine.rollout([prompt], params, seeds=[seed])
@@ -409,3 +410,46 @@ def test_retry_without_answers_is_refused_before_any_work(base_config, tmp_path)
     with pytest.raises(ConfigError, match=r"datasets\[0\]\.env: environment 'retry' cannot start an episode"):
         Trainer(config_from_dict(base_config), progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["lockstep", "streamed"])
+def test_an_environment_with_step_workers_answers_episodes_at_once_and_plays_the_same_ones(
+    episode_models, prompts_file, tmp_path, streamed
+):
+    """``env.step_workers: 4``: a waiting tool's answers overlap, 4 at most (none with the default),
+    in lock step and streamed, and the episodes are those played one answer at a time."""
+    env = {"name": "multi_turn_envs:SlowReply", "max_turns": 3, "max_episode_tokens": 64, "delay": 0.2}
+    played, most = {}, {}
+    for workers in (1, 4):
+        config = episode_config(episode_models, prompts_file, tmp_path, env=dict(env, step_workers=workers))
+        trainer = Trainer(config_from_dict(config), progress=False)
+        if streamed:
+            trainer.engine = Streaming(trainer.engine)
+        OVERLAP.most = 0
+        played[workers] = trainer.collect(0).rollouts
+        most[workers] = OVERLAP.most
+    assert most == {1: 1, 4: 4}
+    assert sum(len(t.turns) == 2 for t in played[1].trajectories) >= 2
+    assert played[4].trajectories == played[1].trajectories
+    assert torch.equal(played[4].input_ids_BT, played[1].input_ids_BT)
+
+
+def test_an_environment_that_fails_in_its_thread_stops_the_play_with_its_error(char_tokenizer):
+    class Broken:
+        def step(self, text):
+            raise RuntimeError("the sandbox is down")
+
+    prompt = Prompt(({"role": "user", "content": "x"},), answer="y")
+    sample, _ = scripted([["a", "b"]], char_tokenizer)
+    specs = [EpisodeSpec(Broken(), prompt.messages, 2, 40, "datasets[0] (x)", step_workers=2)] * 2
+    with pytest.raises(RuntimeError, match="the sandbox is down"):
+        play_episodes(sample, ChatRenderer(char_tokenizer), [[5, 6], [5, 6]], specs, [0, 1], 10)
+
+
+@pytest.mark.parametrize("workers", [0, -1, True, 1.5, None])
+def test_step_workers_must_be_a_whole_number_from_1(base_config, workers):
+    base_config["datasets"][0]["env"] = {"name": "calculator", "step_workers": workers}
+    with pytest.raises(
+        ConfigError, match=rf"datasets\[0\]\.env\.step_workers: must be an integer >= 1, got {workers!r}"
+    ):
+        config_from_dict(base_config)

@@ -207,8 +207,9 @@ def test_a_server_samples_from_the_trained_weights_as_the_in_process_engine(
 def test_episodes_streamed_to_a_server_draw_the_tokens_the_in_process_engine_draws(
     vllm_models, prompts, servers, tmp_path
 ):
-    """Each turn sent to the server as soon as its row's environment answered, as the in-process
-    engine streams turns into its running batch: the same episodes, token for token. The update's
+    """Each turn sent to the server as soon as its row's environment answered (in 2 threads beside the
+    requests: ``env.step_workers``), as the in-process engine streams turns into its running batch
+    (answered in the trainer's thread): the same episodes, token for token. The update's
     figures are not compared: the server's log-probs come from another process (kl_sample_train
     1.0e-6 against the in-process engine's 2.8e-7, measured), which this quick-stopping student's
     gradients (norm ~220) carry to 1.8e-5 relative."""
@@ -216,6 +217,7 @@ def test_episodes_streamed_to_a_server_draw_the_tokens_the_in_process_engine_dra
     (want, *_) = colocated(vllm_models, prompts, tmp_path / "colocated", one_step, episodes=True)
     config = playing_episodes(on_servers(vllm_models, prompts, tmp_path / "server", servers[:1]), vllm_models)
     config["training"]["max_steps"] = 1
+    config["datasets"][0]["env"]["step_workers"] = 2
     (row, *_) = train(config_from_dict(config), progress=False).metrics
     assert_on_policy([row], steps=1)
     assert row["episode/turns"] > 1

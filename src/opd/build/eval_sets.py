@@ -48,6 +48,7 @@ class EvalSet:
                 self.env.max_turns,
                 self.env.episode_tokens(max_tokens),
                 f"{self.name} (evaluation)",
+                self.env.step_workers,
             )
             for prompt in prompts
         ]

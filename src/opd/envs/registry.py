@@ -16,7 +16,7 @@ import opd.envs
 from opd.envs.base import REGISTRY, Environment
 from opd.errors import ConfigError
 
-SETTINGS = ("name", "max_turns", "max_episode_tokens")
+SETTINGS = ("name", "max_turns", "max_episode_tokens", "step_workers")
 """The keys of ``env`` that every environment has; the others are its own options."""
 
 
@@ -33,6 +33,12 @@ class EnvConfig:
     """Tokens after the first prompt, the student's and the environment's, at most (unset: twice
     ``max_turns`` x ``training.max_tokens``: room for replies as long as the turns); an episode
     that would pass it ends as cut. Micro-batches are sized to hold a whole episode."""
+    step_workers: int = 1
+    """Episodes whose answers are awaited at once: up to this many of this environment's ``step``
+    calls run together, each in a thread of their own, while the student's other turns are sampled
+    (1: one at a time, in the trainer's thread). For an environment whose step waits on a tool (a
+    sandbox, a web API) and that is safe to call from several threads, each for its own episode;
+    the episodes played are the same token for token."""
     options: dict[str, Any] = field(default_factory=dict)
     """The environment's own options, written beside ``name`` in the config."""
 
@@ -42,6 +48,7 @@ class EnvConfig:
             "name": self.name,
             "max_turns": self.max_turns,
             "max_episode_tokens": self.max_episode_tokens,
+            "step_workers": self.step_workers,
             **self.options,
         }
 
@@ -137,7 +144,7 @@ def parse_env_config(value: Any, path: str) -> EnvConfig:
     options |= {k: v for k, v in value.items() if k not in (*SETTINGS, "options")}
     limits = {key: value[key] for key in SETTINGS[1:] if key in value}
     for key, limit in limits.items():
-        if (limit is not None or key == "max_turns") and (
+        if (limit is not None or key != "max_episode_tokens") and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
         ):
             raise ConfigError(f"{path}.{key}: must be an integer >= 1, got {limit!r}")

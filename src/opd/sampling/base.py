@@ -197,8 +197,9 @@ class TurnStream(Protocol):
         """Start sampling one completion of ``prompt``, drawn with ``seed``, known as ``key``."""
         ...
 
-    def finished(self) -> list[tuple[int, Completion]] | None:
+    def finished(self, waiting: bool = False) -> list[tuple[int, Completion]] | None:
         """The turns that finished since the last call (waiting for the engine to move; may be
         empty), each as ``(key, completion)``; None once nothing is pending anywhere (every
-        process of the run, where the engines sample together)."""
+        process of the run, where the engines sample together). ``waiting``: the caller still
+        awaits an environment's answer and will submit after it, so nothing is over yet."""
         ...

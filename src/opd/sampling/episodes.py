@@ -10,11 +10,16 @@ back exactly as the engine wrote them. An engine that streams turns (the vLLM en
 :class:`opd.sampling.base.TurnStream`) plays each episode at its own pace instead
 (:func:`play_episodes_streamed`): the same seeds and limits, so the same tokens wherever the
 engine's numbers do not depend on which rows it batches together.
+
+An environment answers each ended turn in the caller's thread, or, with ``step_workers`` > 1,
+in threads of its own while the other rows' turns are sampled: a tool that waits (a sandbox, a web
+API) holds only the episode that called it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from opd.data.prompts import VALID_ROLES
@@ -44,6 +49,8 @@ class EpisodeSpec:
     """Tokens after the prompt (student's and environment's) at most; 0 for a plain row."""
     where: str = ""
     """The dataset, for errors: ``datasets[0] (calc)``."""
+    step_workers: int = 1
+    """The environment's ``step`` calls that may run at once, in threads (1: in the caller's)."""
 
 
 @dataclass
@@ -95,14 +102,13 @@ def _limit(played: _Played, max_tokens: int) -> int:
     return min(max_tokens, played.spec.max_episode_tokens - len(played.token_ids))
 
 
-def _take_turn(
-    played: _Played, completion: Completion, limit: int, renderer: ChatRenderer, turn: int
-) -> None:
-    """Add a sampled turn to its episode, ask the environment, and add its reply or end it."""
+def _end_turn(played: _Played, completion: Completion, limit: int, renderer: ChatRenderer) -> str | None:
+    """Add a sampled turn to its episode: the text its environment is to answer, or None when the
+    episode ends with it (a plain row, a turn cut by its limit)."""
     spec = played.spec
     if spec.episode is None:
         played.plain, played.ended = completion, "done"
-        return
+        return None
     tokens, logprobs = completion.token_ids[:limit], completion.logprobs[:limit]
     finished = completion.finished and len(completion.token_ids) <= limit
     start = len(played.token_ids)
@@ -112,9 +118,15 @@ def _take_turn(
     played.version = completion.policy_version
     if not finished:
         played.ended = "tokens"
-        return
-    text = renderer.turn_text(tokens)
-    step = _checked(spec.episode.step(text), spec, turn)
+        return None
+    return renderer.turn_text(tokens)
+
+
+def _answer(played: _Played, answer: object, text: str, renderer: ChatRenderer) -> None:
+    """The environment's answer to the last turn: its reward and metrics kept, then its reply added
+    or the episode ended."""
+    spec = played.spec
+    step = _checked(answer, spec, len(played.turns) - 1)
     if step.reward is not None:
         played.reward = float(step.reward)
     played.metrics |= {key: float(value) for key, value in step.metrics.items()}
@@ -124,7 +136,8 @@ def _take_turn(
     if len(played.turns) >= spec.max_turns:
         played.ended = "turns"
         return
-    reply = renderer.reply_ids(played.history, tokens, list(step.messages))
+    start, end = played.turns[-1]
+    reply = renderer.reply_ids(played.history, played.token_ids[start:end], list(step.messages))
     if len(played.token_ids) + len(reply) >= spec.max_episode_tokens:
         played.ended = "tokens"
         return
@@ -132,6 +145,54 @@ def _take_turn(
     played.replies.append(tuple(dict(m) for m in step.messages))
     played.token_ids += reply
     played.logprobs += [0.0] * len(reply)
+
+
+POLL_S = 0.005
+"""How long a streamed play with nothing left to sample waits for an environment's answer before
+asking the stream again (under torchrun the other processes' engines step meanwhile)."""
+
+
+class _Answers:
+    """Environments answering in threads of their own, at most ``step_workers`` at once each; the
+    answers are taken back into the caller's thread (the tokenizer renders replies there only)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, ThreadPoolExecutor] = {}
+        self.pending: dict[Future, tuple[int, str]] = {}
+
+    def ask(self, row: int, spec: EpisodeSpec, text: str) -> None:
+        """Have ``row``'s environment answer ``text`` in one of its threads."""
+        if spec.where not in self.pools:
+            self.pools[spec.where] = ThreadPoolExecutor(spec.step_workers, thread_name_prefix="opd-env")
+        pool = self.pools[spec.where]
+        self.pending[pool.submit(spec.episode.step, text)] = (row, text)
+
+    def answered(self, timeout: float | None) -> list[tuple[int, object, str]]:
+        """``(row, answer, text)`` of the answers that came, waiting up to ``timeout`` for a first one
+        (None: until it comes); an environment's error is raised here."""
+        if not self.pending:
+            return []
+        done, _ = wait(self.pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        answers = []
+        for future in done:
+            row, text = self.pending.pop(future)
+            answers.append((row, future.result(), text))
+        return answers
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ask(answers: _Answers, row: int, played: _Played, text: str | None, renderer: ChatRenderer) -> bool:
+    """Ask the row's environment about its ended turn; whether its answer is already in."""
+    if text is None:
+        return True
+    if played.spec.step_workers > 1:
+        answers.ask(row, played.spec, text)
+        return False
+    _answer(played, played.spec.episode.step(text), text, renderer)
+    return True
 
 
 def _result(played: _Played) -> Completion:
@@ -167,29 +228,37 @@ def play_episodes(
     playing = [_Played(spec, list(spec.messages)) for spec in specs]
     active = list(range(len(prompts)))
     turn = 0
-    while True:
-        if lockstep:
-            (anyone,) = all_reduce([float(len(active))], op="max")
-        else:
-            anyone = len(active)
-        if not anyone:
-            break
-        if not active:
-            sample([0], [prompts[0]], [playing[0].history], [turn_seed(seeds[0], turn)], 1)
+    answers = _Answers()
+    try:
+        while True:
+            if lockstep:
+                (anyone,) = all_reduce([float(len(active))], op="max")
+            else:
+                anyone = len(active)
+            if not anyone:
+                break
+            if not active:
+                sample([0], [prompts[0]], [playing[0].history], [turn_seed(seeds[0], turn)], 1)
+                turn += 1
+                continue
+            limits = [_limit(playing[r], max_tokens) for r in active]
+            completions = sample(
+                active,
+                [prompts[r] + playing[r].token_ids for r in active],
+                [playing[r].history for r in active],
+                [turn_seed(seeds[r], turn) for r in active],
+                max(limits),
+            )
+            for row, completion, limit in zip(active, completions, limits, strict=True):
+                text = _end_turn(playing[row], completion, limit, renderer)
+                _ask(answers, row, playing[row], text, renderer)
+            while answers.pending:
+                for row, answer, text in answers.answered(timeout=None):
+                    _answer(playing[row], answer, text, renderer)
+            active = [r for r in active if playing[r].ended is None]
             turn += 1
-            continue
-        limits = [_limit(playing[r], max_tokens) for r in active]
-        completions = sample(
-            active,
-            [prompts[r] + playing[r].token_ids for r in active],
-            [playing[r].history for r in active],
-            [turn_seed(seeds[r], turn) for r in active],
-            max(limits),
-        )
-        for row, completion, limit in zip(active, completions, limits, strict=True):
-            _take_turn(playing[row], completion, limit, renderer, turn)
-        active = [r for r in active if playing[r].ended is None]
-        turn += 1
+    finally:
+        answers.close()
     return [_result(played) for played in playing]
 
 
@@ -205,15 +274,30 @@ def play_episodes_streamed(
     answered its last one, with the seed and token limit the lock-step play would give it."""
     playing = [_Played(spec, list(spec.messages)) for spec in specs]
     limits = [_limit(played, max_tokens) for played in playing]
+    sampling = len(prompts)  # turns submitted and not yet back
+
+    def next_turn(row: int) -> None:
+        nonlocal sampling
+        played = playing[row]
+        if played.ended is None:
+            limits[row] = _limit(played, max_tokens)
+            turn = len(played.turns)
+            stream.submit(row, prompts[row] + played.token_ids, turn_seed(seeds[row], turn), limits[row])
+            sampling += 1
+
     for row, prompt in enumerate(prompts):
         stream.submit(row, prompt, turn_seed(seeds[row], 0), limits[row])
-    while (done := stream.finished()) is not None:
-        for row, completion in done:
-            played = playing[row]
-            turn = len(played.turns)
-            _take_turn(played, completion, limits[row], renderer, turn)
-            if played.ended is None:
-                limits[row] = _limit(played, max_tokens)
-                seed = turn_seed(seeds[row], turn + 1)
-                stream.submit(row, prompts[row] + played.token_ids, seed, limits[row])
+    answers = _Answers()
+    try:
+        while (done := stream.finished(waiting=bool(answers.pending))) is not None:
+            sampling -= len(done)
+            for row, completion in done:
+                text = _end_turn(playing[row], completion, limits[row], renderer)
+                if _ask(answers, row, playing[row], text, renderer):
+                    next_turn(row)
+            for row, answer, text in answers.answered(timeout=0 if sampling else POLL_S):
+                _answer(playing[row], answer, text, renderer)
+                next_turn(row)
+    finally:
+        answers.close()
     return [_result(played) for played in playing]

@@ -326,8 +326,8 @@ class _ServerTurns:
         future = self.pool.submit(engine._sample_one, engine._server_of(key), prompt, seed, body)
         self.pending[future] = key
 
-    def finished(self) -> list[tuple[int, Completion]] | None:
+    def finished(self, waiting: bool = False) -> list[tuple[int, Completion]] | None:
         if not self.pending:
-            return None
+            return [] if waiting else None
         done, _ = wait(self.pending, return_when=FIRST_COMPLETED)
         return [(self.pending.pop(future), future.result()) for future in done]

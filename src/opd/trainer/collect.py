@@ -200,6 +200,7 @@ class Collection(RunComponents):
             dataset.env.max_turns,
             dataset.env.episode_tokens(self.config.training.max_tokens),
             f"datasets[{dataset_index}] ({dataset.name})",
+            dataset.env.step_workers,
         )
 
     def collect(self, step: int, engine: RolloutEngine | None = None) -> Batch:
