@@ -53,7 +53,7 @@ EPISODES = [
     "datasets.0.env.name=retry",
     "datasets.0.env.max_turns=3",
     "datasets.0.env.max_episode_tokens=120",
-    "datasets.0.env.step_workers=2",  # answers in threads: every process's engine steps until all are in
+    "datasets.0.env.step_workers=2",  # answers in threads beside each process's engine
     "training.max_tokens=8",
 ]
 """Rows played as ``retry`` episodes by a student that ends its turns early, streamed into each

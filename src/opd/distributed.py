@@ -166,16 +166,6 @@ def new_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def anywhere(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    """Whether ``flag`` holds on any process of ``group`` (a gloo group of :func:`new_group`; None:
-    this process alone)."""
-    if group is None:
-        return flag
-    tensor = torch.tensor([float(flag)])
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return bool(tensor.item())
-
-
 def barrier() -> None:
     """Wait until every process gets here."""
     if world().size > 1:

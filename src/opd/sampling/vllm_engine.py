@@ -35,15 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opd.data.sequences import Completion
-from opd.distributed import (
-    all_gather_objects,
-    announce,
-    anywhere,
-    consecutive_groups,
-    new_group,
-    rank_in,
-    world,
-)
+from opd.distributed import all_gather_objects, announce, consecutive_groups, rank_in, world
 from opd.errors import ConfigError
 from opd.models import DTYPES
 from opd.sampling.base import SamplingParams, TurnStream, pad_id_for, row_seeds
@@ -92,9 +84,6 @@ class VLLMEngine:
         self.bucket_bytes = int(student.sync_bucket_mb * 2**20)
         self.tensor_parallel_size = int(student.sampler_options.get("tensor_parallel_size", 1))
         self.group = consecutive_groups(self.tensor_parallel_size) if world().size > 1 else None
-        # the processes' turn streams agree on when all is over on a group of their own (a worker
-        # thread collecting ahead streams while the main thread trains)
-        self.stream_group = new_group() if world().size > 1 and self.group is None else None
         self.llm = self._build(student, seed)
         self.sleep_mode = bool(student.sampler_options.get("enable_sleep_mode"))
         model_vocab = self.llm.llm_engine.model_config.get_vocab_size()
@@ -269,8 +258,8 @@ class VLLMEngine:
 class _EngineTurns:
     """A :class:`TurnStream` on the in-process engine: requests join vLLM's running batch (its
     continuous batching) and come back as they finish, one engine step at a time. Under torchrun
-    every process's stream goes on until none has a turn sampling or an environment's answer
-    coming, so that they end together."""
+    each process's engine is its own (vLLM's external launcher with ``data_parallel_size`` 1: vLLM
+    does not make the engines step together), so a stream ends when its own turns are done."""
 
     def __init__(self, engine: VLLMEngine, params: SamplingParams):
         self.engine, self.params = engine, params
@@ -287,12 +276,8 @@ class _EngineTurns:
 
     def finished(self, waiting: bool = False) -> list[tuple[int, Completion]] | None:
         core = self.engine.llm.llm_engine
-        unfinished = core.has_unfinished_requests()
-        # every process goes on while any has a turn sampling or an answer coming (its next turn follows)
-        if not anywhere(unfinished or waiting, self.engine.stream_group):
-            return None
-        if not unfinished:
-            return []
+        if not core.has_unfinished_requests():
+            return [] if waiting else None
         done = []
         for output in core.step():
             if output.finished:

@@ -33,7 +33,7 @@ ENGINE_OPTIONS_SET_BY_OPD = {
     "generation_config": "(opd samples from softmax(logits / temperature) only)",
     "enable_lora": "student.lora_sync",
     "distributed_executor_backend": "(under torchrun: vLLM's external launcher, an engine a process)",
-    "data_parallel_size": "(the training processes are the engines' data-parallel ranks)",
+    "data_parallel_size": "(under torchrun each training process holds an engine of its own)",
 }
 """``vllm.LLM`` arguments opd sets itself, and the setting that decides each."""
 
