@@ -96,3 +96,22 @@ class SlowReply(ReplyOnce):
 
     def start(self, prompt, grader) -> SlowReplyEpisode:
         return SlowReplyEpisode(self.reply, delay=self.delay)
+
+
+@dataclass
+class QuarterThenHalfEpisode(Episode):
+    turns: int = 0
+
+    def step(self, reply: str) -> Step:
+        self.turns += 1
+        if self.turns == 1:
+            return Step(messages=({"role": "user", "content": "more"},), reward=0.25)
+        return Step(done=True, reward=0.5)
+
+
+@dataclass(frozen=True)
+class QuarterThenHalf(Environment):
+    """Rewards the first turn 0.25 and the second 0.5, then ends: a finished episode's reward is 0.75."""
+
+    def start(self, prompt, grader) -> QuarterThenHalfEpisode:
+        return QuarterThenHalfEpisode()

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import quick_to_stop, tiny_llama
-from multi_turn_envs import OVERLAP
+from multi_turn_envs import OVERLAP, QuarterThenHalf
 
 from opd.cli import main
 from opd.config import config_from_dict
@@ -63,7 +63,7 @@ def test_retry_says_wrong_until_right():
     prompt = Prompt(({"role": "user", "content": "reverse abc"},), answer="cba")
     episode = Retry(hint=True).start(prompt, exact_match)
     first = episode.step("abc")
-    assert not first.done and first.reward == 0.0
+    assert not first.done and first.reward is None  # the grade comes once, at the end
     assert first.messages[0]["content"] == "That is not right. Try again. (your answer scored 0.00 of 1)"
     last = episode.step("cba")
     assert last.done and last.reward == 1.0 and last.metrics == {"attempts": 2.0, "first_try": 0.0}
@@ -175,6 +175,44 @@ def test_episode_limits_cut_and_mark_it(char_tokenizer):
     # a call of 15 tokens, the reply (21), then the second call cut to the 9 tokens left
     assert (out_of_tokens.trajectory.ended, len(out_of_tokens.token_ids), asked[-1][3]) == ("tokens", 45, 9)
     assert out_of_tokens.trajectory.turns[-1] == (36, 45) and not out_of_tokens.finished
+
+
+def test_an_episodes_reward_is_the_sum_of_its_steps_and_a_cut_one_gets_its_last_word(char_tokenizer):
+    """The reference's total reward: each step's reward added up (0.25 then 0.5 is 0.75); an episode
+    cut short keeps what it was given plus its ``cut`` reward: retry's last answer's grade, once."""
+    renderer = ChatRenderer(char_tokenizer)
+    prompt = Prompt(({"role": "user", "content": "reverse abc"},), answer="cba")
+    prompt_ids = renderer.prompt_ids(prompt.messages)
+    sample, _ = scripted([["a"], ["b"], ["c"]], char_tokenizer)
+    (summed,) = play_episodes(
+        sample,
+        renderer,
+        [prompt_ids],
+        [EpisodeSpec(QuarterThenHalf().start(prompt, None), (), 3, 500)],
+        [0],
+        20,
+    )
+    assert (summed.trajectory.reward, summed.trajectory.ended) == (0.75, "done")
+    sample, _ = scripted([["a"], ["b"]], char_tokenizer)
+    (cut,) = play_episodes(
+        sample,
+        renderer,
+        [prompt_ids],
+        [EpisodeSpec(QuarterThenHalf().start(prompt, None), (), 1, 500)],
+        [0],
+        20,
+    )
+    assert (cut.trajectory.reward, cut.trajectory.ended) == (0.25, "turns")  # no cut() reward
+
+    def partial(text: str, item: Prompt) -> float:  # half marks for the right first letter
+        return 1.0 if text == item.answer else 0.5 * (text[:1] == item.answer[0])
+
+    for turns, expected in ((["x", "cb", "c"], 0.5), (["cb", "x", "c"], 0.0)):
+        sample, _ = scripted([[t] for t in turns], char_tokenizer)
+        spec = EpisodeSpec(Retry().start(prompt, partial), prompt.messages, 2, 500)
+        (retried,) = play_episodes(sample, renderer, [prompt_ids], [spec], [0], 20)
+        # out of turns after two wrong answers: the second one's grade, not the sum of both
+        assert (retried.trajectory.reward, retried.trajectory.ended) == (expected, "turns")
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +353,17 @@ def test_a_multi_turn_run_logs_its_episodes(episode_models, prompts_file, tmp_pa
         step["completion_len_mean"] < step["episode/len"]
     )  # the replies count in length, not in tokens trained
     assert 1.0 <= rows[-1]["test/rev/turns"] <= 2.0 and "test/rev/accuracy" in rows[-1]
+
+
+def test_an_environment_rewarding_a_quarter_then_a_half_logs_three_quarters(
+    episode_models, prompts_file, tmp_path
+):
+    env = {"name": "multi_turn_envs:QuarterThenHalf", "max_turns": 2, "max_episode_tokens": 200}
+    config = episode_config(episode_models, prompts_file, tmp_path, env=env)
+    config["training"]["max_tokens"] = 40  # room for the quick-stopping student to end each turn
+    (step,) = train(config_from_dict(config), progress=False).metrics
+    assert step["episode/cut"] == 0.0 and step["episode/turns"] == 2.0
+    assert step["episode/reward"] == pytest.approx(0.75) and step["reward/mean"] == pytest.approx(0.75)
 
 
 def test_a_teacher_with_its_own_template_reads_the_episode_in_it(char_tokenizer):

@@ -121,12 +121,15 @@ def test_constant_groups_are_left_out_of_the_update(graded_config, monkeypatch):
     batch.rewards_B = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # group 0 constant
     metrics = trainer.learn(copy.deepcopy(batch))
     assert metrics["reward/constant_groups"] == 0.5
+    assert metrics["reward/kept_rows"] == 0.5  # the filter's metrics count what the update keeps
+    assert metrics["num_tokens_kept"] == int(batch.rollouts.mask_BT[2:].sum()) < metrics["num_tokens"]
     sent = received[0]["rollouts"].mask_BT
     assert not sent[:2].any() and torch.equal(sent[2:], batch.rollouts.mask_BT[2:])
     before = copy.deepcopy(trainer.policy.model.state_dict())
     batch.rewards_B = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64)  # every group constant
     metrics = trainer.learn(batch)
     assert metrics["skipped"] == 1 and metrics["reward/constant_groups"] == 1.0 and len(received) == 1
+    assert metrics["reward/kept_rows"] == 0.0 and metrics["num_tokens_kept"] == 0
     for name, value in trainer.policy.model.state_dict().items():
         assert torch.equal(value, before[name]), name
 

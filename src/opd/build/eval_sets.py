@@ -34,7 +34,7 @@ class EvalSet:
     grader: Grader | None
     score: TeacherScorer | None
     env: EnvConfig | None = None
-    """Its environment: each prompt is an episode, graded by the environment's final reward."""
+    """Its environment: each prompt is an episode, graded by the episode's reward (the sum of its steps')."""
     environment: Environment | None = None
 
     def episodes(self, prompts: list[Prompt], max_tokens: int) -> list[EpisodeSpec] | None:

@@ -234,13 +234,14 @@ class PolicyGradientSettings:
 @dataclass
 class RewardSettings:
     """The task's reward beside the teacher's signal: each of the student's own samples graded (its
-    dataset's grader, or its environment's final reward) and centred within its group."""
+    dataset's grader, or its episode's reward, the sum of its steps') and centred within its
+    group."""
 
     reward_coef: float = 0.0
     """Weight of the task's reward in each completion token's advantage: ``reward_coef * (R - mean of
     R over the sample's group)`` (a group: the ``group_size`` samples of one prompt), added to the
     teacher's per-token term, as the reference loop does. ``R`` is the grade of a single-turn
-    completion by its dataset's ``grader``, or an episode's final reward from its environment.
+    completion by its dataset's ``grader``, or an episode's reward (the sum of its steps').
     Objectives with advantages (``sampled_reverse_kl``) add it to theirs; the others add a policy
     gradient on the sampled tokens with it (``loss_fn`` on the reward term) to their loss. Only the
     student's own samples get it (not the teacher's or a dataset's). 0: pure distillation, as

@@ -10,7 +10,7 @@ from opd.data.sequences import Completion
 def completion_reward(
     tokenizer, completion: Completion, prompt: Prompt, grader: Grader | None
 ) -> float | None:
-    """An episode's final reward (0 when its environment gave none or the episode was cut), else the
+    """An episode's reward (the sum of its steps'; 0 when its environment gave none), else the
     grade of the completion's text (special tokens removed) against the prompt; None without a grader."""
     if completion.trajectory is not None:
         return completion.trajectory.reward or 0.0

@@ -23,7 +23,8 @@ class Trajectory:
     turns: tuple[tuple[int, int], ...]
     replies: tuple[tuple[dict[str, str], ...], ...] = ()
     reward: float | None = None
-    """The environment's reward for the episode (None: it gave none, or the episode was cut)."""
+    """The episode's reward: the sum of its steps' rewards, and of what the episode's ``cut``
+    gave when it was cut short (None: none was ever given)."""
     ended: str = "done"
     """``done``: the environment ended it; ``turns``: out of turns; ``tokens``: out of tokens."""
     metrics: dict[str, float] = field(default_factory=dict, compare=False)

@@ -5,8 +5,9 @@ beside its name: ``env: {name: calculator, max_turns: 4, result_role: tool}``); 
 :meth:`Environment.start` opens one :class:`Episode` per sampled row. After each student turn
 the episode's :meth:`Episode.step` reads the turn's text and answers with a :class:`Step`: the
 next messages (rendered with the student's chat template, never trained on), or the end of the
-episode, with an optional reward and metrics. The episode runs one turn at a time for every
-row of a batch, so an environment holds per-episode state in its :class:`Episode` only.
+episode, each with an optional reward (the episode's is their sum) and metrics. The episode runs
+one turn at a time for every row of a batch, so an environment holds per-episode state in its
+:class:`Episode` only.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Step:
     done: bool = False
     """The episode is over; ``messages`` are then not shown."""
     reward: float | None = None
-    """The episode's reward so far (the last one given counts); graded tasks give 1.0 for a right answer."""
+    """This step's reward; an episode's reward is the sum of its steps' (None counts as nothing
+    given). Graded tasks give 1.0 for a right answer, once, at the end."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Figures about the episode, averaged over episodes as ``env/<key>``."""
 
@@ -43,6 +45,13 @@ class Episode(ABC):
     @abstractmethod
     def step(self, reply: str) -> Step:
         """Answer the student's turn ``reply`` (its text, without the end-of-turn token)."""
+
+    def cut(self, reason: str) -> float | None:
+        """The reward added when the episode is cut short before the environment ended it
+        (``reason``: ``turns``, out of ``max_turns``; ``tokens``, out of its token budget, the
+        last turn unanswered), called once. An environment that grades its last answer gives that
+        grade here; by default nothing, so a cut episode keeps the sum of the rewards given."""
+        return None
 
 
 class Environment(ABC):

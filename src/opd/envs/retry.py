@@ -1,8 +1,10 @@
 """``retry``: any graded dataset, with a second chance: after a wrong final answer the user says
 so and the student tries again, until it is right or out of turns.
 
-The reward is the last answer's grade. With ``hint``, the reply quotes the grader's score of
-the wrong answer (reasoning-gym graders give partial credit for a right format).
+The reward is the last answer's grade, given once when the episode ends: at a right answer, or
+when it is cut (out of turns or tokens: the last answered attempt's grade). With ``hint``, the reply
+quotes the grader's score of the wrong answer (reasoning-gym graders give partial credit for a
+right format).
 """
 
 from __future__ import annotations
@@ -23,15 +25,20 @@ class RetryEpisode(Episode):
     message: str
     hint: bool
     attempts: int = 0
+    grade: float = 0.0
+    """The last answer's grade."""
 
     def step(self, reply: str) -> Step:
         self.attempts += 1
-        grade = float(self.grader(reply, self.prompt))
+        self.grade = grade = float(self.grader(reply, self.prompt))
         metrics = {"attempts": float(self.attempts), "first_try": float(self.attempts == 1 and grade >= 1.0)}
         if grade >= 1.0:
             return Step(done=True, reward=grade, metrics=metrics)
         text = f"{self.message} (your answer scored {grade:.2f} of 1)" if self.hint else self.message
-        return Step(messages=({"role": "user", "content": text},), reward=grade, metrics=metrics)
+        return Step(messages=({"role": "user", "content": text},), metrics=metrics)
+
+    def cut(self, reason: str) -> float:
+        return self.grade
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ def grades(
     renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader | None
 ) -> list[float]:
     """The grade of each completion (special tokens removed) against its prompt; an episode's grade
-    is its environment's final reward (0 when it gave none or was cut)."""
+    is its reward, the sum of its steps' (0 when its environment gave none)."""
     return [
         completion_reward(renderer.tokenizer, c, p, grader) or 0.0
         for c, p in zip(completions, prompts, strict=True)
@@ -105,7 +105,7 @@ def evaluate(
     (greedy: the grader's mean, partial credit included), ``test/<name>/pass@1`` (the share fully right
     at the sampling temperature) and ``test/<name>/teacher_kl`` (sampled),
     ``test/<name>/turns`` (an environment's sets: turns of the greedy episodes; their accuracy is
-    the success rate, the environment's final reward),
+    the success rate, the episode's reward),
     and ``test/<name>/num_prompts``, the set's size, which says how far apart two accuracies can be by chance.
 
     Among several processes each evaluates every N-th prompt (each sampled with its own row's

@@ -127,8 +127,8 @@ def _answer(played: _Played, answer: object, text: str, renderer: ChatRenderer) 
     or the episode ended."""
     spec = played.spec
     step = _checked(answer, spec, len(played.turns) - 1)
-    if step.reward is not None:
-        played.reward = float(step.reward)
+    if step.reward is not None:  # the episode's reward is the sum of its steps' (the reference's)
+        played.reward = (played.reward or 0.0) + float(step.reward)
     played.metrics |= {key: float(value) for key, value in step.metrics.items()}
     if step.done:
         played.ended = "done"
@@ -198,6 +198,15 @@ def _ask(answers: _Answers, row: int, played: _Played, text: str | None, rendere
 def _result(played: _Played) -> Completion:
     if played.plain is not None:
         return played.plain
+    if played.ended in ("turns", "tokens"):  # cut short: the episode's last word on it, once
+        cut = getattr(played.spec.episode, "cut", None)  # an episode need not subclass Episode
+        final = None if cut is None else cut(played.ended)
+        if final is not None:
+            if not isinstance(final, int | float) or isinstance(final, bool):
+                raise EpisodeError(
+                    f"{played.spec.where}: the episode's cut() must return a number or None, got {final!r}"
+                )
+            played.reward = (played.reward or 0.0) + float(final)
     return Completion(
         played.token_ids,
         played.logprobs,

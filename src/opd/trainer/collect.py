@@ -151,10 +151,10 @@ class Collection(RunComponents):
     def rewards(
         self, completions: list[Completion], items: list[Prompt], dataset_indices: list[int]
     ) -> torch.Tensor | None:
-        """Each row's reward: its episode's final reward, or its grade by its dataset's grader (NaN
-        where its dataset has neither); None when no dataset of the run has either. Decided by the
-        run's datasets, not by this process's rows: every process then reduces the reward metrics
-        together, whatever share of the datasets its rows come from."""
+        """Each row's reward: its episode's reward (the sum of its steps'), or its grade by its
+        dataset's grader (NaN where its dataset has neither); None when no dataset of the run has
+        either. Decided by the run's datasets, not by this process's rows: every process then
+        reduces the reward metrics together, whatever share of the datasets its rows come from."""
         if all(g is None and e is None for g, e in zip(self.graders, self.environments, strict=True)):
             return None
         values = [

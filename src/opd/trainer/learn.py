@@ -178,8 +178,11 @@ class Learning(RunComponents):
         if batch.rewards_B is not None:
             rewards, reward_BT, kept_B = self.reward_terms(batch)
             metrics |= rewards
-        if kept_B is not None and not kept_B.any():
-            return metrics | {"skipped": 1} | batch.seconds  # every group constant: nothing to learn
+        if kept_B is not None:  # what the constant-group filter leaves the update, over every process
+            rows, kept_tokens = all_reduce([float(kept_B.sum()), float(mask[kept_B].sum())])
+            metrics |= {"reward/kept_rows": rows / sequences, "num_tokens_kept": int(kept_tokens)}
+            if not rows:
+                return metrics | {"skipped": 1} | batch.seconds  # every group constant: nothing to learn
         shaped = None
         if teacher is not None:
             student_logprobs = rollouts.sampled_logprobs_BT
