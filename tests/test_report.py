@@ -77,13 +77,22 @@ def test_report_parses_and_names_every_curve(finished_run, tmp_path):
         "Held-out accuracy",
         "Held-out teacher KL",
         "Entropy and health checks",
+        "Group diversity",
+        "Reward",
+        "Teacher KL at the answer and before it",
+        "The teacher's view of the student's tokens",
         "Time per phase",
     ):
         assert title in captions, title
     assert any(c.startswith("Timeline of step") for c in captions)
     assert all(img["src"].startswith("data:image/png;base64,") for img in page.images)
-    assert len(page.images) == 7 and len(list((tmp_path / "report_files").glob("*.png"))) == 7
+    assert len(page.images) == 11 and len(list((tmp_path / "report_files").glob("*.png"))) == 11
     text = "".join(page.text)
+    rows = [row for row in read_jsonl(finished_run / "metrics.jsonl") if "loss" in row]
+    first, last = rows[0]["group/distinct"], rows[-1]["group/distinct"]
+    assert f"{first:.3g} → {last:.3g}: share of distinct completions in a group" in text
+    for key in ("reward/mean", "entropy", "teacher_kl/answer", "diag/first_wrong_teacher_prob"):
+        assert f"{key}" in text and all(key in row for row in rows), key
     first_sample = json.loads((finished_run / "samples.jsonl").read_text().splitlines()[0])
     assert "test/reverse/accuracy (8 held-out prompts, greedy): first evaluation, last" in text
     assert "teacher_kl on the training batches (the student's samples): first step, last" in text
@@ -123,3 +132,15 @@ def test_the_summary_names_the_objective_of_each_source(tmp_path):
     (tmp_path / CONFIG_NAME).write_text(json.dumps({"training": training}))
     text = _summary(tmp_path, [], [])
     assert "<td>sampled_reverse_kl; on the teacher&#x27;s steps nll / mixed</td>" in text
+
+
+def test_what_to_try_replays_the_watchdog_over_the_run():
+    from opd.runs.diagnosis import what_to_try
+
+    constant = {"loss": 0.1, "reward/constant_groups": 1.0, "advantage/reward_abs_mean": 0.0}
+    rows = [{"step": step} | constant for step in range(6)]
+    (advice,) = what_to_try(rows)
+    assert advice.startswith("step 4: every group's samples got the same reward for 5 steps")
+    assert "training.data_source: mixed" in advice
+    rows[2]["reward/constant_groups"] = 0.5  # one step with a signal: no five in a row
+    assert what_to_try(rows) == []

@@ -61,6 +61,66 @@ def reasoning_gym_score(completion: str, prompt: Prompt) -> float:
     return float(scorer(answer=completion if tagged is None else tagged, entry=entry))
 
 
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _whole(text: str) -> tuple[int, int] | None:
+    stripped = text.strip()
+    if not stripped:
+        return None
+    start = text.index(stripped)
+    return start, start + len(stripped)
+
+
+def _last_number_span(text: str) -> tuple[int, int] | None:
+    found = list(NUMBER.finditer(text))
+    return (found[-1].start(), found[-1].end()) if found else None
+
+
+def _tagged_span(text: str) -> tuple[int, int] | None:
+    found = list(ANSWER_TAG.finditer(text))
+    if not found:
+        return None
+    inner = found[-1].group(1)
+    stripped = inner.strip()
+    start = found[-1].start(1) + (inner.index(stripped) if stripped else 0)
+    return start, start + len(stripped)
+
+
+def _number_text(text: str | None) -> str | None:
+    found = NUMBER.findall(text or "")
+    return found[-1] if found else None
+
+
+def _rg_answer(prompt: Prompt) -> str | None:
+    entry = prompt.metadata or {}
+    answer = entry.get("answer", prompt.answer)
+    return None if answer is None else str(answer).strip()
+
+
+ANSWER_LOCATORS: dict[Grader, tuple[Callable, Callable]] = {
+    exact_match: (_whole, lambda prompt: (prompt.answer or "").strip() or None),
+    last_number_match: (_last_number_span, lambda prompt: _number_text(prompt.answer)),
+    reasoning_gym_score: (_tagged_span, _rg_answer),
+}
+"""Where a grader reads the answer in a completion's text (a (start, end) character span, None
+when it finds none) and the reference text it compares it with, for the graders that can say:
+the diagnostics split the teacher KL at the answer and find where a wrong answer parts from the
+right one."""
+
+
+def answer_location(grader: Grader | None, text: str, prompt: Prompt) -> tuple[int, int, str] | None:
+    """``(start, end, reference)``: the answer's characters in ``text`` and the right answer, or
+    None where the grader cannot say (another grader, no answer written, no reference)."""
+    locators = ANSWER_LOCATORS.get(grader)
+    if locators is None:
+        return None
+    span, reference = locators[0](text), locators[1](prompt)
+    if span is None or not reference:
+        return None
+    return span[0], span[1], reference
+
+
 MATH_VERIFY_INSTALL = "pip install 'opd[math]' (Hugging Face's math-verify)"
 MATH_VERIFY_TIMEOUT_S = 5
 """Seconds Math-Verify may spend parsing or comparing one answer (on the main thread: its alarm

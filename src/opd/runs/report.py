@@ -11,6 +11,7 @@ import html
 import statistics
 from pathlib import Path
 
+from opd.runs.diagnosis import diagnosis_lines, reward_share, what_to_try
 from opd.runs.metrics import read_jsonl
 from opd.runs.resume import CONFIG_NAME, METRICS_NAME, SAMPLES_NAME, TIMING_NAME
 
@@ -216,7 +217,21 @@ def build_report(
     keys = sorted({key for row in rows for key in row})
     train_rows = [row for row in rows if "loss" in row]
 
-    kl_curves = distinct({key: _series(train_rows, key) for key in keys if key.startswith("teacher_kl")})
+    split = ("teacher_kl/answer", "teacher_kl/reasoning")
+    kl_curves = distinct(
+        {key: _series(train_rows, key) for key in keys if key.startswith("teacher_kl") and key not in split}
+    )
+    share_rows = [{"step": row["step"], "reward_share": reward_share(row)} for row in train_rows]
+    group_curves = {key: _series(train_rows, key) for key in ("group/distinct", "reward/constant_groups")}
+    reward_curves = {key: _series(train_rows, key) for key in keys if key.startswith("reward/")}
+    reward_curves = distinct(
+        {k: v for k, v in reward_curves.items() if k not in group_curves and "kept" not in k}
+    )
+    reward_curves["reward share of the advantage"] = _series(share_rows, "reward_share")
+    split_curves = {key: _series(train_rows, key) for key in split}
+    teacher_view = {
+        key: _series(train_rows, key) for key in ("diag/first_wrong_teacher_prob", "teacher/topk_mass")
+    }
     objective_curves = {key: _series(train_rows, key) for key in keys if key.startswith("objective/")}
     accuracy_curves = {key: _series(rows, key) for key in keys if key.endswith(("/accuracy", "/pass@1"))}
     test_kl_curves = {
@@ -255,6 +270,19 @@ def build_report(
                 "student entropy, sampler-trainer KL", health_curves, "nats / token", figures / "health.png"
             ),
         ),
+        (
+            "Group diversity",
+            _figure("samples of a prompt", group_curves, "share", figures / "groups.png"),
+        ),
+        ("Reward", _figure("the task's reward", reward_curves, "reward / share", figures / "reward.png")),
+        (
+            "Teacher KL at the answer and before it",
+            _figure("teacher KL: answer vs the rest", split_curves, "nats / token", figures / "split.png"),
+        ),
+        (
+            "The teacher's view of the student's tokens",
+            _figure("teacher probabilities", teacher_view, "probability", figures / "teacher_view.png"),
+        ),
         ("Time per phase", _time_split(train_rows, figures / "time_split.png")),
         (
             f"Timeline of step {typical} (median duration)",
@@ -273,6 +301,8 @@ def build_report(
         f"<h1>opd run report: {html.escape(run_dir.name)}</h1>",
         "<h2>Summary</h2>",
         f'<table class="summary">{summary}</table>',
+        "<h2>Why it went as it did</h2>",
+        _diagnosis_html(rows),
         "<h2>Curves</h2>",
         '<div class="grid">' + "".join(_embed(path, title) for title, path in sections) + "</div>",
         "<h2>Sample completions</h2>",
@@ -292,6 +322,23 @@ def build_report(
         f'<!doctype html><html lang="en">{head}<body>{"".join(body)}</body></html>', encoding="utf-8"
     )
     return out
+
+
+def _diagnosis_html(rows: list[dict]) -> str:
+    """The diagnostic figures' meaning with the run's values, then what to try (the watchdog's rules)."""
+    lines = "".join(
+        f"<tr><td>{html.escape(key)}</td><td>{text}</td></tr>" for key, text in diagnosis_lines(rows)
+    )
+    advice = what_to_try(rows)
+    tried = (
+        "<p><b>What to try</b> (rules measured on this project's runs):</p><ul>"
+        + "".join(f"<li>{html.escape(line)}</li>" for line in advice)
+        + "</ul>"
+        if advice
+        else "<p>No rule of the watchdog fired: no collapse, divergence or stall it knows of.</p>"
+    )
+    table = f'<table class="summary">{lines}</table>' if lines else ""
+    return table + tried
 
 
 def _objective_text(objective) -> str:

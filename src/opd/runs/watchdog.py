@@ -3,7 +3,7 @@
 Each symptom is named once, when first seen, with its likely cause and the setting to change:
 the entropy collapsing, the teacher KL rising step after step, the sampler's log-probs parting
 from the trainer's (``kl_sample_train``), the gradient norm exploding (twice in a row, or once with
-the teacher KL following it up), held-out accuracy falling.
+the teacher KL following it up), held-out accuracy falling, a reward that no group tells apart.
 With ``training.stop_on_divergence`` the run stops at the first one instead of going on.
 """
 
@@ -160,12 +160,33 @@ def accuracy_falling(history: list[dict], config: Config | None = None) -> Sympt
     return None
 
 
+def reward_signal_gone(history: list[dict], config: Config | None = None) -> Symptom | None:
+    """Every group's rewards equal for WINDOW steps in a row while the reward is in the advantage
+    (``advantage/reward_abs_mean`` logged): the reward term is 0 on every token."""
+    rows = [row for row in history if "reward/constant_groups" in row][-WINDOW:]
+    if (
+        len(rows) == WINDOW
+        and all(row["reward/constant_groups"] >= 1.0 for row in rows)
+        and any("advantage/reward_abs_mean" in row for row in rows)
+    ):
+        return Symptom(
+            "reward_signal_gone",
+            f"every group's samples got the same reward for {WINDOW} steps (reward/constant_groups 1): "
+            "the reward term is 0 and teaches nothing. A student that never gets it right learns "
+            "the task from the teacher's samples first (training.data_source: mixed with "
+            "training.lmbda: {start: 0, end: 1, steps: N}: 0% -> 31% on the calculator task, "
+            "docs/environments.md)",
+        )
+    return None
+
+
 CHECKS: list[Callable[[list[dict], Config | None], Symptom | None]] = [
     entropy_collapse,
     teacher_kl_rising,
     sampler_apart,
     grad_norm_exploding,
     accuracy_falling,
+    reward_signal_gone,
 ]
 
 

@@ -19,6 +19,7 @@ from opd.objectives.advantages import group_centred_rewards, standardized
 from opd.runs.timing import SpanRecorder
 from opd.trainer.batch import Batch
 from opd.trainer.components import RunComponents
+from opd.trainer.diagnostics import diagnostic_metrics
 from opd.trainer.episode_metrics import episode_metrics
 from opd.trainer.update import policy_gradient, policy_update
 
@@ -145,6 +146,15 @@ class Learning(RunComponents):
             metrics["lmbda"] = self.config.training.lmbda_at(batch.step)
         if batch.on_policy and teacher is not None:
             metrics |= self.kl_metrics(batch)
+            metrics |= diagnostic_metrics(
+                rollouts,
+                batch.groups_B,
+                batch.reverse_kl_BT,
+                teacher,
+                batch.rewards_B,
+                self.graders,
+                self.tokenizer,
+            )
         if any(self.environments):
             metrics |= episode_metrics(rollouts, batch.reverse_kl_BT if batch.on_policy else None)
         scored = mask.bool()
