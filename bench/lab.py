@@ -4,8 +4,8 @@ Two generated tasks with multi-step structure, on the demo's character tokenizer
 ``carry`` (add two 3-digit numbers, the answer only: the carries are the steps) and ``chain``
 (four one-digit terms, worked: each running total written, ``8,10,17``, graded by the last
 number). For each, a teacher (2 layers, width 128) is trained on the right answers until it is
-nearly perfect, and a student (2 layers, width 64) is warmed up on them until a fifth of a dev set
-is right; both are cached in ``$OPD_CACHE/lab-v1``. Then every method trains the same student with
+nearly perfect, and a student of the same shape (another seed) is warmed up on them until a fifth
+of a dev set is right; both are cached in ``$OPD_CACHE/lab-v2``. Then every method trains the same student with
 opd's own trainer, and its greedy accuracy on 128 held-out prompts is measured every
 ``--eval-every`` steps:
 
@@ -55,7 +55,7 @@ from opd.sampling.hf_generate import HFGenerateSampler
 from opd.trainer.loop import train
 from opd.trainer.sft import supervised_finetune
 
-LAB_VERSION = "v1"
+LAB_VERSION = "v2"
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,10 @@ TASKS = {
 }
 GRADERS = {"exact_match": exact_match, "last_number": last_number_match}
 STUDENT = DemoModelSpec(
-    hidden_size=64, num_layers=2, sft_steps=1500, sft_learning_rate=1e-3, target_accuracy=0.2
+    hidden_size=128, num_layers=2, sft_steps=1500, sft_learning_rate=1e-3, target_accuracy=0.2
 )
+"""The teacher's architecture from another seed, its warm-up stopped early: as with a real pair
+(the teacher the student fine-tuned), what it lacks is training, not room to learn the task."""
 CHECK_EVERY = 50
 """Supervised steps between two dev checks while a model is built."""
 BASE = [
