@@ -187,6 +187,36 @@ def test_max_tokens_past_the_context_or_the_request_budget_gets_400_naming_the_n
     assert healthy(port)
 
 
+def test_clients_sampling_and_scoring_at_once_get_what_each_gets_alone(server):
+    """Six clients sample at once (seeded, to the end of their tokens) while a seventh scores: every
+    request is answered 200 with the tokens it gets alone. A request whose rows were taken into
+    another's batch while that batch decoded (it hands the model over between steps) used to take
+    an empty batch of its own and answer 500."""
+    port, _ = server
+
+    def body(client: int) -> bytes:
+        prompts = [[1, 6 + client, 7 + row % 3] for row in range(8)]
+        seeds = {"seed": 1000 + client}
+        return sample_body(prompts, 40, ignore_eos=True, stop_token_ids=[NEVER], temperature=1.0, **seeds)
+
+    alone = [post(port, body(client)) for client in range(6)]
+    assert all(status == 200 for status, _ in alone), alone
+    scoring = completion([[1, 5, 6, 7] * 4])
+    scored_alone = post(port, scoring)
+    for _ in range(3):  # the interleaving moves from run to run: three rounds
+        with ThreadPoolExecutor(max_workers=7) as pool:
+            crowd = [pool.submit(post, port, body(client), "/v1/completions", 120) for client in range(6)]
+            scored = [pool.submit(post, port, scoring) for _ in range(4)]
+            answers = [future.result() for future in crowd]
+        assert [status for status, _ in answers] == [200] * 6, [a for s, a in answers if s != 200]
+        for (_, got), (_, expected) in zip(answers, alone, strict=True):
+            assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in expected["choices"]]
+        for future in scored:
+            status, answer = future.result()
+            assert status == 200 and answer["choices"] == scored_alone[1]["choices"], answer
+    assert healthy(port)
+
+
 NEVER = 5
 """The token id the hostile client stops at, which its model never samples (lm-head bias -1e4)."""
 

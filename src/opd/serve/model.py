@@ -10,7 +10,7 @@ completion (the model holds no state between forwards: the decode's KV cache is 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +67,11 @@ class _SampleJob:
     prompts: list[list[int]]
     seeds: list[int]
     completions: list[Completion] | None = None
+    taken: bool = False
+    """A holder of the model took it into its batch (read and set under ``pending_lock``)."""
+    error: BaseException | None = None
+    """What the batch that took it raised."""
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class ScoringModel:
@@ -112,27 +117,53 @@ class ScoringModel:
         with self.pending_lock:
             self.pending.append(job)
         with self.lock:
-            if job.completions is None:
-                with self.pending_lock:
-                    batch = [j for j in self.pending if j.settings == job.settings]
-                    self.pending = [j for j in self.pending if j.settings != job.settings]
-                sampler = HFGenerateSampler(
-                    self.teacher.model,
-                    self.tokenizer,
-                    stop_token_ids=stop_token_ids,
-                    stop_strings=stop_strings,
-                    between_steps=self.lock.yield_turn,
-                )
-                sampled = sampler.sample(
-                    [p for j in batch for p in j.prompts],
-                    temperature=temperature or 1.0,
-                    max_tokens=max_tokens,
-                    greedy=temperature == 0,
-                    seed=[s for j in batch for s in j.seeds],
-                )
+            with self.pending_lock:
+                batch = [] if job.taken else [j for j in self.pending if j.settings == job.settings]
                 for j in batch:
-                    j.completions, sampled = sampled[: len(j.prompts)], sampled[len(j.prompts) :]
+                    j.taken = True
+                self.pending = [j for j in self.pending if not j.taken]
+            if batch:
+                self._sample_batch(batch, temperature, max_tokens, stop_token_ids, stop_strings)
+        # a job taken into another request's batch, which may still be decoding (it hands the model
+        # over between steps, and this request's turn came then): its rows come with that batch
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
         return job.completions
+
+    def _sample_batch(
+        self,
+        batch: list[_SampleJob],
+        temperature: float,
+        max_tokens: int,
+        stop_token_ids: list[int],
+        stop_strings: list[str],
+    ) -> None:
+        """Sample every row of ``batch`` in one go and hand each job its rows (or the error)."""
+        try:
+            sampler = HFGenerateSampler(
+                self.teacher.model,
+                self.tokenizer,
+                stop_token_ids=stop_token_ids,
+                stop_strings=stop_strings,
+                between_steps=self.lock.yield_turn,
+            )
+            sampled = sampler.sample(
+                [p for j in batch for p in j.prompts],
+                temperature=temperature or 1.0,
+                max_tokens=max_tokens,
+                greedy=temperature == 0,
+                seed=[s for j in batch for s in j.seeds],
+            )
+            for j in batch:
+                j.completions, sampled = sampled[: len(j.prompts)], sampled[len(j.prompts) :]
+        except BaseException as error:
+            for j in batch:
+                j.error = error
+            raise
+        finally:
+            for j in batch:
+                j.done.set()
 
     def score(
         self, prompts: list[list[int]], k: int
