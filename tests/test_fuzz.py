@@ -547,3 +547,60 @@ def test_a_config_path_no_file_can_have_is_refused_by_name():
     """Found beside the campaign's 5000-character paths: the config file's own name."""
     with pytest.raises(ConfigError, match=r"not a file name this system can open"):
         load_config("a" * 5000 + ".yaml")
+
+
+ANY_NUMBER = {"seed"}
+"""Numeric fields where every value means something (any integer seeds the run)."""
+
+
+def numeric_fields() -> list[tuple[str, str]]:
+    """(section prefix, field) for every int or float field the config reference lists."""
+    import dataclasses
+    import typing
+
+    from opd.config_reference import SECTIONS
+
+    found = []
+    for prefix, cls, _ in SECTIONS:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            types = typing.get_args(hints[field.name]) or (hints[field.name],)
+            if field.init and bool not in types and {int, float} & set(types):
+                found.append((prefix, field.name))
+    return sorted(set(found))
+
+
+def with_value(prefix: str, name: str, value) -> dict:
+    """FULL with ``value`` in one field; a section FULL has not (an environment, a schedule, a
+    mixture member) is written in first."""
+    data = json.loads(json.dumps(FULL))
+    node = data
+    if prefix == "teacher.mixture[]":
+        member = {"model": FULL["teacher"]["model"], "weight": 0.5}
+        data["teacher"] = {"mixture": [member | {name: value}, dict(member)]}
+        return data
+    for part in prefix.split(".") if prefix else []:
+        if part == "datasets[]":
+            node = node["datasets"][0]
+        elif part == "env":
+            node["env"] = {"name": "retry"}
+            node = node["env"]
+        elif part == "lmbda":
+            node["lmbda"] = {"start": 0.0, "end": 1.0, "steps": 4}
+            node = node["lmbda"]
+        else:
+            node = node[part]
+    node[name] = value
+    return data
+
+
+@pytest.mark.parametrize(("prefix", "name"), numeric_fields())
+def test_every_numeric_field_refuses_a_value_out_of_its_range_by_name(prefix, name):
+    """-2 is out of range for every count, size, rate, probability and coefficient in the config
+    reference: it is refused naming the field, whichever backend or engine would read it (a local
+    teacher's ``replica_probes: -2`` used to train)."""
+    if name in ANY_NUMBER:
+        config_from_dict(with_value(prefix, name, -2))
+        return
+    with pytest.raises(ConfigError, match=rf"\b{name}\b"):
+        config_from_dict(with_value(prefix, name, -2))

@@ -169,9 +169,13 @@ class OptimizationSettings:
         """``(field, problem)`` for this section's own fields."""
         yield from range_problems(
             self,
-            positive=("learning_rate", "num_substeps", "max_steps", "max_grad_norm"),
-            non_negative=("warmup_steps",),
+            positive=("learning_rate", "num_substeps", "max_steps", "max_grad_norm", "adam_eps"),
+            non_negative=("warmup_steps", "weight_decay"),
         )
+        for name in ("adam_beta1", "adam_beta2"):  # a moving average's factor: 1 would never move
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                yield name, f"must be in [0, 1), got {value}"
 
 
 @dataclass

@@ -51,4 +51,6 @@ class StudentConfig:
             value = getattr(self, key)
             if value and (problem := check(value)):
                 yield key, problem
-        yield from range_problems(self, non_negative=("lora_rank",))
+        yield from range_problems(self, positive=("lora_alpha",), non_negative=("lora_rank",))
+        if not 0.0 <= self.lora_dropout < 1.0:
+            yield "lora_dropout", f"must be in [0, 1), got {self.lora_dropout}"

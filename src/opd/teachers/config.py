@@ -114,7 +114,11 @@ class TeacherConfig:
             value = getattr(self, key)
             if value and (problem := check(value)):
                 yield key, problem
-        yield from range_problems(self, non_negative=("character_topk",))
+        yield from range_problems(  # every range, whichever backend reads the field: a value that
+            self,  # can never be right is refused wherever it is written
+            positive=("timeout_s", "max_concurrency", "request_batch_size"),
+            non_negative=("character_topk", "max_retries", "replica_probes"),
+        )
         if self.cross_tokenizer and self.backend != "local" and not self.tokenizer:
             yield "tokenizer", "required for cross_tokenizer with a remote teacher"
         if self.chat_template_kwargs and not self.chat_template:
@@ -132,11 +136,6 @@ class TeacherConfig:
             return
         if not self.base_url:
             yield "base_url", f"required for backend '{self.backend}'"
-        yield from range_problems(
-            self,
-            positive=("timeout_s", "max_concurrency", "request_batch_size"),
-            non_negative=("max_retries", "replica_probes"),
-        )
 
     def _mixture_problems(self) -> Iterator[tuple[str, str]]:
         """A mixture names its members and nothing beside them; their weights sum to 1."""
