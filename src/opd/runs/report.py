@@ -223,7 +223,8 @@ def build_report(
     )
     share_rows = [{"step": row["step"], "reward_share": reward_share(row)} for row in train_rows]
     group_curves = {key: _series(train_rows, key) for key in ("group/distinct", "reward/constant_groups")}
-    reward_curves = {key: _series(train_rows, key) for key in keys if key.startswith("reward/")}
+    reward_keys = sorted((k for k in keys if k.startswith("reward/")), key=lambda k: k != "reward/mean")
+    reward_curves = {key: _series(train_rows, key) for key in reward_keys}  # the mean drawn, not its twin
     reward_curves = distinct(
         {k: v for k, v in reward_curves.items() if k not in group_curves and "kept" not in k}
     )
