@@ -339,9 +339,18 @@ def teacher_accuracy(files, task: str) -> float:
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """``NAME:key=value,key=value`` (opd's dotted overrides) after the lab's base."""
+    """``NAME:key=value,key=value`` (opd's dotted overrides, split at the commas outside braces and
+    brackets, so ``training.objective={name: jsd, beta: 0}`` is one) after the lab's base."""
     name, _, settings = text.partition(":")
-    return name, [*BASE, *filter(None, settings.split(","))]
+    overrides, depth, current = [], 0, ""
+    for character in settings + ",":
+        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(character, 0)
+        if character == "," and depth == 0:
+            overrides += [current] if current else []
+            current = ""
+        else:
+            current += character
+    return name, [*BASE, *overrides]
 
 
 def mean_curve(runs: list[dict], task: str, method: str) -> list[dict]:
