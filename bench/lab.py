@@ -466,6 +466,16 @@ def main(argv: list[str] | None = None) -> int:
         args.tasks, args.seeds, args.steps, args.eval_every = ["chain"], [0], 10, 5
     methods = {name: METHODS[name] for name in args.methods} | dict(map(parse_variant, args.variant))
     runs, teachers, commit = [], {}, git_commit(Path(__file__).resolve().parents[1])
+    settings = {
+        "tasks": args.tasks,
+        "methods": methods,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "base": BASE,
+        "teachers": {t: vars_of(TASKS[t].teacher) for t in args.tasks},
+        "student": vars_of(STUDENT),
+    }
     with tempfile.TemporaryDirectory(prefix="opd-lab-") as scratch:
         for task in args.tasks:
             files = ensure_task(task)
@@ -482,17 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{end['accuracy']:.1%} ({end['flops']:.3g} FLOPs, {run['wall_seconds']:.0f}s)",
                         file=sys.stderr,
                     )
-    settings = {
-        "tasks": args.tasks,
-        "methods": methods,
-        "seeds": args.seeds,
-        "steps": args.steps,
-        "eval_every": args.eval_every,
-        "base": BASE,
-        "teachers": {t: vars_of(TASKS[t].teacher) for t in args.tasks},
-        "student": vars_of(STUDENT),
-    }
-    write_result(args.out, "lab", settings, runs, teacher_accuracy=teachers, commit=commit)
+                    # the file so far after every run: a long lab can be read while it runs
+                    write_result(args.out, "lab", settings, runs, teacher_accuracy=teachers, commit=commit)
     record = json.loads(args.out.read_text())
     figure(record, args.out.with_suffix(".png"))
     print(summary(record))
