@@ -6,7 +6,8 @@ Sections (each timed; one that fails is recorded and the next runs; past ``--bud
 rest are skipped and said so):
 
 - ``packing``: the teacher's log-probs of the same rows packed and padded (the attention path
-  named), the largest difference against the stated bfloat16 tolerance;
+  named), the largest difference against the stated bfloat16 tolerance, each pass timed apart
+  with the tokens its forwards were given (packed: the rows' own; padded: rows x width);
 - ``update``: the student's update on rows of 512 tokens at a few micro-batch token budgets,
   with and without gradient checkpointing: tokens/s, MFU (6 x parameters x tokens / seconds /
   the GPU's dense bf16 peak), peak memory against the estimate ``opd train --dry-run`` makes;
@@ -140,17 +141,33 @@ def synchronize(device) -> None:
 def check_packing(trainer, args) -> dict:
     import torch
 
+    from opd.logprobs.forward import backbone_and_head
+
     teacher = trainer.teachers.per_dataset[0]
     batch = rows_batch(8, 48 if args.tiny else 512, 16, len(trainer.tokenizer))
     lengths = [12, 48, 20, 33, 48, 5, 40, 27] if args.tiny else [64, 512, 200, 333, 480, 96, 410, 270]
     for row, length in enumerate(lengths):
         batch.attention_mask_BT[row, length:] = 0
         batch.mask_BT[row, length:] = 0
-    scored = {}
-    for packed in (True, False):
-        teacher.packing = packed
-        scored[packed] = trainer.teachers.score(batch).logprobs_BT
-    teacher.packing = True
+    scored, seconds, seen, paths = {}, {}, {}, {}
+    tokens = []  # what each forward of the teacher's model was given, padding included
+    backbone, _ = backbone_and_head(teacher.model)
+    hook = backbone.register_forward_pre_hook(
+        lambda module, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        for packed in (True, False):
+            teacher.set_packing(packed)
+            paths[packed] = teacher.module.packed
+            tokens.clear()
+            synchronize(teacher.device)
+            started = time.perf_counter()
+            scored[packed] = trainer.teachers.score(batch).logprobs_BT
+            synchronize(teacher.device)
+            seconds[packed], seen[packed] = time.perf_counter() - started, sum(tokens)
+    finally:
+        hook.remove()
+        teacher.set_packing(True)
     where = batch.mask_BT.bool()
     difference = float((scored[True][where] - scored[False][where]).abs().max())
     model = teacher.model
@@ -168,6 +185,13 @@ def check_packing(trainer, args) -> dict:
         "equal": difference <= tolerance,
         "attention": attention,
         "packed_path": "one sdpa call per sequence (opd.packing)",
+        "packed": paths[True],
+        "padded": not paths[False],
+        "packed_seconds": seconds[True],
+        "padded_seconds": seconds[False],
+        "packed_forward_tokens": seen[True],
+        "padded_forward_tokens": seen[False],
+        "tokens": sum(lengths),
         "sdpa_backends_enabled": kernels,
     }
 

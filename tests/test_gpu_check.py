@@ -25,7 +25,13 @@ def test_every_section_runs_on_the_cpu_and_its_equalities_hold(tmp_path):
     record = json.loads(out.read_text())
     results = record["results"]
     assert record["command"].startswith("python bench/gpu_check.py") or "gpu_check" in record["command"]
-    assert results["packing"]["equal"] and results["packing"]["max_abs_difference"] <= 1e-4
+    packing = results["packing"]
+    assert packing["equal"] and packing["max_abs_difference"] <= 1e-4
+    # two paths for real: packed forwards see the rows' 233 tokens (12 + 48 + 20 + 33 + 48 + 5 + 40
+    # + 27), padded ones the 8 rows at their full 48 columns (when both ran packed, both saw 233)
+    assert (packing["packed_forward_tokens"], packing["padded_forward_tokens"]) == (233, 8 * 48)
+    assert packing["packed"] and packing["padded"] and packing["tokens"] == 233
+    assert packing["packed_seconds"] > 0 and packing["padded_seconds"] > 0
     assert results["teacher"]["tokens_per_s"] > 0
     assert [s["batch"] for s in results["sampler"]] == [4, 8]
     assert all(s["tokens"] == 16 * s["batch"] for s in results["sampler"])  # no stop id: every row to the end

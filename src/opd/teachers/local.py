@@ -47,11 +47,17 @@ class LocalTeacher:
         self.chunk_size = chunk_size
         self.token_budget = token_budget
         """Most tokens per forward (None: ``batch_size`` rows whatever their length)."""
-        self.packing_problem = packing_problem(self.model) if packing else None
+        self.packing_problem: str | None = None
         """Why the teacher's forwards are padded although packing was asked for (None: they are not)."""
+        self.set_packing(packing)
+        self.sharded = False
+
+    def set_packing(self, packing: bool) -> None:
+        """Score packed (the rows of a forward laid end to end, no padding) where the model can, or
+        padded; the log-probs agree to rounding (``bench/gpu_check.py`` compares the two)."""
+        self.packing_problem = packing_problem(self.model) if packing else None
         self.module.packed = packing and self.packing_problem is None
         use_packed_attention(self.model, self.module.packed)
-        self.sharded = False
 
     def shard(self) -> None:
         """Shard the teacher over the processes with FSDP2 (each holds 1/N of it, gathered a block
