@@ -338,9 +338,10 @@ def teacher_accuracy(files, task: str) -> float:
     return accuracy(sampler, renderer, test, GRADERS[TASKS[task].grader], max_tokens=TASKS[task].max_tokens)
 
 
-def parse_variant(text: str) -> tuple[str, list[str]]:
+def parse_variant(text: str, base: list[str] = BASE) -> tuple[str, list[str]]:
     """``NAME:key=value,key=value`` (opd's dotted overrides, split at the commas outside braces and
-    brackets, so ``training.objective={name: jsd, beta: 0}`` is one) after the lab's base."""
+    brackets, so ``training.objective={name: jsd, beta: 0}`` is one) after ``base``: the lab's, or
+    none for a variant of opd's defaults."""
     name, _, settings = text.partition(":")
     overrides, depth, current = [], 0, ""
     for character in settings + ",":
@@ -350,7 +351,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
             current = ""
         else:
             current += character
-    return name, [*BASE, *overrides]
+    return name, [*base, *overrides]
 
 
 def mean_curve(runs: list[dict], task: str, method: str) -> list[dict]:
@@ -450,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--variant", action="append", default=[], help="NAME:key=value,... on the base")
+    parser.add_argument(
+        "--defaults-variant", action="append", default=[], help="NAME:key=value,... on opd's defaults"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=20)
@@ -465,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.tasks, args.seeds, args.steps, args.eval_every = ["chain"], [0], 10, 5
     methods = {name: METHODS[name] for name in args.methods} | dict(map(parse_variant, args.variant))
+    methods |= dict(parse_variant(text, []) for text in args.defaults_variant)
     runs, teachers, commit = [], {}, git_commit(Path(__file__).resolve().parents[1])
     settings = {
         "tasks": args.tasks,
