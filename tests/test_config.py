@@ -132,6 +132,20 @@ def test_an_unset_learning_rate_is_the_default_of_the_mode_and_is_recorded():
     assert chosen.training.learning_rate == 3e-4
 
 
+def test_an_unset_batch_shape_is_16_prompts_of_one_sample_or_4_of_4_with_a_reward():
+    plain = config_from_dict(MINIMAL).datasets[0]
+    assert (plain.groups_per_batch, plain.group_size) == (16, 1)
+    rewarded = config_from_dict(MINIMAL, ["training.reward_coef=1"]).datasets[0]
+    assert (rewarded.groups_per_batch, rewarded.group_size) == (4, 4)  # a group to centre each reward
+    wide = config_from_dict(MINIMAL, ["datasets.0.group_size=8"]).datasets[0]
+    assert (wide.groups_per_batch, wide.group_size) == (2, 8)  # still 16 samples a step
+    few = config_from_dict(MINIMAL, ["datasets.0.groups_per_batch=3"]).datasets[0]
+    assert (few.groups_per_batch, few.group_size) == (3, 1)
+    resolved = config_from_dict(MINIMAL)
+    assert config_to_dict(resolved)["datasets"][0]["group_size"] == 1  # recorded as resolved
+    assert config_from_dict(config_to_dict(resolved)) == resolved
+
+
 def test_the_reverse_kl_is_refused_on_batches_the_student_did_not_sample():
     with pytest.raises(
         ConfigError, match=r"training\.data_source: 'teacher' .* training\.objective 'sampled_reverse_kl'"

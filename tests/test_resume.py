@@ -238,6 +238,23 @@ def test_a_resumed_run_keeps_the_objective_and_learning_rate_it_recorded_where_t
     assert (fresh.objective.name, fresh.learning_rate) == ("topk_forward_kl", 3e-5)
 
 
+def test_a_resumed_run_keeps_the_batch_shape_it_recorded_where_the_config_sets_none(base_config, tmp_path):
+    first = dict(base_config, log_path=str(tmp_path / "run"))
+    first["training"] = dict(base_config["training"], max_steps=1)
+    train(config_from_dict(first), progress=False)  # 2 prompts x 2 samples, as base_config sets
+    unset = dict(first, datasets=[dict(base_config["datasets"][0])])
+    for key in ("groups_per_batch", "group_size"):
+        del unset["datasets"][0][key]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = config_from_dict(unset).datasets[0]
+    said = [str(w.message) for w in caught]
+    assert (resumed.groups_per_batch, resumed.group_size) == (2, 2)
+    assert any("datasets[0].group_size 2, as recorded" in m and "default is 1" in m for m in said)
+    fresh = config_from_dict(dict(unset, on_existing_log_path="overwrite")).datasets[0]
+    assert (fresh.groups_per_batch, fresh.group_size) == (16, 1)
+
+
 def test_only_the_first_torchrun_worker_says_a_resumed_run_keeps_its_recorded_settings(
     base_config, tmp_path, monkeypatch
 ):

@@ -25,10 +25,12 @@ class DatasetConfig:
     optionally with an ``answer``; ``demo:<task>`` or ``reasoning_gym:<task>`` for a generated
     task; or a table: ``hf:<owner>/<name>`` (a Hugging Face dataset, streamed), a directory
     written by ``datasets``' ``save_to_disk``, or a ``.parquet`` file (see ``split``, ``fields``)."""
-    groups_per_batch: int = 4
-    """Prompts per step from this dataset."""
-    group_size: int = 4
-    """Samples drawn per prompt."""
+    groups_per_batch: int | None = None
+    """Prompts per step from this dataset (unset: 16 samples a step, ``16 / group_size`` prompts)."""
+    group_size: int | None = None
+    """Samples drawn per prompt (unset: 1, or 4 when the task's reward is in the advantage,
+    ``training.reward_coef`` > 0, which centres each reward in its prompt's group). One sample of
+    each of 16 prompts learns more per step than 4 of each of 4 (docs/quality.md)."""
     teacher: TeacherConfig | None = None
     """A teacher for this dataset only; defaults to the top-level ``teacher``."""
     num_prompts: int | None = None
@@ -67,7 +69,7 @@ class DatasetConfig:
         """``(field, problem)`` for this dataset's own fields."""
         for key in ("groups_per_batch", "group_size"):
             value = getattr(self, key)
-            if value < 1:
+            if value is not None and value < 1:
                 yield key, f"must be >= 1, got {value}"
         yield from range_problems(self, positive=("num_prompts", "eval_num_prompts"))
         if self.grader == "math_verify" and not math_verify_available():

@@ -26,6 +26,10 @@ FULL_LEARNING_RATE = 3e-5
 """The default learning rate of a fully fine-tuned student."""
 DEFAULT_TOPK = 20
 """The unset objective's top-k: vLLM's default ``--max-logprobs``, so a stock server can serve it."""
+SAMPLES_PER_STEP = 16
+"""The samples a dataset gives each step when its batch shape is unset."""
+REWARD_GROUP_SIZE = 4
+"""The unset group size when the task's reward is in the advantage: its centring needs a group."""
 
 
 def objective_mapping(objective: Objective) -> dict:
@@ -34,9 +38,12 @@ def objective_mapping(objective: Objective) -> dict:
 
 
 def fill_defaults(config: Config) -> None:
-    """Set the unset learning rate and objective: what the resumed run recorded, else today's default."""
+    """Set the unset learning rate, objective and batch shape: what the resumed run recorded, else
+    today's default."""
     training = config.training
-    resumed = _recorded_training(config)
+    recorded = _recorded_config(config)
+    resumed = recorded.get("training") if isinstance(recorded.get("training"), dict) else {}
+    _fill_batch_shapes(config, recorded.get("datasets"))
     if training.learning_rate is None:
         default = LORA_LEARNING_RATE if config.student.lora_rank else FULL_LEARNING_RATE
         training.learning_rate = _kept_or_default(config, resumed, "learning_rate", default)
@@ -50,8 +57,43 @@ def fill_defaults(config: Config) -> None:
             training.off_policy_objective = training.off_policy_objective or objectives()["nll"]()
 
 
-def _recorded_training(config: Config) -> dict:
-    """The ``training`` section recorded by the run this config resumes (empty: it resumes none)."""
+def _fill_batch_shapes(config: Config, recorded: Any) -> None:
+    """Each dataset's unset ``group_size`` (1; ``REWARD_GROUP_SIZE`` with a reward in the advantage)
+    and ``groups_per_batch`` (``SAMPLES_PER_STEP`` samples a step): the peers' on-policy distillation
+    samples one completion a prompt, and on the lab's tasks 32 prompts x 1 sample ended far ahead
+    of 8 x 4 (docs/quality.md). A resumed run keeps the shape its config recorded."""
+    recorded = recorded if isinstance(recorded, list) else []
+    for index, dataset in enumerate(config.datasets):
+        kept = recorded[index] if index < len(recorded) and isinstance(recorded[index], dict) else {}
+        if dataset.group_size is None:
+            default = REWARD_GROUP_SIZE if config.training.reward_coef else 1
+            dataset.group_size = _kept_shape(config, kept, index, "group_size", default)
+        if dataset.groups_per_batch is None:
+            default = max(SAMPLES_PER_STEP // dataset.group_size, 1)
+            dataset.groups_per_batch = _kept_shape(config, kept, index, "groups_per_batch", default)
+
+
+def _kept_shape(config: Config, recorded: dict, index: int, key: str, default: int) -> int:
+    """An unset ``datasets[index].<key>``: what the resumed run recorded (said when it differs from
+    today's default), else the default."""
+    kept = recorded.get(key)
+    if kept is None:
+        return default
+    where = f"{Path(config.log_path) / RUN_CONFIG_NAME}: datasets[{index}].{key}"
+    if isinstance(kept, bool) or not isinstance(kept, int) or kept < 1:
+        raise ConfigError(f"{where}: expected an integer >= 1, got {kept!r}")
+    if kept != default and launched_world().is_main:
+        warnings.warn(
+            f"{config.log_path}: resuming its run with datasets[{index}].{key} {kept}, as recorded in "
+            f"its {RUN_CONFIG_NAME}; a new run's default is {default} (docs/defaults.md). Set "
+            f"datasets.{index}.{key} to change it",
+            stacklevel=3,
+        )
+    return kept
+
+
+def _recorded_config(config: Config) -> dict:
+    """The config recorded by the run this config resumes (empty: it resumes none)."""
     path = Path(config.log_path) / RUN_CONFIG_NAME
     if config.on_existing_log_path != "resume" or not path.is_file():
         return {}
@@ -62,8 +104,7 @@ def _recorded_training(config: Config) -> dict:
             f"{path}: the run to resume has an unreadable config ({error}); "
             "use another log_path, or on_existing_log_path: overwrite to start over"
         ) from None
-    training = data.get("training") if isinstance(data, dict) else None
-    return training if isinstance(training, dict) else {}
+    return data if isinstance(data, dict) else {}
 
 
 def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> Any:
