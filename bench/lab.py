@@ -383,6 +383,15 @@ def flops_to_reach(curve: list[dict], target: float) -> float | None:
     return curve[0]["flops"] if curve and curve[0]["accuracy"] >= target else None
 
 
+def accuracy_at(curve: list[dict], flops: float) -> float:
+    """The mean curve's accuracy at ``flops`` training FLOPs (linear between two evaluations)."""
+    for before, after in itertools.pairwise(curve):
+        if before["flops"] <= flops <= after["flops"]:
+            share = (flops - before["flops"]) / max(after["flops"] - before["flops"], 1e-30)
+            return before["accuracy"] + share * (after["accuracy"] - before["accuracy"])
+    return curve[-1]["accuracy"]
+
+
 def summary(record: dict) -> str:
     """A markdown table a task: each method's mean accuracy at its evaluations, its range at the end,
     the share of the student's gap to the teacher closed, and the FLOPs to 60% of the teacher."""
@@ -391,13 +400,14 @@ def summary(record: dict) -> str:
         methods = list(dict.fromkeys(run["method"] for run in runs if run["task"] == task))
         curves = {method: mean_curve(runs, task, method) for method in methods}
         steps = [point["step"] for point in next(iter(curves.values()))]
+        budget = min(curve[-1]["flops"] for curve in curves.values())  # every method's accuracy there
         seeds = len({run["seed"] for run in runs if run["task"] == task})
         lines += [
             f"**{task}** (teacher {teacher:.1%}; mean of {seeds} seeds; greedy accuracy, share fully right)",
             "",
             "| method | " + " | ".join(f"step {s}" for s in steps) + " | end range | gap closed "
-            "| FLOPs to 60% of the teacher |",
-            "|---" * (len(steps) + 4) + "|",
+            f"| FLOPs to 60% of the teacher | accuracy at {budget:.3g} FLOPs |",
+            "|---" * (len(steps) + 5) + "|",
         ]
         for method, curve in curves.items():
             start, end = curve[0]["accuracy"], curve[-1]["accuracy"]
@@ -408,7 +418,7 @@ def summary(record: dict) -> str:
                 + " | ".join(f"{point['accuracy']:.1%}" for point in curve)
                 + f" | {curve[-1]['low']:.1%}-{curve[-1]['high']:.1%} | {closed:.0%} | "
                 + (f"{reach:.3g}" if reach is not None else "not reached")
-                + " |"
+                + f" | {accuracy_at(curve, budget):.1%} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -446,6 +456,18 @@ def figure(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def combined(paths: list[Path], only: list[str] | None) -> dict:
+    """The runs of several result files as one record (``only``: these methods, in this order)."""
+    records = [json.loads(path.read_text()) for path in paths]
+    runs = [run for record in records for run in record["results"]]
+    if only:
+        runs = sorted(
+            (run for run in runs if run["method"] in only), key=lambda run: only.index(run["method"])
+        )
+    teachers = {task: acc for record in records for task, acc in record["teacher_accuracy"].items()}
+    return {"results": runs, "teacher_accuracy": teachers}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -460,9 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="one task, one seed, 10 steps: the smoke run")
     parser.add_argument("--out", type=Path, required=True, help="the result file (JSON)")
     parser.add_argument("--report-only", action="store_true", help="the table and figure of --out")
+    parser.add_argument(
+        "--combine", type=Path, nargs="+", help="with --report-only: these result files' runs together"
+    )
+    parser.add_argument("--only", nargs="+", help="with --report-only: these methods, in this order")
     args = parser.parse_args(argv)
     if args.report_only:
-        record = json.loads(args.out.read_text())
+        record = combined(args.combine, args.only) if args.combine else json.loads(args.out.read_text())
         figure(record, args.out.with_suffix(".png"))
         print(summary(record))
         return 0
