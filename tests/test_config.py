@@ -141,6 +141,8 @@ def test_an_unset_batch_shape_is_16_prompts_of_one_sample_or_4_of_4_with_a_rewar
     assert (wide.groups_per_batch, wide.group_size) == (2, 8)  # still 16 samples a step
     few = config_from_dict(MINIMAL, ["datasets.0.groups_per_batch=3"]).datasets[0]
     assert (few.groups_per_batch, few.group_size) == (3, 1)
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.group_size: .* a group of 1 sample"):
+        config_from_dict(MINIMAL, ["training.reward_coef=1", "datasets.0.group_size=1"])
     resolved = config_from_dict(MINIMAL)
     assert config_to_dict(resolved)["datasets"][0]["group_size"] == 1  # recorded as resolved
     assert config_from_dict(config_to_dict(resolved)) == resolved

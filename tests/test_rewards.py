@@ -54,7 +54,7 @@ def test_group_centred_rewards_by_hand():
     # group 0: mean 0.5; group 1: all 1 (constant); group 2: one graded row; group 3: mean 1
     assert centred.tolist() == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0]
     assert spread.tolist() == [0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
-    assert constant.tolist() == [False, False, True, True, True, False, False, False]
+    assert constant.tolist() == [False, False, True, True, False, False, False, False]  # a lone row: no group
     normalized, _, _ = group_centred_rewards(rewards, groups, std_normalization=True)
     assert normalized.tolist() == [1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0]
 

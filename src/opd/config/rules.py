@@ -34,6 +34,13 @@ def validate(config: Config) -> Config:
             f"{training.data_source} gives it none; use data_source student or mixed, or reward_coef: 0"
         )
     fill_defaults(config)
+    for i, dataset in enumerate(config.datasets):
+        if training.reward_coef and dataset.group_size == 1 and training.data_source != "dataset":
+            raise ConfigError(
+                f"datasets[{i}].group_size: training.reward_coef centres each reward within its "
+                "prompt's group, and a group of 1 sample makes it 0 on every token; set group_size "
+                "to 2 or more (unset with a reward: 4), or reward_coef: 0"
+            )
     _check_objective(training)
     _check_mixtures(config)
     for where, teacher in config.teachers():

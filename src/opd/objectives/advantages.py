@@ -66,7 +66,7 @@ def group_centred_rewards(
 
     Returns ``(centred_B, group_std_B, constant_B)``: the centred rewards (0 where a sample has no
     reward, NaN in ``rewards_B``), each sample's group standard deviation (population), and
-    whether its group's rewards are all equal (False without rewards).
+    whether its group's rewards are all equal (False without rewards, and for a lone sample).
     """
     rewards = rewards_B.double()
     centred = torch.zeros_like(rewards)
@@ -82,5 +82,5 @@ def group_centred_rewards(
         if std_normalization and std > 0:
             centred[rows] /= std
         spread[rows] = std
-        constant[rows] = bool((values == values[0]).all())
+        constant[rows] = len(values) > 1 and bool((values == values[0]).all())  # one sample: no group
     return centred.to(rewards_B.dtype), spread.to(rewards_B.dtype), constant

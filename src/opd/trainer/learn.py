@@ -101,30 +101,35 @@ class Learning(RunComponents):
         )
         graded = ~torch.isnan(rewards)
         firsts = torch.zeros_like(graded)  # one row per graded group, for per-group figures
+        shared = torch.zeros_like(graded)  # ... of a group of two or more graded rows
         for group in torch.unique(batch.groups_B[graded]):
-            firsts[int(torch.nonzero(graded & (batch.groups_B == group))[0])] = True
+            rows = torch.nonzero(graded & (batch.groups_B == group))
+            firsts[int(rows[0])] = True
+            shared[int(rows[0])] = len(rows) > 1
         sums = [
             float(rewards[graded].sum()),
             float(graded.sum()),
             float(group_std[firsts].sum()),
-            float(constant[firsts].sum()),
+            float(constant[shared].sum()),
             float(firsts.sum()),
+            float(shared.sum()),
         ]
         names = [d.name for d in self.config.datasets]
         for index in range(len(names)):
             rows = graded & (rollouts.dataset_index_B == index)
             sums += [float(rewards[rows].sum()), float(rows.sum())]
         sums = all_reduce(sums)
-        total, count, spread, constant_groups, groups = sums[:5]
+        total, count, spread, constant_groups, groups, shared_groups = sums[:6]
         if count == 0:  # this step's rows all come from datasets without a reward
             return {}, None, None
         metrics = {
             "reward/mean": total / max(count, 1.0),
             "reward/group_std": spread / max(groups, 1.0),
-            "reward/constant_groups": constant_groups / max(groups, 1.0),
         }
+        if shared_groups:  # groups of one sample say nothing of a reward's spread
+            metrics["reward/constant_groups"] = constant_groups / shared_groups
         for index, name in enumerate(names):
-            value, rows = sums[5 + 2 * index : 7 + 2 * index]
+            value, rows = sums[6 + 2 * index : 8 + 2 * index]
             if rows > 0:
                 metrics[f"reward/{name}"] = value / rows
         if not training.reward_coef:
