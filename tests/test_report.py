@@ -144,3 +144,11 @@ def test_what_to_try_replays_the_watchdog_over_the_run():
     assert "training.data_source: mixed" in advice
     rows[2]["reward/constant_groups"] = 0.5  # one step with a signal: no five in a row
     assert what_to_try(rows) == []
+    sampled = {"training": {"reward_coef": 0.0}, "datasets": [{"groups_per_batch": 8, "group_size": 4}]}
+    (shape,) = what_to_try(rows, sampled)
+    assert "datasets[0] samples 4 completions of each of 8 prompts" in shape
+    assert "groups_per_batch: 32, group_size: 1" in shape
+    rewarded = {"training": {"reward_coef": 1.0}, "datasets": [{"groups_per_batch": 8, "group_size": 4}]}
+    assert what_to_try(rows, rewarded) == []  # a reward compares the samples of a group
+    single = {"training": {}, "datasets": [{"groups_per_batch": 16, "group_size": 1}]}
+    assert what_to_try(rows, single) == []

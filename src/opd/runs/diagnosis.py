@@ -3,6 +3,7 @@ and what to try where a measured rule exists (the watchdog's checks replayed ove
 
 from __future__ import annotations
 
+import html
 import math
 
 from opd.runs.watchdog import Watchdog
@@ -67,11 +68,49 @@ def diagnosis_lines(rows: list[dict]) -> list[tuple[str, str]]:
     return lines
 
 
-def what_to_try(rows: list[dict]) -> list[str]:
-    """Each symptom the watchdog finds over the run's metrics, with its advice, first seen first."""
+def batch_shape_advice(config: dict) -> list[str]:
+    """A dataset sampling several completions a prompt while no reward is centred in the groups:
+    on the lab one sample of each of 32 prompts learned far more than four of each of 8."""
+    training = config.get("training") or {}
+    if training.get("reward_coef") or training.get("data_source") == "dataset":
+        return []
+    advice = []
+    for index, dataset in enumerate(config.get("datasets") or []):
+        size, prompts = dataset.get("group_size"), dataset.get("groups_per_batch")
+        if isinstance(size, int) and isinstance(prompts, int) and size > 1:
+            advice.append(
+                f"datasets[{index}] samples {size} completions of each of {prompts} prompts a step, "
+                "and no reward compares them: the same samples on more prompts "
+                f"(groups_per_batch: {prompts * size}, group_size: 1) learned far more per step and "
+                "per FLOP on the lab's tasks (docs/quality.md)"
+            )
+    return advice
+
+
+def what_to_try(rows: list[dict], config: dict | None = None) -> list[str]:
+    """Each symptom the watchdog finds over the run's metrics, with its advice, first seen first;
+    then the measured rules about the run's settings (``config``: its recorded ``config.yaml``)."""
     watchdog = Watchdog()
     found = []
     for row in rows:
         for symptom in watchdog.check(row):
             found.append(f"step {row.get('step', '?')}: {symptom.message}")
-    return found
+    return found + batch_shape_advice(config or {})
+
+
+def diagnosis_html(rows: list[dict], config: dict) -> str:
+    """The report's section: the diagnostic figures' meaning with the run's values, then what to
+    try (the watchdog's rules replayed, the measured rules about the run's settings)."""
+    lines = "".join(
+        f"<tr><td>{html.escape(key)}</td><td>{text}</td></tr>" for key, text in diagnosis_lines(rows)
+    )
+    advice = what_to_try(rows, config)
+    tried = (
+        "<p><b>What to try</b> (rules measured on this project's runs):</p><ul>"
+        + "".join(f"<li>{html.escape(line)}</li>" for line in advice)
+        + "</ul>"
+        if advice
+        else "<p>No rule of the watchdog fired: no collapse, divergence or stall it knows of.</p>"
+    )
+    table = f'<table class="summary">{lines}</table>' if lines else ""
+    return table + tried

@@ -11,7 +11,7 @@ import html
 import statistics
 from pathlib import Path
 
-from opd.runs.diagnosis import diagnosis_lines, reward_share, what_to_try
+from opd.runs.diagnosis import diagnosis_html, reward_share
 from opd.runs.metrics import read_jsonl
 from opd.runs.resume import CONFIG_NAME, METRICS_NAME, SAMPLES_NAME, TIMING_NAME
 
@@ -303,7 +303,7 @@ def build_report(
         "<h2>Summary</h2>",
         f'<table class="summary">{summary}</table>',
         "<h2>Why it went as it did</h2>",
-        _diagnosis_html(rows),
+        diagnosis_html(rows, _recorded_config(run_dir)),
         "<h2>Curves</h2>",
         '<div class="grid">' + "".join(_embed(path, title) for title, path in sections) + "</div>",
         "<h2>Sample completions</h2>",
@@ -325,21 +325,13 @@ def build_report(
     return out
 
 
-def _diagnosis_html(rows: list[dict]) -> str:
-    """The diagnostic figures' meaning with the run's values, then what to try (the watchdog's rules)."""
-    lines = "".join(
-        f"<tr><td>{html.escape(key)}</td><td>{text}</td></tr>" for key, text in diagnosis_lines(rows)
-    )
-    advice = what_to_try(rows)
-    tried = (
-        "<p><b>What to try</b> (rules measured on this project's runs):</p><ul>"
-        + "".join(f"<li>{html.escape(line)}</li>" for line in advice)
-        + "</ul>"
-        if advice
-        else "<p>No rule of the watchdog fired: no collapse, divergence or stall it knows of.</p>"
-    )
-    table = f'<table class="summary">{lines}</table>' if lines else ""
-    return table + tried
+def _recorded_config(run_dir: Path) -> dict:
+    """The run's ``config.yaml`` (empty when it has none)."""
+    import yaml
+
+    path = run_dir / CONFIG_NAME
+    config = yaml.safe_load(path.read_text()) if path.exists() else {}
+    return config if isinstance(config, dict) else {}
 
 
 def _objective_text(objective) -> str:
@@ -351,10 +343,7 @@ def _objective_text(objective) -> str:
 
 
 def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
-    import yaml
-
-    config_path = run_dir / CONFIG_NAME
-    config = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
+    config = _recorded_config(run_dir)
     training = config.get("training") or {}
     objective = _objective_text(training.get("objective", "?"))
     if training.get("off_policy_objective"):
