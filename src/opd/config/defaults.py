@@ -82,14 +82,21 @@ def _kept_shape(config: Config, recorded: dict, index: int, key: str, default: i
     where = f"{Path(config.log_path) / RUN_CONFIG_NAME}: datasets[{index}].{key}"
     if isinstance(kept, bool) or not isinstance(kept, int) or kept < 1:
         raise ConfigError(f"{where}: expected an integer >= 1, got {kept!r}")
-    if kept != default and launched_world().is_main:
-        warnings.warn(
-            f"{config.log_path}: resuming its run with datasets[{index}].{key} {kept}, as recorded in "
-            f"its {RUN_CONFIG_NAME}; a new run's default is {default} (docs/defaults.md). Set "
-            f"datasets.{index}.{key} to change it",
-            stacklevel=3,
-        )
+    if kept != default:
+        _say_kept(config, f"datasets[{index}].{key}", kept, default)
     return kept
+
+
+def _say_kept(config: Config, setting: str, shown: Any, default_shown: Any) -> None:
+    """Say, from the first process only (every ``torchrun`` worker loads the config), that a
+    resumed run keeps a recorded value where today's default differs."""
+    if launched_world().is_main:
+        warnings.warn(
+            f"{config.log_path}: resuming its run with {setting} {shown}, as recorded in its "
+            f"{RUN_CONFIG_NAME}; a new run's default is {default_shown} (docs/defaults.md). "
+            f"Set {setting} to change it",
+            stacklevel=4,
+        )
 
 
 def _recorded_config(config: Config) -> dict:
@@ -122,13 +129,8 @@ def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> 
         if isinstance(kept, bool) or not isinstance(kept, int | float):
             raise ConfigError(f"{where}: expected a number, got {kept!r}")
         kept, shown, default_shown = float(kept), kept, default
-    if kept != default and launched_world().is_main:
-        warnings.warn(
-            f"{config.log_path}: resuming its run with training.{key} {shown}, as recorded in its "
-            f"{RUN_CONFIG_NAME}; a new run's default is {default_shown} (docs/defaults.md). "
-            f"Set training.{key} to change it",
-            stacklevel=2,
-        )
+    if kept != default:
+        _say_kept(config, f"training.{key}", shown, default_shown)
     return kept
 
 
