@@ -4,7 +4,8 @@
 MODE: slow (answers after 5 s), few (one log-prob short), wrong_ids (log-probs for other
 tokens), badjson (not JSON), error500 (always HTTP 500), nan (a NaN log-prob); and the faults a
 run survives: flaky (every other request HTTP 500), late (every third request answered after
-5 s), reorder (choices in reverse order), ok (honest answers); replicas (two models behind one
+5 s), reorder (choices in reverse order), busy (every other request HTTP 503 with Retry-After:
+1), ok (honest answers); replicas (two models behind one
 address, as a round-robin balancer over two servers of different weights would be: every other
 request answered with the log-prob -2 - (token id mod 5) / 10). Honest answers give every token
 the log-prob -1 - (token id mod 7) / 10.
@@ -37,6 +38,9 @@ class Handler(BaseHTTPRequestHandler):
         if MODE == "flaky" and number % 2 == 0:
             self._send(500, b'{"message": "overloaded"}')
             return
+        if MODE == "busy" and number % 2 == 0:
+            self._send(503, b'{"error": {"message": "busy"}}', {"Retry-After": "1"})
+            return
         if MODE == "error500":
             self._send(500, b'{"message": "overloaded"}')
             return
@@ -59,9 +63,11 @@ class Handler(BaseHTTPRequestHandler):
             choices.reverse()
         self._send(200, json.dumps({"choices": choices}).encode())
 
-    def _send(self, status, data):
+    def _send(self, status, data, headers=None):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

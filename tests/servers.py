@@ -29,7 +29,7 @@ def wait_until_up(port: int, process: subprocess.Popen, path: str = "/health", t
     raise TimeoutError("server did not start")
 
 
-def start_opd_serve(model_dir, port, *extra):
+def start_opd_serve(model_dir, port, *extra, wait: bool = True):
     process = subprocess.Popen(
         [
             sys.executable,
@@ -46,7 +46,8 @@ def start_opd_serve(model_dir, port, *extra):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_until_up(port, process)
+    if wait:
+        wait_until_up(port, process)
     return process
 
 

@@ -382,7 +382,7 @@ def fuzzed_client(backend: str, answers: list) -> RemoteTeacher:
     client = RemoteTeacher(
         backend=backend, base_url="http://127.0.0.1:9/v1", model="teacher", request_batch_size=2
     )
-    client._post = lambda payload: answers.pop(0) if answers else {}
+    client._ask = lambda replica, data, parse: parse(answers.pop(0) if answers else {})
     return client
 
 

@@ -26,8 +26,10 @@ from tests.servers import free_port, start_opd_serve, through_server, wait_until
 HERE = Path(__file__).parent
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def served_teacher(model_dirs):
+    """One ``opd serve`` for the module's tests (each asserts it is still up where it matters):
+    starting one costs seconds."""
     port = free_port()
     process = start_opd_serve(model_dirs["teacher"], port, "--max-logprobs", "5")
     yield port, process

@@ -217,6 +217,53 @@ def test_clients_sampling_and_scoring_at_once_get_what_each_gets_alone(server):
     assert healthy(port)
 
 
+def test_past_its_waiting_cap_the_server_answers_503_with_retry_after_and_loses_nothing(model_dirs):
+    """Six sampling clients and a scoring one at once against ``--max-waiting 2``: each is answered
+    200 or 503 with a ``Retry-After`` (at least one 503: the queue is bounded), and a refused
+    request sent again after it gets what it gets alone."""
+    port = free_port()
+    process = start_opd_serve(model_dirs["teacher"], port, "--max-waiting", "2")
+    try:
+
+        def body(client: int) -> bytes:
+            prompts = [[1, 6 + client, 7 + row % 3] for row in range(4)]
+            return sample_body(prompts, 30, ignore_eos=True, stop_token_ids=[NEVER], seed=client)
+
+        def send(data: bytes) -> tuple[int, dict, str | None]:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=data,
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    return response.status, json.loads(response.read()), None
+            except urllib.error.HTTPError as error:
+                return error.code, json.loads(error.read()), error.headers.get("Retry-After")
+
+        bodies = [body(client) for client in range(6)] + [completion([[1, 5, 6, 7] * 4])]
+        alone = [send(data)[1] for data in bodies]
+        with ThreadPoolExecutor(max_workers=7) as pool:
+            crowd = list(pool.map(send, bodies))
+        refused = [index for index, (status, _, _) in enumerate(crowd) if status != 200]
+        assert refused, "no request was refused: the cap was never reached"
+        for index in refused:
+            status, answer, retry_after = crowd[index]
+            assert status == 503 and retry_after is not None and int(retry_after) >= 1, crowd[index]
+            assert "--max-waiting" in answer["error"]["message"]
+        for index in range(len(bodies)):
+            got = crowd[index][1]
+            while crowd[index][0] != 200:
+                time.sleep(int(crowd[index][2]))
+                crowd[index] = send(bodies[index])
+                got = crowd[index][1]
+            assert got["choices"] == alone[index]["choices"], index
+        assert healthy(port)
+    finally:
+        process.kill()
+        process.wait()
+
+
 NEVER = 5
 """The token id the hostile client stops at, which its model never samples (lm-head bias -1e4)."""
 

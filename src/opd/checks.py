@@ -3,7 +3,8 @@ user reads the same sentence whichever section is at fault."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import argparse
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -16,3 +17,16 @@ def range_problems(
             value = getattr(section, name)
             if value is not None and (value < 0 or (value == 0 and not allow_zero)):
                 yield name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}"
+
+
+def positive_arg(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type that refuses zero and negatives (the demo would build its models first)."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse

@@ -6,12 +6,13 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Callable
 
 from opd import __version__
+from opd.checks import positive_arg
 from opd.config import load_config
 from opd.errors import USER_ERRORS, RunInterrupted
 from opd.secrets import redact
+from opd.serve.command import add_serve_command
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -136,22 +137,6 @@ def _trace(args: argparse.Namespace) -> None:
     print(f"wrote {out}: open it in chrome://tracing or https://ui.perfetto.dev")
 
 
-def _serve(args: argparse.Namespace) -> None:
-    from opd.serve.http import ServerLimits, serve
-
-    serve(
-        args.model,
-        args.host,
-        args.port,
-        name=args.served_model_name,
-        max_logprobs=args.max_logprobs,
-        max_tokens_per_request=args.max_tokens_per_request,
-        dtype=args.dtype,
-        device=args.device,
-        limits=ServerLimits(args.max_request_bytes, args.request_timeout, args.max_connections),
-    )
-
-
 def _rollout_server(args: argparse.Namespace) -> None:
     """Replace this process with vLLM's server (so signals and the exit status are vLLM's own)."""
     import importlib.util
@@ -185,19 +170,6 @@ def _export(args: argparse.Namespace) -> None:
 
     out = export_student(args.run_dir, args.out, merge_lora=args.merge_lora)
     print(f"exported the student of {args.run_dir} to {out}")
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    """An argparse type that refuses zero and negatives (the demo would build its models first)."""
-
-    def parse(text: str) -> int | float:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
-    return parse
 
 
 COMPUTING = ("train", "demo", "eval", "export", "serve")
@@ -246,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--nproc",
-        type=_positive(int),
+        type=positive_arg(int),
         help="train with N processes on this machine (runs torchrun --standalone --nproc_per_node N)",
     )
     train.set_defaults(handler=_train)
@@ -289,36 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--out", help="JSON file to write (default RUN_DIR/trace.json)")
     trace.set_defaults(handler=_trace)
 
-    serve = commands.add_parser("serve", help="serve a teacher's prompt log-probs (vLLM / SGLang API subset)")
-    serve.add_argument("model", help="hub id or local directory of the teacher")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", help="name clients send as 'model' (default: MODEL as given)")
-    serve.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
-    serve.add_argument(
-        "--max-tokens-per-request",
-        type=_positive(int),
-        default=16384,
-        help="most tokens one request may have sampled, prompts x max_tokens (16384)",
-    )
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    serve.add_argument("--device", default="auto")
-    serve.add_argument(
-        "--max-request-bytes", type=_positive(int), default=16 * 2**20, help="larger bodies get 413 (16 MiB)"
-    )
-    serve.add_argument(
-        "--request-timeout",
-        type=_positive(float),
-        default=60.0,
-        help="seconds a client may take to send a request before it is dropped (60)",
-    )
-    serve.add_argument(
-        "--max-connections",
-        type=_positive(int),
-        default=64,
-        help="connections served at once; more wait their turn (64)",
-    )
-    serve.set_defaults(handler=_serve)
+    add_serve_command(commands)
 
     rollout = commands.add_parser(
         "rollout-server",
@@ -343,11 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", parents=[verbose], help="distil a tiny teacher into a smaller student on a CPU"
     )
     demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
-    demo.add_argument("--steps", type=_positive(int), default=None, help="distillation steps (default 400)")
+    demo.add_argument(
+        "--steps", type=positive_arg(int), default=None, help="distillation steps (default 400)"
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--lr",
-        type=_positive(float),
+        type=positive_arg(float),
         default=None,
         help="distillation learning rate (default 5e-4; lower it if the student will not learn)",
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opd.models import load_causal_lm, load_tokenizer
-from opd.serve.model import ScoringModel
+from opd.serve.model import ScoringModel, ServerBusy
 from opd.serve.wire import RequestError, completions_response, error_body, generate_response, models_response
 
 
@@ -26,6 +26,9 @@ class ServerLimits:
     """A client that takes longer to send its request (or sits idle on a kept-alive connection) is dropped."""
     max_connections: int = 64
     """Connections served at once; more wait in the listen backlog (256) until one finishes."""
+    max_waiting: int = 256
+    """Requests for the model held at once (served or waiting their turn); more get 503 with a
+    ``Retry-After`` (a sampling request is a row, as clients send them)."""
 
 
 def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
@@ -38,10 +41,12 @@ def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
         def log_message(self, format, *args):
             return
 
-        def _send(self, status: int, payload: dict) -> None:
+        def _send(self, status: int, payload: dict, retry_after_s: int | None = None) -> None:
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            if retry_after_s is not None:
+                self.send_header("Retry-After", str(retry_after_s))
             self.send_header("Content-Length", str(len(data)))
             if self.close_connection:
                 self.send_header("Connection", "close")
@@ -98,7 +103,11 @@ def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
                 request = json.loads(body or b"null")
                 if not isinstance(request, dict):
                     raise RequestError("the request body must be a JSON object")
-                self._send(200, routes[self.path](scorer, request))
+                with scorer.admitted():
+                    answer = routes[self.path](scorer, request)
+                self._send(200, answer)
+            except ServerBusy as busy:
+                self._send(503, error_body(str(busy), 503), busy.retry_after_s)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 self._error(400, "the request body is not valid JSON")
             except RecursionError:
@@ -163,7 +172,9 @@ def serve(
     """Load the model and answer requests until interrupted."""
     tokenizer = load_tokenizer(model_path, "model")
     model = load_causal_lm(model_path, "model", dtype=dtype, device=device)
-    scorer = ScoringModel(model, tokenizer, name or model_path, max_logprobs, max_tokens_per_request)
+    scorer = ScoringModel(
+        model, tokenizer, name or model_path, max_logprobs, max_tokens_per_request, limits.max_waiting
+    )
     server = LimitedServer((host, port), make_handler(scorer, limits), limits)
     print(f"opd serve: {scorer.name} on http://{host}:{server.server_address[1]}/v1", flush=True)
     try:

@@ -9,7 +9,11 @@ completion (the model holds no state between forwards: the decode's KV cache is 
 
 from __future__ import annotations
 
+import math
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +63,17 @@ class TurnLock:
             self._wait_for(ticket)
 
 
+class ServerBusy(Exception):
+    """The model's queue is full: the request is refused before any work, to be sent again."""
+
+    def __init__(self, retry_after_s: int, waiting: int):
+        super().__init__(
+            f"the server is busy: {waiting} requests are waiting for the model (--max-waiting); "
+            f"send it again after {retry_after_s} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class _SampleJob:
     """One request's rows to sample, and what they became."""
@@ -78,7 +93,13 @@ class ScoringModel:
     """Prompt log-probs and top-k of a causal LM, scored by the same code as a local teacher."""
 
     def __init__(
-        self, model, tokenizer, name: str, max_logprobs: int = 20, max_tokens_per_request: int = 16384
+        self,
+        model,
+        tokenizer,
+        name: str,
+        max_logprobs: int = 20,
+        max_tokens_per_request: int = 16384,
+        max_waiting: int = 256,
     ):
         self.tokenizer = tokenizer
         self.name = name
@@ -92,6 +113,29 @@ class ScoringModel:
         self.pending: list[_SampleJob] = []
         """Sampling requests waiting for the model: the next to hold ``lock`` samples them all."""
         self.pending_lock = threading.Lock()
+        self.max_waiting = max_waiting
+        """Requests held for the model at once (being served or waiting); more get 503."""
+        self.waiting = 0
+        self.request_seconds = 1.0
+        """A recent request's time in the server (a moving average): the Retry-After of a 503."""
+        self._count_lock = threading.Lock()
+
+    @contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Hold a place among the requests for the model, or raise :class:`ServerBusy` when all
+        ``max_waiting`` are taken (the queue is bounded: a burst is told when to come back
+        instead of piling up without end)."""
+        with self._count_lock:
+            if self.waiting >= self.max_waiting:
+                raise ServerBusy(max(1, min(60, math.ceil(self.request_seconds))), self.waiting)
+            self.waiting += 1
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._count_lock:
+                self.waiting -= 1
+                self.request_seconds = 0.8 * self.request_seconds + 0.2 * (time.monotonic() - started)
 
     def sample(
         self,

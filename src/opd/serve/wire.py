@@ -24,7 +24,7 @@ class RequestError(ValueError):
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """vLLM's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {404: "NotFoundError"}.get(status, "BadRequestError")
+    kind = {404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "BadRequestError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

@@ -26,9 +26,10 @@ class TeacherConfig:
     backend: Literal["local", "openai", "sglang"] = "local"
     """``local``: in the trainer's process; ``openai``: a vLLM (OpenAI-compatible) server;
     ``sglang``: an SGLang server. Remote teachers must share the student's token ids."""
-    base_url: str | None = None
+    base_url: str | list[str] | None = None
     """Remote server, as OpenAI clients take it: ``http://127.0.0.1:8000/v1`` (vLLM),
-    ``http://127.0.0.1:30000`` (SGLang)."""
+    ``http://127.0.0.1:30000`` (SGLang); or a list of replicas of one teacher, which requests go
+    round (a replica that fails leaves the rotation until it answers a probe as before)."""
     api_key_env: str | None = None
     """Name of the environment variable holding the server's API key (the key is never logged or saved)."""
     tokenizer: str | None = None
@@ -62,6 +63,9 @@ class TeacherConfig:
     """Remote: before any step, the same probe sequence is scored this many times, each on a
     connection of its own; replicas behind one address that answer it otherwise (another model,
     revision or quantization) are refused, naming the address (0: no probe)."""
+    replica_rest_s: float = 30.0
+    """Remote, several ``base_url``: seconds a replica out of rotation rests before it is probed
+    again (and taken back when it answers the start's probe as before)."""
     context: str | None = None
     """Privileged context: text the teacher reads before the student's prompt and the student
     never sees, a template over the prompt's fields, e.g. ``"The correct answer is {answer}."``
@@ -112,11 +116,15 @@ class TeacherConfig:
         )
         for key, check in places:
             value = getattr(self, key)
-            if value and (problem := check(value)):
-                yield key, problem
+            for index, one in enumerate(value if isinstance(value, list) else [value]):
+                where = f"{key}[{index}]" if isinstance(value, list) else key
+                if one and (problem := check(one)):
+                    yield where, problem
+        if isinstance(self.base_url, list) and len(set(self.base_url)) < len(self.base_url):
+            yield "base_url", f"names a replica twice: {self.base_url}"
         yield from range_problems(  # every range, whichever backend reads the field: a value that
             self,  # can never be right is refused wherever it is written
-            positive=("timeout_s", "max_concurrency", "request_batch_size"),
+            positive=("timeout_s", "max_concurrency", "request_batch_size", "replica_rest_s"),
             non_negative=("character_topk", "max_retries", "replica_probes"),
         )
         if self.cross_tokenizer and self.backend != "local" and not self.tokenizer:

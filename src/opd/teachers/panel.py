@@ -92,7 +92,7 @@ class TeacherPanel:
         one format per tokenizer and template."""
         key = (
             teacher_cfg.backend,
-            teacher_cfg.base_url,
+            repr(teacher_cfg.base_url),  # one address or a list of them
             teacher_cfg.model,
             teacher_cfg.dtype,
             teacher_cfg.device,
@@ -148,6 +148,7 @@ class TeacherPanel:
                 max_retries=teacher_cfg.max_retries,
                 max_concurrency=teacher_cfg.max_concurrency,
                 request_batch_size=teacher_cfg.request_batch_size,
+                replica_rest_s=teacher_cfg.replica_rest_s,
             )
             probe_tokenizer = teacher_format.renderer.tokenizer if teacher_format else self.tokenizer
             probe_ids = probe_tokenizer.encode(" ".join(PROBE_TEXTS), add_special_tokens=False)
@@ -179,6 +180,12 @@ class TeacherPanel:
                 stacklevel=2,
             )
         return teacher
+
+    def replica_metrics(self) -> dict[str, float]:
+        """``teacher/replicas_live``: the replicas in rotation over every remote teacher given
+        several (none logged without one)."""
+        pools = [t.pool for t in self._loaded.values() if isinstance(t, RemoteTeacher) and t.pool.several]
+        return {"teacher/replicas_live": float(sum(pool.live for pool in pools))} if pools else {}
 
     def writers(self) -> list[TeacherWriter]:
         """Each dataset's teacher as the writer of the completions of ``data_source: teacher`` (and

@@ -1,22 +1,25 @@
-"""A teacher behind an inference server: vLLM's OpenAI-compatible API or SGLang's native one.
+"""A teacher behind inference servers: vLLM's OpenAI-compatible API or SGLang's native one, at
+one address or several replicas (:mod:`opd.teachers.replicas`).
 
-Sequences go out in batches with bounded concurrency; connection errors, timeouts and 5xx
-answers are retried with exponential backoff and jitter; a 4xx answer, or the last failed
-retry, raises :class:`RemoteTeacherError` naming the server and what it said. Every answer
-is checked (one log-prob per token, the same ids, finite values, k top entries) before a
-step may use it.
+Sequences go out in batches with bounded concurrency. A connection error, timeout, 5xx or
+malformed answer sends the request to the next live replica (the one that failed leaves the
+rotation); when none answers, it is retried with exponential backoff and jitter; a busy server's
+429/503 is retried after the ``Retry-After`` it asks for. A 4xx answer (the request's fault, the
+same on every replica), or the last failed retry, raises :class:`RemoteTeacherError` naming the
+server and what it said. Every answer is checked (:mod:`opd.teachers.answers`) before a step
+may use it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -25,7 +28,9 @@ from opd.data.sequences import Completion
 from opd.errors import RemoteTeacherError
 from opd.sampling.base import neutral_sampling_body
 from opd.secrets import redact
+from opd.teachers.answers import BadAnswer, Scored, parse_prompt_choices, parse_sampled, parse_sglang
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
+from opd.teachers.replicas import DISAGREEMENT_NATS, Replica, ReplicaPool, probe_gap
 
 
 def server_message(body: str) -> str:
@@ -60,14 +65,19 @@ def refusal_hint(status: int, message: str) -> str:
     return ""
 
 
-LOGPROB_ROUNDING = 1e-4
-"""How far above 0 a server's log-prob may be (float rounding of a near-certain token)."""
-FLOAT32_LOWEST = -3.4028234663852886e38
-"""Below it a log-prob cannot be held in the float32 tensors the scores go into: refused as infinite."""
+BUSY_STATUSES = (429, 503)
+"""A server that is up but full: asked again after its ``Retry-After``, not taken out of rotation."""
+MOST_RETRY_AFTER_S = 30.0
+"""The longest ``Retry-After`` obeyed (a server asking more is asked again after this)."""
 
 
-MAX_TOKEN_ID = 2**31
-"""No vocabulary is larger; a bigger id in an answer is garbage (and would overflow a tensor)."""
+class _Fault(Exception):
+    """A replica that did not answer usably; ``wait_s`` set when it asked to be asked later."""
+
+    def __init__(self, message: str, wait_s: float | None = None, other_weights: bool = False):
+        super().__init__(message)
+        self.wait_s = wait_s
+        self.other_weights = other_weights
 
 
 class RemoteTeacher:
@@ -77,7 +87,7 @@ class RemoteTeacher:
         self,
         *,
         backend: str,
-        base_url: str,
+        base_url: str | list[str],
         model: str,
         api_key_env: str | None = None,
         timeout_s: float = 60.0,
@@ -85,15 +95,19 @@ class RemoteTeacher:
         max_concurrency: int = 4,
         request_batch_size: int = 8,
         backoff_s: float = 0.5,
+        replica_rest_s: float = 30.0,
     ):
         self.backend = backend
-        self.base_url = base_url.rstrip("/")
+        self.pool = ReplicaPool([base_url] if isinstance(base_url, str) else list(base_url), replica_rest_s)
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.max_concurrency = max_concurrency
         self.request_batch_size = request_batch_size if backend == "openai" else 1
         self.backoff_s = backoff_s
+        self.probe: tuple[list[int], torch.Tensor] | None = None
+        """The start's probe sequence and the answer it got (set by ``check_replicas``): a
+        replica back from a failure must answer it the same before it is used again."""
         self._headers = {"Content-Type": "application/json"}
         if api_key_env:
             key = os.environ.get(api_key_env)
@@ -103,52 +117,122 @@ class RemoteTeacher:
                 )
             self._headers["Authorization"] = f"Bearer {key}"
 
-    @property
-    def url(self) -> str:
-        """The URL requests go to."""
-        return f"{self.base_url}/completions" if self.backend == "openai" else f"{self.base_url}/generate"
+    def url_of(self, replica: Replica) -> str:
+        """The URL a replica's requests go to."""
+        route = "/completions" if self.backend == "openai" else "/generate"
+        return replica.base_url + route
+
+    def endpoint_of(self, replica: Replica) -> str:
+        """A replica's URL as messages name it: credentials in it masked."""
+        return redact(self.url_of(replica))
 
     @property
     def endpoint(self) -> str:
-        """The URL as messages name it: credentials in it masked."""
-        return redact(self.url)
+        """The first replica's URL as messages name it."""
+        return self.endpoint_of(self.pool.replicas[0])
 
-    def _post(self, payload: dict) -> dict:
-        data = json.dumps(payload).encode()
-        last_error = "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1) + random.uniform(0, self.backoff_s))
-            request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    body = response.read()
-            except urllib.error.HTTPError as error:
-                detail = server_message(error.read().decode(errors="replace"))
-                if error.code < 500:
-                    raise RemoteTeacherError(
-                        f"teacher server {self.endpoint} answered HTTP {error.code}: {detail}"
-                        f"{refusal_hint(error.code, detail)}"
-                    ) from None
-                last_error = f"HTTP {error.code}: {detail}"
-                continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-                reason = getattr(error, "reason", error)
-                last_error = (
-                    f"timed out after {self.timeout_s}s"
-                    if isinstance(reason, TimeoutError | socket.timeout)
-                    else str(reason)
-                )
-                continue
-            try:
-                return json.loads(body)
-            except json.JSONDecodeError:
-                raise RemoteTeacherError(
-                    f"teacher server {self.endpoint} answered with malformed JSON: {body[:200]!r}"
-                ) from None
-        raise RemoteTeacherError(
-            f"teacher server {self.endpoint} failed after {self.max_retries + 1} attempts: {last_error}"
+    def _ask(self, replica: Replica, data: bytes, parse: Callable[[object], object]):
+        """One request to one replica, its answer parsed; :class:`_Fault` when the replica is at
+        fault (unreachable, slow, 5xx, busy, malformed), RemoteTeacherError when the request is."""
+        request = urllib.request.Request(
+            self.url_of(replica), data=data, headers=self._headers, method="POST"
         )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as error:
+            detail = server_message(error.read().decode(errors="replace"))
+            if error.code in BUSY_STATUSES:
+                asked = (error.headers.get("Retry-After") or "").strip()
+                wait = min(float(asked), MOST_RETRY_AFTER_S) if asked.isdigit() else None
+                raise _Fault(f"HTTP {error.code}: {detail}", wait) from None
+            if error.code < 500:
+                raise RemoteTeacherError(
+                    f"teacher server {self.endpoint_of(replica)} answered HTTP {error.code}: {detail}"
+                    f"{refusal_hint(error.code, detail)}"
+                ) from None
+            raise _Fault(f"HTTP {error.code}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+            reason = getattr(error, "reason", error)
+            if isinstance(reason, TimeoutError | socket.timeout):
+                raise _Fault(f"timed out after {self.timeout_s}s") from None
+            raise _Fault(str(reason)) from None
+        try:
+            answer = json.loads(body)
+        except json.JSONDecodeError:
+            raise BadAnswer(f"answered with malformed JSON: {body[:200]!r}") from None
+        return parse(answer)
+
+    def _post(self, payload: dict, parse: Callable[[object], object], only: Replica | None = None):
+        """``payload`` answered and parsed by a live replica (``only``: by that one), round the
+        replicas first, then with backoff, ``max_retries`` rounds after the first."""
+        data = json.dumps(payload).encode()
+        failures: dict[str, str] = {}
+        for attempt in range(self.max_retries + 1):
+            tried: set[str] = set()
+            waits = []
+            while choice := self._next(only, tried):
+                replica, probe_first = choice
+                tried.add(replica.base_url)
+                try:
+                    if probe_first:
+                        self._probe(replica)
+                    answer = self._ask(replica, data, parse)
+                except _Fault as fault:
+                    failures[replica.base_url] = str(fault)
+                    if fault.wait_s is None:
+                        self.pool.take_out(replica, str(fault), say=fault.other_weights)
+                    waits.append(fault.wait_s)
+                    continue
+                except BadAnswer as bad:
+                    message = f"teacher server {self.endpoint_of(replica)}: {bad}"
+                    if not self.pool.several or only:
+                        raise RemoteTeacherError(message) from None
+                    failures[replica.base_url] = str(bad)
+                    self.pool.take_out(replica, str(bad))
+                    continue
+                if not replica.live:
+                    self.pool.take_back(replica)
+                return answer
+            if attempt < self.max_retries:
+                asked = [w for w in waits if w is not None]
+                pause = max(asked) if asked and len(asked) == len(waits) else None
+                time.sleep(
+                    pause
+                    if pause is not None
+                    else self.backoff_s * 2**attempt + random.uniform(0, self.backoff_s)
+                )
+        if len(failures) == 1 or only:
+            ((where, last),) = list(failures.items())[-1:]
+            url = self.url_of(Replica(where))
+            raise RemoteTeacherError(
+                f"teacher server {redact(url)} failed after {self.max_retries + 1} attempts: {last}"
+            )
+        said = "; ".join(f"{redact(self.url_of(Replica(u)))}: {m}" for u, m in failures.items())
+        raise RemoteTeacherError(
+            f"every teacher replica failed, {self.max_retries + 1} attempts each ({said})"
+        )
+
+    def _next(self, only: Replica | None, tried: set[str]) -> tuple[Replica, bool] | None:
+        """The replica to ask next and whether to probe it first (None: this round is over)."""
+        if only is not None:
+            return None if tried else (only, False)
+        return self.pool.choose(tried)
+
+    def _probe(self, replica: Replica) -> None:
+        """A replica back from its rest answers the start's probe as the run started, or stays out."""
+        if self.probe is None:
+            return
+        ids, reference = self.probe
+        data = json.dumps(self._score_payload([ids], 0)).encode()
+        answer = self._ask(replica, data, self._parse_scores([ids], 0))[0][0]
+        mean, most = probe_gap(answer, reference)
+        if mean > DISAGREEMENT_NATS:
+            raise _Fault(
+                f"it answers the probe {mean:.3f} nats a token apart from the run's start "
+                f"(at most {most:.3f}): other weights",
+                other_weights=True,
+            )
 
     def score(self, inputs: TeacherInput, request: TeacherRequest) -> TeacherScores:
         """Log-probs (and top-k) of every sequence, sent as token-id lists (the servers' JSON).
@@ -189,7 +273,8 @@ class RemoteTeacher:
         stop_strings: list[str],
     ) -> list[Completion]:
         """One completion per prompt written by the served model (OpenAI completions route), a
-        request a row with its own seed, so a row draws the same whatever rows share its batch.
+        request a row with its own seed, so a row draws the same whatever rows share its batch
+        (and whichever replica answers it).
 
         Every sampling setting is sent, so a server's own generation defaults (a checkpoint's
         top-p, say) do not apply: the teacher samples ``softmax(logits / temperature)``.
@@ -203,177 +288,47 @@ class RemoteTeacher:
         body = {"model": self.model} | sampling
 
         def one(row: int) -> Completion:
-            answer = self._post(body | {"prompt": prompts[row], "seed": seeds[row]})
-            choices = answer.get("choices") if isinstance(answer, dict) else None
-            choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
-            if not isinstance(choice, dict):
-                raise self._fail(prompts[row], "sent no single choice for a sampled completion")
-            token_ids = choice.get("token_ids")
-            if not isinstance(token_ids, list) or not all(self._is_id(t) for t in token_ids):
-                raise self._fail(
-                    prompts[row],
-                    "sent no 'token_ids' with its completion (return_token_ids: vLLM 0.10 or later, "
-                    "or opd serve)",
-                )
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-            if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
-                count = len(logprobs) if isinstance(logprobs, list) else "no"
-                raise self._fail(prompts[row], f"sent {count} log-probs for {len(token_ids)} sampled tokens")
-            values = [self._logprob(value, prompts[row], position) for position, value in enumerate(logprobs)]
-            return Completion(list(token_ids), values, finished=choice.get("finish_reason") == "stop")
+            payload = body | {"prompt": prompts[row], "seed": seeds[row]}
+            return Completion(*self._post(payload, lambda answer: parse_sampled(prompts[row], answer)))
 
         in_flight = self.max_concurrency * self.request_batch_size  # as many rows as scoring sends
         with ThreadPoolExecutor(max_workers=max(1, min(in_flight, len(prompts)))) as pool:
             return list(pool.map(one, range(len(prompts))))
 
-    def score_sequence(self, ids: list[int]) -> torch.Tensor:
-        """One sequence's log-prob of each token, alone in one request (position 0's is not read)."""
-        return self._score_batch([ids], 0)[0][0]
+    def score_sequence(self, ids: list[int], replica: Replica | None = None) -> torch.Tensor:
+        """One sequence's log-prob of each token, alone in one request (position 0's is not read),
+        from ``replica`` when given."""
+        return self._post(self._score_payload([ids], 0), self._parse_scores([ids], 0), replica)[0][0]
 
-    def _score_batch(
-        self, batch: list[list[int]], topk: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _score_payload(self, batch: list[list[int]], topk: int) -> dict:
         if self.backend == "openai":
-            payload = {
+            return {
                 "model": self.model,
                 "prompt": batch,
                 "max_tokens": 1,
                 "temperature": 1.0,
                 "prompt_logprobs": topk,
             }
-            answer = self._post(payload)
-            choices = answer.get("choices") if isinstance(answer, dict) else None
-            if not isinstance(choices, list) or len(choices) != len(batch):
-                count = len(choices) if isinstance(choices, list) else "no"
-                raise RemoteTeacherError(
-                    f"teacher server {self.endpoint} sent {count} choices for {len(batch)} prompts"
-                )
-            indices = [c.get("index") if isinstance(c, dict) else None for c in choices]
-            if sorted(i for i in indices if self._is_id(i)) != list(range(len(batch))):
-                raise RemoteTeacherError(
-                    f"teacher server {self.endpoint} sent choices indexed {indices[:8]} for {len(batch)} "
-                    "prompts (each index 0..n-1 once)"
-                )
-            choices = sorted(choices, key=lambda c: c["index"])
-            return [
-                self._parse_openai(ids, choice.get("prompt_logprobs"), topk)
-                for ids, choice in zip(batch, choices, strict=True)
-            ]
         (ids,) = batch
-        payload = {
+        return {
             "input_ids": ids,
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": 0,
             "top_logprobs_num": topk,
         }
-        answer = self._post(payload)
-        meta = answer.get("meta_info") if isinstance(answer, dict) else None
-        if not isinstance(meta, dict):
-            raise self._fail(ids, "sent no 'meta_info' object")
-        return [self._parse_sglang(ids, meta, topk)]
 
-    def _fail(self, ids: list[int], what: str) -> RemoteTeacherError:
-        return RemoteTeacherError(
-            f"teacher server {self.endpoint}: {what} (for a sequence of {len(ids)} tokens)"
-        )
+    def _parse_scores(self, batch: list[list[int]], topk: int) -> Callable[[object], list[Scored]]:
+        if self.backend == "openai":
+            return lambda answer: parse_prompt_choices(batch, answer, topk)
 
-    def _parse_openai(self, ids: list[int], entries, topk: int):
-        if not isinstance(entries, list) or len(entries) != len(ids):
-            count = len(entries) if isinstance(entries, list) else "no"
-            raise self._fail(ids, f"sent {count} prompt log-probs for {len(ids)} tokens")
-        logprobs = torch.zeros(len(ids))
-        top_ids = torch.zeros(len(ids), max(topk, 1), dtype=torch.long)
-        top_values = torch.full((len(ids), max(topk, 1)), -math.inf)
-        for position in range(1, len(ids)):
-            entry = entries[position]
-            token = str(ids[position])
-            if not isinstance(entry, dict) or not isinstance(entry.get(token), dict):
-                raise self._fail(ids, f"no log-prob for token id {ids[position]} at position {position}")
-            logprobs[position] = self._logprob(entry[token].get("logprob"), ids, position)
-            if topk:
-                ranked = sorted(
-                    (self._ranked(key, value, ids, position) for key, value in entry.items()),
-                    key=lambda r: r[0],
-                )
-                ranked = [r for r in ranked if r[0] <= topk]
-                if len(ranked) < topk:
-                    raise self._fail(
-                        ids,
-                        f"sent {len(ranked)} top log-probs at position {position}, fewer than the "
-                        f"requested {topk} (is the server's --max-logprobs below {topk}?)",
-                    )
-                top_ids[position] = torch.tensor([r[1] for r in ranked[:topk]])
-                top_values[position] = torch.tensor(
-                    [self._logprob(r[2], ids, position) for r in ranked[:topk]]
-                )
-        return logprobs, top_ids, top_values
+        def sglang(answer) -> list[Scored]:
+            meta = answer.get("meta_info") if isinstance(answer, dict) else None
+            if not isinstance(meta, dict):
+                raise BadAnswer(f"sent no 'meta_info' object (for a sequence of {len(batch[0])} tokens)")
+            return [parse_sglang(batch[0], meta, topk)]
 
-    def _parse_sglang(self, ids: list[int], meta: dict, topk: int):
-        token_logprobs = meta.get("input_token_logprobs")
-        if not isinstance(token_logprobs, list) or len(token_logprobs) != len(ids):
-            count = len(token_logprobs) if isinstance(token_logprobs, list) else "no"
-            raise self._fail(ids, f"sent {count} input token log-probs for {len(ids)} tokens")
-        top = meta.get("input_top_logprobs") or [None] * len(ids)
-        if not isinstance(top, list) or len(top) != len(ids):
-            raise self._fail(ids, "sent 'input_top_logprobs' that is not one list per token")
-        logprobs = torch.zeros(len(ids))
-        top_ids = torch.zeros(len(ids), max(topk, 1), dtype=torch.long)
-        top_values = torch.full((len(ids), max(topk, 1)), -math.inf)
-        for position in range(1, len(ids)):
-            value, token = self._pair(token_logprobs[position], ids, position)
-            if token != ids[position]:
-                raise self._fail(
-                    ids, f"answered for token id {token} at position {position}, not {ids[position]}"
-                )
-            logprobs[position] = self._logprob(value, ids, position)
-            if topk:
-                entries = top[position] or []
-                if not isinstance(entries, list) or len(entries) < topk:
-                    count = len(entries) if isinstance(entries, list) else "no"
-                    raise self._fail(
-                        ids, f"sent {count} top log-probs at position {position}, fewer than {topk}"
-                    )
-                pairs = [self._pair(e, ids, position) for e in entries[:topk]]
-                top_ids[position] = torch.tensor([token_id for _, token_id in pairs])
-                top_values[position] = torch.tensor([self._logprob(v, ids, position) for v, _ in pairs])
-        return logprobs, top_ids, top_values
+        return sglang
 
-    def _pair(self, entry, ids: list[int], position: int) -> tuple[object, int]:
-        """SGLang's ``[logprob, token_id, text]`` at ``position``, its id checked."""
-        if not isinstance(entry, list | tuple) or len(entry) < 2 or not self._is_id(entry[1]):
-            raise self._fail(
-                ids, f"sent {str(entry)[:80]} at position {position}, not [logprob, token_id, text]"
-            )
-        return entry[0], entry[1]
-
-    def _ranked(self, key: str, value, ids: list[int], position: int) -> tuple[float, int, object]:
-        """(rank, token id, log-prob) of one vLLM prompt-logprobs entry."""
-        token_id = int(key) if isinstance(key, str) and key.isdigit() else None
-        if token_id is None or not self._is_id(token_id) or not isinstance(value, dict):
-            raise self._fail(ids, f"sent an entry {key!r}: {str(value)[:80]} at position {position}")
-        rank = value.get("rank")
-        if rank is None:
-            rank = math.inf
-        if (not isinstance(rank, int) or isinstance(rank, bool)) and rank != math.inf:
-            raise self._fail(ids, f"sent rank {rank!r} at position {position}, not an integer")
-        return rank, token_id, value.get("logprob")
-
-    @staticmethod
-    def _is_id(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKEN_ID
-
-    def _logprob(self, value, ids: list[int], position: int) -> float:
-        """A finite log-probability; rounding above 0 (up to ``LOGPROB_ROUNDING``) is read as 0."""
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value < FLOAT32_LOWEST
-        ):
-            raise self._fail(ids, f"log-prob {value!r} at position {position} is not a finite number")
-        if value > LOGPROB_ROUNDING:
-            raise self._fail(
-                ids, f"log-prob {value!r} at position {position} is above 0 (not a log-probability)"
-            )
-        return min(float(value), 0.0)
+    def _score_batch(self, batch: list[list[int]], topk: int) -> list[Scored]:
+        return self._post(self._score_payload(batch, topk), self._parse_scores(batch, topk))

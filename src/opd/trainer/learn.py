@@ -149,6 +149,7 @@ class Learning(RunComponents):
         metrics: dict[str, float] = {"step": batch.step, "on_policy": int(batch.on_policy)}
         if self.config.training.data_source == "mixed":
             metrics["lmbda"] = self.config.training.lmbda_at(batch.step)
+        metrics |= self.teachers.replica_metrics()
         if batch.on_policy and teacher is not None:
             metrics |= self.kl_metrics(batch)
             metrics |= diagnostic_metrics(

@@ -22,7 +22,13 @@ from tqdm.auto import tqdm
 from opd.config import Config, recorded_config
 from opd.data.render import ChatRenderer
 from opd.distributed import barrier
-from opd.errors import CheckpointError, DivergenceError, RunInterrupted
+from opd.errors import (
+    CheckpointError,
+    DivergenceError,
+    RemoteTeacherError,
+    RolloutServerError,
+    RunInterrupted,
+)
 from opd.runs.display import examples, sample_records
 from opd.runs.evaluation import evaluate
 from opd.runs.loggers import build_loggers
@@ -263,6 +269,9 @@ class Trainer(Collection, Learning, Checkpointing):
             failing = True
             if (full := out_of_space(error)) is not None:
                 raise disk_full_error(log_path, full, last_saved) from None
+            if isinstance(error, RemoteTeacherError | RolloutServerError):  # a server lost mid-run
+                again = f"resumes from step {last_saved}" if last_saved else "starts over (no checkpoint yet)"
+                raise type(error)(f"{error}. Run the same command again: the run {again}") from None
             raise
         finally:
             stop.uninstall()
