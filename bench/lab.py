@@ -19,12 +19,19 @@ with opd's own trainer, and its greedy accuracy on 128 held-out prompts is measu
 
 All but ``defaults`` share one setting (full fine-tuning, learning rate 5e-4, 8 prompts x 4
 samples); ``--variant NAME:key=value,...`` adds a method (dotted overrides on that base), so a
-lever is one variant. Training FLOPs count each phase a method pays for: sampling 2N per token
+lever is one variant; ``lab.sampler_noise=SIGMA`` in a variant makes its sampler report each
+token's log-prob off by Gaussian noise of SIGMA nats (a sampler and trainer that disagree).
+Training FLOPs count each phase a method pays for: sampling 2N per token
 (N the sampling model's parameters, prompt included), the teacher's scoring 2N_teacher per token
 where its scores are used, the update 6N per token; evaluation is not counted.
 
     python bench/lab.py --tiny --out /tmp/lab-tiny.json          # the CI smoke run, < 3 minutes
     python bench/lab.py --seeds 0 1 2 3 4 --steps 200 --out docs/results/lab/methods.json
+    R=training.objective=sampled_reverse_kl,training.learning_rate=3e-5
+    python bench/lab.py --tasks chain --steps 200 --eval-every 25 --methods --variant matched:$R \\
+        --variant noise2:$R,lab.sampler_noise=2 \\
+        --variant "noise2-truncate:$R,lab.sampler_noise=2,training.rollout_correction={mode: truncate}" \\
+        --out docs/results/lab/rollout-correction-chain.json
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from provenance import git_commit, write_result
 
 from opd.config import config_from_dict, recorded_config
@@ -52,7 +60,7 @@ from opd.demo.run import DemoModelSpec, build_model
 from opd.models import load_causal_lm
 from opd.runs.evaluation import accuracy
 from opd.sampling.hf_generate import HFGenerateSampler
-from opd.trainer.loop import train
+from opd.trainer.loop import Trainer
 from opd.trainer.sft import supervised_finetune
 
 LAB_VERSION = "v2"
@@ -258,11 +266,36 @@ def step_flops(row: dict, config, prompt_tokens: float, params: dict[str, int]) 
     return flops
 
 
+SAMPLER_NOISE = "lab.sampler_noise="
+"""A variant's pseudo-override: the sampler's reported log-probs off by Gaussian noise of this many
+nats (the trainer's stay exact), a sampler and trainer that disagree as vLLM in bfloat16 and a
+float32 trainer do, made large enough to see."""
+
+
+def mismatched(trainer: Trainer, sigma: float, seed: int) -> None:
+    """Make ``trainer``'s sampler disagree with it: noise on each sampled token's reported log-prob."""
+    collect, generator = trainer.collect, torch.Generator().manual_seed(seed)
+
+    def noisy(step):
+        batch = collect(step)
+        logprobs_BT = batch.rollouts.sampled_logprobs_BT
+        noise_BT = torch.randn(logprobs_BT.shape, generator=generator) * sigma
+        logprobs_BT += noise_BT * batch.rollouts.mask_BT
+        return batch
+
+    trainer.collect = noisy
+
+
 def run_method(files, task, name, overrides, seed, steps, eval_every, scratch: Path) -> dict:
     log_path = scratch / f"{task}-{name}-{seed}"
-    config = config_from_dict(run_config(files, task, seed, steps, eval_every, log_path), overrides)
+    noise = [float(o.removeprefix(SAMPLER_NOISE)) for o in overrides if o.startswith(SAMPLER_NOISE)]
+    settings = [o for o in overrides if not o.startswith(SAMPLER_NOISE)]
+    config = config_from_dict(run_config(files, task, seed, steps, eval_every, log_path), settings)
     started = time.perf_counter()
-    result = train(config, progress=False)
+    trainer = Trainer(config, progress=False)
+    if noise:
+        mismatched(trainer, noise[0], seed)
+    result = trainer.run()
     seconds = time.perf_counter() - started
     rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
     tokenizer = build_char_tokenizer()

@@ -589,6 +589,8 @@ def with_value(prefix: str, name: str, value) -> dict:
             node["lmbda"] = {"start": 0.0, "end": 1.0, "steps": 4}
             node = node["lmbda"]
         else:
+            if not isinstance(node.get(part), dict):  # a section FULL leaves off (rollout_correction)
+                node[part] = {}
             node = node[part]
     node[name] = value
     return data

@@ -18,6 +18,7 @@ from typing import Any
 from opd.config import Config, DatasetConfig, LambdaSchedule, TrainingConfig
 from opd.envs.registry import EnvConfig, environments
 from opd.objectives.registry import objectives
+from opd.objectives.rollout_correction import RolloutCorrection
 from opd.sampling.engines import StudentSection
 from opd.teachers.config import MixtureMember, TeacherConfig
 
@@ -51,6 +52,12 @@ SECTIONS: list[tuple[str, type, str]] = [
         "training.lmbda",
         LambdaSchedule,
         "`training.lmbda` as a schedule (`data_source: mixed`): a mapping of these keys instead of a number.",
+    ),
+    (
+        "training.rollout_correction",
+        RolloutCorrection,
+        "`training.rollout_correction`: how the weight of tokens the sampler and the trainer disagree on "
+        "is bounded (docs/objectives.md).",
     ),
 ]
 NESTED = {"student", "teacher", "datasets", "training"}

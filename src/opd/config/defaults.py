@@ -18,6 +18,7 @@ from opd.distributed import launched_world
 from opd.errors import ConfigError
 from opd.objectives.base import Objective
 from opd.objectives.registry import objectives
+from opd.objectives.rollout_correction import RolloutCorrection
 from opd.teachers.config import TeacherConfig
 
 LORA_LEARNING_RATE = 1e-3
@@ -30,6 +31,10 @@ SAMPLES_PER_STEP = 16
 """The samples a dataset gives each step when its batch shape is unset."""
 REWARD_GROUP_SIZE = 4
 """The unset group size when the task's reward is in the advantage: its centring needs a group."""
+MISMATCH_CORRECTION = RolloutCorrection("truncate", "token", 2.0)
+"""The unset rollout correction where the sampler is not the trainer's own forward: on the lab's
+chain task with the sampler's log-probs off by noise, it kept the matched run's accuracy where
+the uncorrected loss lost 3-7 points, and it changes nothing when they agree (docs/objectives.md)."""
 
 
 def objective_mapping(objective: Objective) -> dict:
@@ -49,6 +54,8 @@ def fill_defaults(config: Config) -> None:
         training.learning_rate = _kept_or_default(config, resumed, "learning_rate", default)
         if training.learning_rate <= 0:
             raise ConfigError(f"training.learning_rate: must be > 0, got {training.learning_rate}")
+    if training.rollout_correction is None:
+        training.rollout_correction = _kept_correction(config, resumed)
     if training.objective is None:
         default = _default_objective(training, [teacher for _, teacher in config.teachers()])
         training.objective = _kept_or_default(config, resumed, "objective", default)
@@ -131,6 +138,36 @@ def _kept_or_default(config: Config, recorded: dict, key: str, default: Any) -> 
         kept, shown, default_shown = float(kept), kept, default
     if kept != default:
         _say_kept(config, f"training.{key}", shown, default_shown)
+    return kept
+
+
+def _kept_correction(config: Config, recorded: dict) -> RolloutCorrection | str:
+    """An unset ``training.rollout_correction``: the resumed run's, else on where the sampler is not
+    the trainer's own forward (vLLM, a server, another dtype), where the two can disagree."""
+    student = config.student
+    differs = student.sampler != "hf" or student.sampling_dtype is not None
+    default = MISMATCH_CORRECTION if differs else "off"
+    kept = recorded.get("rollout_correction")
+    if kept is None and recorded:
+        kept = "off"  # a run recorded before the setting existed trained uncorrected: it goes on so
+    if kept is None:
+        return default
+    where = f"{Path(config.log_path) / RUN_CONFIG_NAME}: training.rollout_correction"
+    if kept != "off":
+        if not isinstance(kept, dict):
+            raise ConfigError(f"{where}: expected a mapping or off, got {kept!r}")
+        try:
+            kept = RolloutCorrection(**kept)
+        except TypeError as error:
+            raise ConfigError(f"{where}: {error}") from None
+    if kept != default:
+        shown = kept if kept == "off" else dataclasses.asdict(kept)
+        _say_kept(
+            config,
+            "training.rollout_correction",
+            shown,
+            default if default == "off" else dataclasses.asdict(default),
+        )
     return kept
 
 

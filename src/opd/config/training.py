@@ -19,6 +19,7 @@ from typing import Literal
 from opd.checks import range_problems
 from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
+from opd.objectives.rollout_correction import RolloutCorrection
 from opd.policy.parallel import parallel_modes
 
 
@@ -210,6 +211,13 @@ class PolicyGradientSettings:
     ``opd.objectives.policy_losses``)."""
     loss_fn_config: dict[str, float] = field(default_factory=dict)
     """Knobs of ``loss_fn``: ``clip_low_threshold`` / ``clip_high_threshold`` (ppo, cispo), ``beta`` (dro)."""
+    rollout_correction: RolloutCorrection | Literal["off"] | None = None
+    """The policy loss's weight of tokens the sampler and the trainer disagree on (objectives with
+    advantages, and the reward term): ``{mode: truncate | mask, level: token | sequence, cap: 2.0}``
+    bounds it (``opd.objectives.rollout_correction``; metrics under ``rollout_correction/``);
+    ``off`` takes the ratio to the sampler's log-probs as it is. Unset: ``{mode: truncate}`` where
+    the sampler is not the trainer's own forward (``student.sampler`` vllm or vllm_server, or a
+    ``student.sampling_dtype``), else ``off`` (docs/objectives.md has the measurement)."""
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this section's own fields."""
@@ -232,7 +240,13 @@ class PolicyGradientSettings:
             f.name
             for f in dataclasses.fields(PolicyGradientSettings)
             if getattr(self, f.name) != getattr(defaults, f.name)
+            and f.name != "rollout_correction"  # filled in by sampler, and read by the reward term too
         ]
+
+    @property
+    def correction(self) -> RolloutCorrection | None:
+        """``rollout_correction`` as the loss reads it (None: off)."""
+        return self.rollout_correction if isinstance(self.rollout_correction, RolloutCorrection) else None
 
 
 @dataclass

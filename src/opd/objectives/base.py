@@ -80,6 +80,15 @@ class TargetRows:
     """The teacher's answer, as :meth:`Objective.teacher_request` asked for it."""
     policy_gradient: PolicyGradient
     """The run's policy-gradient settings, for objectives that learn from advantages."""
+    sequence_N: torch.Tensor | None = None
+    """The completion (row of the batch) each position belongs to."""
+
+    def policy_loss(self, logprobs_N: torch.Tensor) -> torch.Tensor:
+        """``training.loss_fn`` on the sampled tokens with these advantages (and any rollout
+        correction), for objectives that learn from advantages."""
+        return self.policy_gradient.loss(
+            logprobs_N, self.sampled_logprobs_N, self.advantages_N, self.sequence_N
+        )
 
 
 @dataclass

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opd.objectives.rollout_correction import RolloutCorrection
+
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
 
 
@@ -66,10 +68,27 @@ class PolicyGradient:
     kl_penalty_coef: float = 1.0
     kl_discount_factor: float = 0.0
     advantage_clip: float | None = None
+    correction: RolloutCorrection | None = None
+    """``training.rollout_correction``: None takes the sampler's log-probs as they are."""
 
-    def loss(self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-        """The per-token policy loss of ``loss_fn`` (any shape; elementwise)."""
-        return POLICY_LOSSES[self.loss_fn](logp, sampler_logp, advantages, self.loss_fn_config)
+    def loss(
+        self,
+        logp: torch.Tensor,
+        sampler_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        sequence: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The per-token policy loss of ``loss_fn`` (flat rows; ``sequence``: each row's
+        completion, read by a sequence-level correction). Corrected, the loss is taken against
+        the trainer's own log-probs (held constant) and weighted by the bounded ratio
+        (:mod:`opd.objectives.rollout_correction`)."""
+        if self.correction is None:
+            return POLICY_LOSSES[self.loss_fn](logp, sampler_logp, advantages, self.loss_fn_config)
+        if sequence is None:
+            sequence = torch.arange(logp.numel(), device=logp.device).view(logp.shape)
+        weight = self.correction.weights(self.correction.ratios(logp, sampler_logp, sequence))
+        loss = POLICY_LOSSES[self.loss_fn](logp, logp.detach(), advantages, self.loss_fn_config)
+        return weight.to(loss.dtype) * loss
 
 
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, how: str, num_tokens: int, num_sequences: int):

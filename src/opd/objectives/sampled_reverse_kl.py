@@ -48,5 +48,5 @@ class SampledReverseKL(Objective):
 
     def token_losses(self, student: StudentRows, targets: TargetRows) -> TokenLosses:
         logprobs_N, entropy_N = student.logprobs()
-        loss_N = targets.policy_gradient.loss(logprobs_N, targets.sampled_logprobs_N, targets.advantages_N)
+        loss_N = targets.policy_loss(logprobs_N)
         return TokenLosses(loss_N, logprobs_N, entropy_N)

@@ -253,6 +253,7 @@ class Learning(RunComponents):
         }
         if batch.on_policy:
             metrics["kl_sample_train"] = stats.kl_sample_train
+            metrics |= stats.correction
             if self.config.compute_post_kl:
                 metrics["post_kl"] = self.post_update_kl(rollouts)
         return metrics

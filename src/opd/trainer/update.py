@@ -16,6 +16,7 @@ from opd.logprobs import flat_rows, scatter_rows
 from opd.models import DTYPES
 from opd.objectives.base import Objective, StudentRows, TargetRows
 from opd.objectives.policy_losses import PolicyGradient, aggregate
+from opd.objectives.rollout_correction import correction_sums
 from opd.policy.policy import Policy
 from opd.teachers.base import TeacherScores
 from opd.trainer.micro_batching import MicroBatching
@@ -31,6 +32,8 @@ class UpdateStats:
     kl_sample_train: float
     grad_norm: float
     applied_substeps: int
+    correction: dict[str, float]
+    """``rollout_correction/*`` metrics (empty without a correction)."""
 
 
 def policy_gradient(training: TrainingConfig) -> PolicyGradient:
@@ -41,6 +44,7 @@ def policy_gradient(training: TrainingConfig) -> PolicyGradient:
         training.kl_penalty_coef,
         training.kl_discount_factor,
         training.advantage_clip,
+        training.correction,
     )
 
 
@@ -67,6 +71,7 @@ def token_losses(
         flat_rows(advantages_BT, mask).to(device),
         None if teacher is None else teacher.rows(mask, device),
         policy_gradient(training),
+        flat_rows(torch.arange(mask.shape[0])[:, None].expand_as(mask), mask).to(device),
     )
     transform = policy.logit_transform(training.temperature)
 
@@ -77,9 +82,7 @@ def token_losses(
         rows = objective.token_losses(student, targets)
         if reward_in_loss:
             logprobs_N = rows.logprobs_N if rows.logprobs_N.requires_grad else student.logprobs()[0]
-            rows.loss_N = rows.loss_N + targets.policy_gradient.loss(
-                logprobs_N, targets.sampled_logprobs_N, targets.advantages_N
-            )
+            rows.loss_N = rows.loss_N + targets.policy_loss(logprobs_N)
         return rows
 
     rows, selected_BT = policy.forward_rows(
@@ -126,6 +129,7 @@ def policy_update(
     processes = world().size
     parameters = policy.trainable_parameters()
     totals = {"loss": 0.0, "objective": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0}
+    correction, corrected, most_weight = training.correction, [0.0, 0.0, 0.0], 0.0
     grad_norms = 0.0
     applied = 0
     policy.train()
@@ -159,6 +163,10 @@ def policy_update(
             totals["entropy"] += float((entropy * mask).sum())
             totals["kl"] += float(((piece.sampled_logprobs_BT.to(device) - logprobs.detach()) * mask).sum())
             totals["tokens"] += float(mask.sum())
+            if correction is not None:
+                *sums, largest = correction_sums(correction, logprobs, piece.sampled_logprobs_BT, mask)
+                corrected = [a + b for a, b in zip(corrected, sums, strict=True)]
+                most_weight = max(most_weight, largest)
         max_norm = training.max_grad_norm if training.max_grad_norm is not None else math.inf
         grad_norm = whole_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
         if not math.isfinite(grad_norm):
@@ -173,6 +181,17 @@ def policy_update(
         applied += 1
     loss, objective_sum, entropy_sum, kl_sum, tokens = all_reduce(list(totals.values()))
     tokens = max(tokens, 1.0)
+    correction_metrics = {}
+    if correction is not None:
+        mismatch, weights, bounded = all_reduce(corrected)
+        correction_metrics = {
+            "rollout_correction/mismatch_kl": mismatch / tokens,
+            "rollout_correction/weight_mean": weights / tokens,
+            "rollout_correction/weight_max": all_reduce([most_weight], op="max")[0],
+            f"rollout_correction/{'capped' if correction.mode == 'truncate' else 'masked'}_frac": (
+                bounded / tokens
+            ),
+        }
     return UpdateStats(
         loss=loss,
         objective_value=objective_sum / tokens,
@@ -180,6 +199,7 @@ def policy_update(
         kl_sample_train=kl_sum / tokens,
         grad_norm=grad_norms / max(applied, 1),
         applied_substeps=applied,
+        correction=correction_metrics,
     )
 
 
