@@ -154,7 +154,7 @@ def main() -> None:
         trainer.engine, workers = variants[name]
         dataset.env = dataclasses.replace(dataset.env, step_workers=workers)
         started = time.perf_counter()
-        sampled = trainer.sample(step)
+        sampled = trainer.collector.sample(step)
         return time.perf_counter() - started, sampled.rollouts
 
     for name in variants:  # warm up every path (first calls build vLLM's caches)

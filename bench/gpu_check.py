@@ -1,4 +1,4 @@
-"""One GPU's check of opd, in one command that fits a lent H100's minutes: speed and equalities
+"""One GPU's check of opd, in one command that fits a few minutes of an H100: speed and equalities
 on a Qwen3-0.6B-shaped student and a Qwen3-1.7B-shaped teacher (random weights, bfloat16; the
 shapes are bench/configs/*.json), one JSON result and a short table.
 

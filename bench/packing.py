@@ -75,7 +75,7 @@ def make_rows(args, directory: str) -> None:
     from opd.trainer.loop import Trainer
 
     trainer = Trainer(config_from_dict(config(args, directory, {})), progress=False)
-    batch, _ = trainer.sample_batch(0)
+    batch, _ = trainer.collector.sample_batch(0)
     rng = random.Random(args.seed)
     for row, prompt_length in enumerate(batch.prompt_lengths):
         sampled = int(batch.mask_BT[row].sum())

@@ -62,6 +62,18 @@ def environment() -> dict:
     }
 
 
+def relative_paths(text: str) -> str:
+    """``text`` with this machine's paths named as a reader can use them: the repository's relative
+    to it, the cache's from ``$OPD_CACHE``, a temporary directory's as ``<tmp>``."""
+    import os
+    import re
+
+    root = str(Path(__file__).resolve().parents[1])
+    cache = os.environ.get("OPD_CACHE", str(Path.home() / ".cache" / "opd"))
+    text = text.replace(root + "/", "").replace(cache, "$OPD_CACHE")
+    return re.sub(r"/tmp/[^/\s\"']+", "<tmp>", text)
+
+
 def write_result(path: Path | None, bench: str, settings: dict, results, **extra) -> None:
     """Write ``results`` to ``path`` (if given) as JSON, with the command, commit, settings and
     environment that produced them."""
@@ -81,5 +93,5 @@ def write_result(path: Path | None, bench: str, settings: dict, results, **extra
         "results": results,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    path.write_text(relative_paths(json.dumps(record, indent=1, default=str)) + "\n")
     print(f"wrote {path}")

@@ -22,10 +22,10 @@ def test_a_batch_collected_ahead_comes_from_the_weights_before_the_previous_upda
     fresh = Trainer(
         config_from_dict(dict(base_config, log_path=base_config["log_path"] + "-fresh")), progress=False
     )
-    expected = fresh.kl_metrics(fresh.collect(1))["teacher_kl"]
+    expected = fresh.learner.kl_metrics(fresh.collect(1))["teacher_kl"]
     assert rows[1]["teacher_kl"] == pytest.approx(expected, abs=1e-6)
     fresh.learn(fresh.collect(0))
-    after_update = fresh.kl_metrics(fresh.collect(1))["teacher_kl"]
+    after_update = fresh.learner.kl_metrics(fresh.collect(1))["teacher_kl"]
     assert (
         abs(after_update - expected) > 1e-3
     )  # the update moved step 1's samples: the check above is not trivial

@@ -107,7 +107,7 @@ def bpe_model(tmp_path_factory):
 
 def rollout_and_scores(config):
     trainer = Trainer(config_from_dict(config), progress=False)
-    batch, _ = trainer.sample_batch(0)
+    batch, _ = trainer.collector.sample_batch(0)
     return trainer, batch, trainer.teachers.score(batch).logprobs_BT
 
 
@@ -242,7 +242,7 @@ def test_a_bpe_teacher_writes_its_own_text_in_the_students_tokens(demo_models, b
         config_from_dict(config)
     config["training"]["off_policy_objective"] = "nll"
     trainer = Trainer(config_from_dict(config), progress=False)
-    batch, source = trainer.sample_batch(0)
+    batch, source = trainer.collector.sample_batch(0)
     assert source == "teacher"
     teacher_tokenizer = PreTrainedTokenizerFast.from_pretrained(bpe_model)
     student_tokenizer = build_char_tokenizer()
@@ -312,7 +312,7 @@ def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(demo
     config["teacher"].update(cross_tokenizer=True, character_topk=8)
     config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 6}
     trainer = Trainer(config_from_dict(config), progress=False)
-    batch, _ = trainer.sample_batch(0)
+    batch, _ = trainer.collector.sample_batch(0)
     scores = trainer.teachers.score(batch, trainer.config.training.objective.teacher_request(1.0))
     mask = batch.mask_BT.bool()
     ids_NK, logprobs_NK = scores.topk_ids_BTK[mask], scores.topk_logprobs_BTK[mask]
@@ -332,7 +332,7 @@ def test_a_same_tokenizer_teacher_read_as_another_gives_its_own_top_k(demo_model
     config["teacher"].update(cross_tokenizer=True, character_topk=8)
     config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 6}
     trainer = Trainer(config_from_dict(config), progress=False)
-    batch, _ = trainer.sample_batch(0)
+    batch, _ = trainer.collector.sample_batch(0)
     crossed = trainer.teachers.score(batch, TeacherRequest(topk=6))
     mask = batch.mask_BT.bool()
     inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, mask)

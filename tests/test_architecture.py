@@ -30,3 +30,17 @@ def test_every_top_level_module_and_package_is_in_the_layers_contract():
         or (path.is_dir() and (path / "__init__.py").exists())
     }
     assert present - named == set(), "add them to [tool.importlinter] layers in pyproject.toml"
+
+
+def test_the_trainer_is_plain_parts_not_mixins():
+    """No class of ``opd.trainer`` is built from two or more bases: what an object holds is read
+    in its own ``__init__``, not in a method resolution order."""
+    import ast
+
+    mixed = [
+        f"{path.name}:{node.name}"
+        for path in (SOURCE / "trainer").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef) and len(node.bases) > 1
+    ]
+    assert mixed == []

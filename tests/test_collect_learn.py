@@ -43,7 +43,7 @@ def test_a_batch_collected_earlier_is_learned_as_it_was_collected(base_config):
 @pytest.mark.parametrize("request_", [TeacherRequest(), TeacherRequest(topk=4), TeacherRequest(hidden=True)])
 def test_teacher_scores_of_a_padded_batch_equal_each_row_scored_alone(base_config, request_):
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    rollouts, _ = trainer.sample_batch(0)
+    rollouts, _ = trainer.collector.sample_batch(0)
     teacher = trainer.teachers.per_dataset[0]
     inputs = TeacherInput(rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool())
     together = teacher.score(inputs, request_)
@@ -81,7 +81,7 @@ def test_two_teachers_answer_into_one_batch_as_each_would_alone(base_config, mod
     )
     base_config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 3}
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    rollouts, _ = trainer.sample_batch(0)
+    rollouts, _ = trainer.collector.sample_batch(0)
     scores = trainer.teachers.score(rollouts)
     inputs = TeacherInput(rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool())
     for dataset_index, teacher in enumerate(trainer.teachers.per_dataset):
@@ -168,7 +168,7 @@ def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(ba
     trainer = Trainer(config_from_dict(base_config), progress=False)
     batch = trainer.collect(0)
     selected = batch.rollouts.mask_BT.bool()
-    current = trainer.policy_logprobs(batch.rollouts)
+    current = trainer.learner.policy_logprobs(batch.rollouts)
     assert float((current - batch.rollouts.sampled_logprobs_BT)[selected].abs().max()) < 1e-4
     batch.rollouts.sampled_logprobs_BT[selected] += 0.3
     metrics = trainer.learn(batch)

@@ -70,9 +70,9 @@ def test_a_step_samples_the_same_whatever_came_before_it(base_config):
     trainer, _ = engine_and_prompts(base_config)
     trainer.train_step(0)
     torch.manual_seed(999)  # whatever the global generator holds
-    expected, _ = trainer.sample_batch(1)
+    expected, _ = trainer.collector.sample_batch(1)
     fresh = Trainer(config_from_dict(base_config), progress=False)
     fresh.policy.model.load_state_dict(trainer.policy.model.state_dict())
-    got, _ = fresh.sample_batch(1)
+    got, _ = fresh.collector.sample_batch(1)
     assert torch.equal(got.input_ids_BT, expected.input_ids_BT)
     assert torch.equal(got.sampled_logprobs_BT, expected.sampled_logprobs_BT)

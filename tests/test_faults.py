@@ -285,7 +285,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_how_to_resume(base_config, tmp_p
     port, server = fault_server("slow")
     try:
         config = remote_config(base_config, tmp_path, port, "run")
-        config["teacher"] |= {"timeout_s": 30.0}
+        config["teacher"] |= {"timeout_s": 30.0, "replica_probes": 0}  # probes would wait 4 x 5 s
         path = tmp_path / "run.yaml"
         path.write_text(yaml.safe_dump(config))
         process = start(path)

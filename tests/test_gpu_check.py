@@ -1,4 +1,4 @@
-"""bench/gpu_check.py, the script a lent GPU runs, run here in its CPU mode on every CI run so that
+"""bench/gpu_check.py, the script a GPU machine runs, run here in its CPU mode on every CI run so that
 it cannot rot before a GPU is there: every section runs, and the equalities hold in float32."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def fixed_batch_divergence(trainer: Trainer, name: str, **options) -> float:
     training = trainer.config.training
     total = tokens = 0.0
     for step in EVAL_STEPS:
-        batch, _ = trainer.sample_batch(step)
+        batch, _ = trainer.collector.sample_batch(step)
         teacher = trainer.teachers.score(batch, objective.teacher_request(training.temperature))
         with torch.no_grad():
             per_token, _, _ = token_losses(
@@ -75,7 +75,7 @@ def test_dataset_source_trains_on_the_given_answers(demo_models, tmp_path):
     config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
     config["training"].update(objective="nll", data_source="dataset")
     trainer = Trainer(config_from_dict(config), progress=False)
-    batch, source = trainer.sample_batch(0)
+    batch, source = trainer.collector.sample_batch(0)
     assert source == "dataset" and len(batch.sequences) == 16  # one completion per prompt
     items = trainer.batches.batch(0)
     for sequence, mask, item in zip(batch.sequences, batch.mask_BT, items, strict=True):
@@ -112,7 +112,7 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
     config["training"].update(objective={"name": "jsd", "beta": beta})
     config["teacher"]["dtype"] = teacher_dtype
     trainer = Trainer(config_from_dict(config), progress=False)
-    batch, _ = trainer.sample_batch(0)
+    batch, _ = trainer.collector.sample_batch(0)
     teacher = trainer.teachers.score(batch)
     vocab = trainer.vocab_size
     with torch.no_grad():
@@ -152,7 +152,7 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
     config["training"].update(objective=objective, autocast="bfloat16")
     config["student"]["lora_rank"] = lora_rank
     trainer = Trainer(config_from_dict(config), progress=False)
-    batch, _ = trainer.sample_batch(0)
+    batch, _ = trainer.collector.sample_batch(0)
     teacher = trainer.teachers.score(batch)
     parameters = [p for p in trainer.student.parameters() if p.requires_grad]
     gradients = {}

@@ -1,8 +1,9 @@
 """The README's code, as a new user would run it after `opd demo`: its Python example as written
 (twice: a second call finds the run complete and must print the same), the demo's follow-up
 commands, its config block (examples/demo.yaml), its prompt-file lines, and every `opd` command
-in it parsed by opd's own parser with its config resolved (``my.yaml`` standing for the demo's
-config). Commands that need GPUs, vLLM or a server are resolved, not run."""
+in it and in the user guide (docs/guide.md) parsed by opd's own parser with its config
+resolved (``my.yaml`` standing for the demo's config). Commands that need GPUs, vLLM or a
+server are resolved, not run."""
 
 from __future__ import annotations
 
@@ -24,17 +25,20 @@ from opd.data.prompts import load_jsonl_prompts
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
+GUIDE = (ROOT / "docs" / "guide.md").read_text()
+"""The user guide the README points to: its commands are checked with the README's."""
 
 
-def blocks(language: str) -> list[str]:
-    """The README's fenced code blocks in ``language``, in order."""
-    return re.findall(rf"^```{language}\n(.*?)^```$", README, flags=re.MULTILINE | re.DOTALL)
+def blocks(language: str, text: str = README) -> list[str]:
+    """The fenced code blocks in ``language`` of ``text`` (the README), in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```$", text, flags=re.MULTILINE | re.DOTALL)
 
 
 def opd_commands() -> list[list[str]]:
-    """Every ``opd ...`` (or ``-m opd ...``) command line of the bash blocks, as argv after ``opd``."""
+    """Every ``opd ...`` (or ``-m opd ...``) command line of the bash blocks of the README and the
+    user guide, as argv after ``opd``."""
     commands = []
-    for block in blocks("bash"):
+    for block in blocks("bash") + blocks("bash", GUIDE):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             for start, word in enumerate(words):

@@ -66,7 +66,7 @@ def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config
     assert trainer.sampler.model is trainer.student
     assert trainer.engine.model is trainer.engine.copy.model
     trainer.train_step(0)
-    batch, _ = trainer.sample_batch(1)
+    batch, _ = trainer.collector.sample_batch(1)
     assert released(trainer.engine.copy.model)
     mask = batch.mask_BT.bool()
     # the weights it sampled with: the student has not moved since
@@ -93,7 +93,7 @@ def lora_trained_a_step(base_config, **student):
 
 def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_between_rollouts(base_config):
     trainer = lora_trained_a_step(base_config, sampling_dtype="bfloat16")
-    batch, _ = trainer.sample_batch(1)
+    batch, _ = trainer.collector.sample_batch(1)
     assert released(trainer.engine.copy.model)
     student = trainer.student.get_base_model()
     q_proj = student.model.layers[0].self_attn.q_proj
@@ -117,7 +117,7 @@ def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_betwee
 def test_a_lora_student_gets_a_merged_copy_in_its_own_dtype_that_scores_as_it_does(base_config):
     trainer = lora_trained_a_step(base_config, dtype="float32", sampling_dtype="float32")
     assert trainer.engine.copy is not None and trainer.engine.model is trainer.engine.copy.model
-    batch, _ = trainer.sample_batch(1)
+    batch, _ = trainer.collector.sample_batch(1)
     embedding = trainer.student.get_base_model().model.embed_tokens.weight
     with trainer.engine.copy.rollout() as copied:  # what needs no merge or cast is shared, not copied
         assert copied.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()
@@ -133,7 +133,7 @@ def test_a_lora_embedding_tied_to_the_head_stays_unmerged_in_the_copy(base_confi
     trainer = lora_trained_a_step(
         base_config, dtype="float32", sampling_dtype="float32", lora_target_modules=["embed_tokens", "q_proj"]
     )
-    batch, _ = trainer.sample_batch(1)
+    batch, _ = trainer.collector.sample_batch(1)
     with trainer.engine.copy.rollout() as copied:
         lora_names = [name for name, _ in copied.named_parameters() if "lora_" in name]
         assert lora_names and all(name.startswith("model.embed_tokens.") for name in lora_names)

@@ -295,7 +295,7 @@ def long_context_teacher(tmp_path_factory, char_tokenizer):
 
 
 def test_a_client_holding_the_longest_sample_allowed_does_not_hold_up_scoring(long_context_teacher):
-    """The hostile client of issue 64: the most tokens the server allows a request (8 prompts x
+    """The hostile client: the most tokens the server allows a request (8 prompts x
     2000 tokens = 16000 of the 16384 budget, each to the end of the context), never stopping
     (``ignore_eos``, a stop id the model never writes). While it decodes, scoring requests and a
     short sampling request are each answered within a second (measured here 0.01-0.03 s;

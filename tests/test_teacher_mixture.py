@@ -96,7 +96,7 @@ def test_each_sampled_token_is_scored_by_the_mixture_of_naive_forwards_and_each_
                 picked[number][:scored].tolist(), abs=1e-5
             )
             gaps[number] += (rollouts.sampled_logprobs_BT[row][mask] - picked[number][:scored]).tolist()
-    metrics = trainer.kl_metrics(batch)
+    metrics = trainer.learner.kl_metrics(batch)
     for number in (0, 1):
         assert metrics[f"teacher_kl/mixture_{number}"] == pytest.approx(
             sum(gaps[number]) / len(gaps[number]), abs=1e-5

@@ -43,7 +43,7 @@ REQUIRED_METRICS = {
 def test_teacher_equal_to_student_gives_zero_kl_and_unit_ratio(base_config, model_dirs):
     base_config["teacher"]["model"] = str(model_dirs["student"])
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    batch, source = trainer.sample_batch(0)
+    batch, source = trainer.collector.sample_batch(0)
     assert source == "student"
     teacher_logprobs = trainer.teachers.score(batch).logprobs_BT
     mask = batch.mask_BT.bool()

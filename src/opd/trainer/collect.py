@@ -2,7 +2,7 @@
 the step's data source (the student's engine, a teacher that writes, or the dataset), each row
 an episode of its dataset's environment where it has one, and the teachers' scores of the same
 tokens: a finished :class:`Batch`. The worker collecting ahead (:mod:`opd.trainer.ahead`) runs
-the same :meth:`Collection.collect` on its own engine."""
+the same :meth:`Collector.collect` on its own engine."""
 
 from __future__ import annotations
 
@@ -52,19 +52,22 @@ class Sampled(NamedTuple):
     batch, or no dataset of the run has a grader or an environment)."""
     groups_B: torch.Tensor
     """Each row's group: the index of its prompt in the step."""
+    sync_seconds: float | None = None
+    """Seconds spent bringing the run's engine to the trained weights first (None: not synced here)."""
 
 
-class Collection(RunComponents):
-    """Sampling, episodes and scoring of a step's batch, on the run's components."""
+class Collector:
+    """Sampling, episodes and scoring of a step's batch, from the run's parts (read as they are
+    when a step is collected: a test or the loop may swap an engine)."""
 
-    spans: SpanRecorder
-    """Where each phase's time is recorded (set by the run loop)."""
-    sync_seconds: float = 0.0
-    """The last weight sync's seconds, when :meth:`sample_batch` synced the run's engine."""
+    def __init__(self, parts: RunComponents):
+        self.parts = parts
+        self.spans = SpanRecorder(None)
+        """Where each phase's time is recorded (the run loop gives its own)."""
 
     def data_source_at(self, step: int) -> str:
         """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""
-        return step_data_source(self.config.training, self.config.seed, step)
+        return step_data_source(self.parts.config.training, self.parts.config.seed, step)
 
     def sample_batch(self, step: int, engine: RolloutEngine | None = None) -> tuple[RolloutBatch, str]:
         """This process's share of step ``step``'s rollouts and who wrote them (:meth:`sample`)."""
@@ -82,34 +85,37 @@ class Collection(RunComponents):
         already synced (a worker collecting ahead holds published weights).
         """
         source = self.data_source_at(step)
+        sync_seconds = None
         prompts, completions, dataset_indices, items, groups = [], [], [], [], []
-        for group, item in enumerate(self.batches.batch(step)):
-            group_size = 1 if source == "dataset" else self.config.datasets[item.dataset_index].group_size
+        for group, item in enumerate(self.parts.batches.batch(step)):
+            group_size = (
+                1 if source == "dataset" else self.parts.config.datasets[item.dataset_index].group_size
+            )
             if source == "dataset":
-                prompt_ids, target = completion_tokens(self.renderer, item.prompt)
+                prompt_ids, target = completion_tokens(self.parts.renderer, item.prompt)
                 completions.append(Completion(target, [0.0] * len(target), finished=True))
             else:
-                prompt_ids = self.renderer.prompt_ids(item.prompt.messages)
+                prompt_ids = self.parts.renderer.prompt_ids(item.prompt.messages)
             prompts += [prompt_ids] * group_size
             dataset_indices += [item.dataset_index] * group_size
             items += [item.prompt] * group_size
             groups += [group] * group_size
-        rows = self.rank_rows
+        rows = self.parts.rank_rows
         prompts, dataset_indices, items, groups = (
             [values[r] for r in rows] for values in (prompts, dataset_indices, items, groups)
         )
-        seeds = [row_seed(step_seed(self.config.seed, step), r) for r in rows]
-        training = self.config.training
+        seeds = [row_seed(step_seed(self.parts.config.seed, step), r) for r in rows]
+        training = self.parts.config.training
         params = SamplingParams(temperature=training.temperature, max_tokens=training.max_tokens)
         if source == "dataset":
             completions = [completions[r] for r in rows]
         else:
             if source == "student":
                 if engine is None:
-                    engine = self.engine
+                    engine = self.parts.engine
                     synced = time.perf_counter()
-                    engine.sync(self.policy)
-                    self.sync_seconds = time.perf_counter() - synced
+                    engine.sync(self.parts.policy)
+                    sync_seconds = time.perf_counter() - synced
                     lockstep = True
                 else:
                     lockstep = False  # the worker collecting ahead: no collectives off the main thread
@@ -124,7 +130,7 @@ class Collection(RunComponents):
 
                 def sample(turn_rows, turn_prompts, conversations, turn_seeds, max_tokens):
                     return write_rows(
-                        [self.teacher_writers[dataset_indices[r]] for r in turn_rows],
+                        [self.parts.teacher_writers[dataset_indices[r]] for r in turn_rows],
                         turn_prompts,
                         conversations,
                         replace(params, max_tokens=max_tokens),
@@ -144,9 +150,9 @@ class Collection(RunComponents):
                 )
             except EpisodeError as error:
                 raise EpisodeError(f"step {step}: {error}") from None
-        rollouts = build_rollout_batch(prompts, completions, dataset_indices, self.engine.pad_id, items)
+        rollouts = build_rollout_batch(prompts, completions, dataset_indices, self.parts.engine.pad_id, items)
         rewards = self.rewards(completions, items, dataset_indices) if source == "student" else None
-        return Sampled(rollouts, source, rewards, torch.tensor(groups, dtype=torch.long))
+        return Sampled(rollouts, source, rewards, torch.tensor(groups, dtype=torch.long), sync_seconds)
 
     def rewards(
         self, completions: list[Completion], items: list[Prompt], dataset_indices: list[int]
@@ -155,10 +161,12 @@ class Collection(RunComponents):
         dataset's grader (NaN where its dataset has neither); None when no dataset of the run has
         either. Decided by the run's datasets, not by this process's rows: every process then
         reduces the reward metrics together, whatever share of the datasets its rows come from."""
-        if all(g is None and e is None for g, e in zip(self.graders, self.environments, strict=True)):
+        if all(
+            g is None and e is None for g, e in zip(self.parts.graders, self.parts.environments, strict=True)
+        ):
             return None
         values = [
-            completion_reward(self.tokenizer, completion, prompt, self.graders[index])
+            completion_reward(self.parts.tokenizer, completion, prompt, self.parts.graders[index])
             for completion, prompt, index in zip(completions, items, dataset_indices, strict=True)
         ]
         return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
@@ -177,28 +185,35 @@ class Collection(RunComponents):
         """Each row's completion from ``sample``: one turn, or its dataset's environment's episode.
         Episodes are played on ``engine``'s turn stream where it has one (the vLLM engines): each
         row's next turn starts when its environment answered, not when the batch's slowest turn ends."""
-        training = self.config.training
+        training = self.parts.config.training
         max_tokens = training.max_tokens
-        if not any(self.environments):
+        if not any(self.parts.environments):
             return sample(list(range(len(prompts))), prompts, [p.messages for p in items], seeds, max_tokens)
         specs = [self.episode_spec(index, item) for index, item in zip(dataset_indices, items, strict=True)]
         if (turn_stream := getattr(engine, "turn_stream", None)) is not None:
             params = SamplingParams(temperature=training.temperature, max_tokens=max_tokens)
             with turn_stream(params) as stream:
                 if stream is not None:
-                    return play_episodes_streamed(stream, self.renderer, prompts, specs, seeds, max_tokens)
-        return play_episodes(sample, self.renderer, prompts, specs, seeds, max_tokens, lockstep=lockstep)
+                    return play_episodes_streamed(
+                        stream, self.parts.renderer, prompts, specs, seeds, max_tokens
+                    )
+        return play_episodes(
+            sample, self.parts.renderer, prompts, specs, seeds, max_tokens, lockstep=lockstep
+        )
 
     def episode_spec(self, dataset_index: int, prompt: Prompt) -> EpisodeSpec:
         """How a row of dataset ``dataset_index`` is played: an episode of its environment, or one turn."""
-        environment, dataset = self.environments[dataset_index], self.config.datasets[dataset_index]
+        environment, dataset = (
+            self.parts.environments[dataset_index],
+            self.parts.config.datasets[dataset_index],
+        )
         if environment is None:
             return EpisodeSpec(None, prompt.messages)
         return EpisodeSpec(
-            environment.start(prompt, self.graders[dataset_index]),
+            environment.start(prompt, self.parts.graders[dataset_index]),
             prompt.messages,
             dataset.env.max_turns,
-            dataset.env.episode_tokens(self.config.training.max_tokens),
+            dataset.env.episode_tokens(self.parts.config.training.max_tokens),
             f"datasets[{dataset_index}] ({dataset.name})",
             dataset.env.step_workers,
         )
@@ -212,16 +227,18 @@ class Collection(RunComponents):
         rollouts, source = sampled.rollouts, sampled.source
         sampled_at = time.perf_counter()
         teacher = None
-        request = self.config.training.objective_for(source).teacher_request(self.config.training.temperature)
+        request = self.parts.config.training.objective_for(source).teacher_request(
+            self.parts.config.training.temperature
+        )
         if request is not None:  # SFT reads only the tokens: no teacher forward to pay for
             with self.spans.span(step, "teacher"):
-                teacher = self.teachers.score(rollouts, request)
+                teacher = self.parts.teachers.score(rollouts, request)
         seconds = {
             "time/sample": sampled_at - started,
             "time/teacher": time.perf_counter() - sampled_at,
         }
-        if source == "student" and engine is None:
-            seconds["time/weight_sync"] = self.sync_seconds
+        if sampled.sync_seconds is not None:
+            seconds["time/weight_sync"] = sampled.sync_seconds
         return Batch(
             step, source, rollouts, teacher, seconds, rewards_B=sampled.rewards_B, groups_B=sampled.groups_B
         )

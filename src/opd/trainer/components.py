@@ -60,7 +60,7 @@ class RunComponents:
     (:mod:`opd.distributed`) and each process loads its models on its own device.
     A one-process checkpoint the run resumes from (``resumed_model_dir``) has its weights loaded
     before the student is sharded; a sharded one's are loaded by
-    :meth:`opd.trainer.checkpointing.Checkpointing.restore`.
+    :meth:`opd.trainer.checkpointing.Checkpointer.restore`.
     """
 
     def __init__(self, config: Config):

@@ -52,11 +52,14 @@ def magnitudes(terms: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> dict[st
     return {name: value / max(sums[-1], 1.0) for name, value in zip(terms, sums, strict=False)}
 
 
-class Learning(RunComponents):
-    """The update from a finished batch, on the run's components."""
+class Learner:
+    """The update from a finished batch, on the run's parts (the student, its optimizer and
+    schedule, the micro-batching), read as they are when a batch is learnt."""
 
-    spans: SpanRecorder
-    """Where each phase's time is recorded (set by the run loop)."""
+    def __init__(self, parts: RunComponents):
+        self.parts = parts
+        self.spans = SpanRecorder(None)
+        """Where each phase's time is recorded (the run loop gives its own)."""
 
     def kl_metrics(self, batch: Batch) -> dict[str, float]:
         """``teacher_kl`` = sum(reverse KL) / completion tokens, overall and per dataset (over
@@ -64,10 +67,10 @@ class Learning(RunComponents):
         (on the rows of the datasets a mixture scores)."""
         rollouts, reverse_kl = batch.rollouts, batch.reverse_kl_BT
         sums = [float(reverse_kl.sum()), float(rollouts.mask_BT.sum())]
-        for index in range(len(self.config.datasets)):
+        for index in range(len(self.parts.config.datasets)):
             rows = rollouts.dataset_index_B == index
             sums += [float(reverse_kl[rows].sum()), float(rollouts.mask_BT[rows].sum())]
-        members = max(len(self.config.teacher_for(d).members) for d in self.config.datasets)
+        members = max(len(self.parts.config.teacher_for(d).members) for d in self.parts.config.datasets)
         kept = batch.teacher.member_logprobs_MBT
         for number in range(members if members > 1 else 0):
             if kept is None or number >= kept.shape[0]:
@@ -78,11 +81,11 @@ class Learning(RunComponents):
             sums += [float(gap.sum()), float(scored.sum())]
         sums = all_reduce(sums)
         metrics = {"teacher_kl": sums[0] / max(sums[1], 1.0)}
-        for index, dataset in enumerate(self.config.datasets):
+        for index, dataset in enumerate(self.parts.config.datasets):
             kl, tokens = sums[2 + 2 * index : 4 + 2 * index]
             if tokens > 0:
                 metrics[f"teacher_kl/{dataset.name}"] = kl / tokens
-        first = 2 + 2 * len(self.config.datasets)
+        first = 2 + 2 * len(self.parts.config.datasets)
         for number in range(members if members > 1 else 0):
             kl, tokens = sums[first + 2 * number : first + 2 + 2 * number]
             if tokens > 0:
@@ -95,7 +98,7 @@ class Learning(RunComponents):
         ``reward_coef * (R - group mean)`` (None with ``reward_coef: 0``), and which rows the update
         keeps (None: all; ``remove_constant_reward_groups`` drops groups whose rewards are all equal).
         A group's rows all lie on one process, so its mean is the whole group's."""
-        training, rollouts, rewards = self.config.training, batch.rollouts, batch.rewards_B
+        training, rollouts, rewards = self.parts.config.training, batch.rollouts, batch.rewards_B
         centred, group_std, constant = group_centred_rewards(
             rewards, batch.groups_B, std_normalization=training.reward_std_normalization
         )
@@ -114,7 +117,7 @@ class Learning(RunComponents):
             float(firsts.sum()),
             float(shared.sum()),
         ]
-        names = [d.name for d in self.config.datasets]
+        names = [d.name for d in self.parts.config.datasets]
         for index in range(len(names)):
             rows = graded & (rollouts.dataset_index_B == index)
             sums += [float(rewards[rows].sum()), float(rows.sum())]
@@ -142,14 +145,14 @@ class Learning(RunComponents):
     def learn(self, batch: Batch) -> dict[str, float]:
         """Advantages and the update from a finished batch; returns the step's metrics (the whole
         batch's, reduced over processes, but for times, which are this process's)."""
-        training, rollouts, teacher = self.config.training, batch.rollouts, batch.teacher
+        training, rollouts, teacher = self.parts.config.training, batch.rollouts, batch.teacher
         objective = training.objective_for(batch.source)
         mask = rollouts.mask_BT
         lengths = mask.sum(-1)
         metrics: dict[str, float] = {"step": batch.step, "on_policy": int(batch.on_policy)}
-        if self.config.training.data_source == "mixed":
-            metrics["lmbda"] = self.config.training.lmbda_at(batch.step)
-        metrics |= self.teachers.replica_metrics()
+        if self.parts.config.training.data_source == "mixed":
+            metrics["lmbda"] = self.parts.config.training.lmbda_at(batch.step)
+        metrics |= self.parts.teachers.replica_metrics()
         if batch.on_policy and teacher is not None:
             metrics |= self.kl_metrics(batch)
             metrics |= diagnostic_metrics(
@@ -158,10 +161,10 @@ class Learning(RunComponents):
                 batch.reverse_kl_BT,
                 teacher,
                 batch.rewards_B,
-                self.graders,
-                self.tokenizer,
+                self.parts.graders,
+                self.parts.tokenizer,
             )
-        if any(self.environments):
+        if any(self.parts.environments):
             metrics |= episode_metrics(rollouts, batch.reverse_kl_BT if batch.on_policy else None)
         scored = mask.bool()
         finite = (teacher is None or bool(torch.isfinite(teacher.logprobs_BT[scored]).all())) and bool(
@@ -180,7 +183,7 @@ class Learning(RunComponents):
             "num_sequences": int(sequences),
             "completion_len_mean": tokens / sequences,
             "frac_truncated": truncated / sequences,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.parts.scheduler.get_last_lr()[0],
         }
         if batch.staleness is not None:
             metrics["staleness_mean"] = batch.staleness
@@ -229,15 +232,15 @@ class Learning(RunComponents):
         started = time.perf_counter()
         with self.spans.span(batch.step, "train"):
             stats = policy_update(
-                self.policy,
+                self.parts.policy,
                 objective,
-                self.optimizer,
-                self.scheduler,
+                self.parts.optimizer,
+                self.parts.scheduler,
                 rollouts,
                 teacher,
                 advantages,
                 training,
-                self.batching,
+                self.parts.batching,
                 reward_in_loss=reward_in_loss,
             )
         train_seconds = time.perf_counter() - started
@@ -254,28 +257,23 @@ class Learning(RunComponents):
         if batch.on_policy:
             metrics["kl_sample_train"] = stats.kl_sample_train
             metrics |= stats.correction
-            if self.config.compute_post_kl:
+            if self.parts.config.compute_post_kl:
                 metrics["post_kl"] = self.post_update_kl(rollouts)
         return metrics
 
-    def train_step(self, step: int) -> dict[str, float]:
-        """Collect step ``step``'s batch and learn from it; returns the step's metrics."""
-        return self.learn(self.collect(step))
-
-    @torch.no_grad()
     def policy_logprobs(self, rollouts: RolloutBatch) -> torch.Tensor:
         """The student's current log-prob of every completion token of ``rollouts`` (B, T), at the
         run's temperature, detached; forwarded in the update's own micro-batches (the same rows
         per forward on any number of processes, and no more memory than the update takes). A
         forward every process makes together when the student is sharded; with gradients on,
         FSDP would wait for a backward that never comes."""
-        training = self.config.training
+        training = self.parts.config.training
         logprobs_BT = torch.zeros_like(rollouts.sampled_logprobs_BT)
         for substep in contiguous_slices(len(rollouts.prompt_lengths), training.num_substeps):
             part = rollouts.select(substep)
-            for rows in self.batching.split(part):
+            for rows in self.parts.batching.split(part):
                 piece = part.select(rows)
-                logprobs, _ = self.policy.sequence_logprobs(
+                logprobs, _ = self.parts.policy.sequence_logprobs(
                     piece.input_ids_BT,
                     piece.attention_mask_BT,
                     piece.mask_BT,
@@ -283,7 +281,7 @@ class Learning(RunComponents):
                     chunk_size=training.logprob_chunk_size,
                 )
                 logprobs_BT[[substep.start + row for row in rows]] = logprobs.to(logprobs_BT.device)
-        self.policy.reshard()
+        self.parts.policy.reshard()
         return logprobs_BT
 
     @torch.no_grad()

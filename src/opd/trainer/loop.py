@@ -46,9 +46,11 @@ from opd.runs.storage import check_log_path, disk_full_error, out_of_space
 from opd.runs.timing import SpanRecorder, write_chrome_trace
 from opd.runs.watchdog import Watchdog
 from opd.trainer.ahead import AheadCollector
-from opd.trainer.checkpointing import Checkpointing
-from opd.trainer.collect import Collection
-from opd.trainer.learn import Learning
+from opd.trainer.batch import Batch
+from opd.trainer.checkpointing import Checkpointer
+from opd.trainer.collect import Collector
+from opd.trainer.components import RunComponents
+from opd.trainer.learn import Learner
 from opd.trainer.stopping import StopOnSignal
 
 PROGRESS_KEYS = {"teacher_kl": "kl", "entropy": "H", "completion_len_mean": "len"}
@@ -93,16 +95,45 @@ class TrainResult:
         return values[-1]
 
 
-class Trainer(Collection, Learning, Checkpointing):
-    """One run: its components (:class:`RunComponents`), the step in two halves, and the loop."""
+class Trainer(RunComponents):
+    """One run: its parts (:class:`RunComponents`), the three that act on them (a
+    :class:`Collector` makes a step's batch, a :class:`Learner` learns from it, a
+    :class:`Checkpointer` saves and restores), and the loop."""
 
     def __init__(self, config: Config, *, progress: bool = True):
         super().__init__(config)
         self.progress = progress
+        self.collector = Collector(self)
+        self.learner = Learner(self)
+        self.checkpointer = Checkpointer(self)
         self.spans = SpanRecorder(None)
         self.ahead: AheadCollector | None = None
         """The worker collecting ahead, while :meth:`run` runs with ``max_staleness`` > 0."""
-        self.in_flight = {}
+
+    @property
+    def spans(self) -> SpanRecorder:
+        """Where each phase's time is recorded: the run's timing file while :meth:`run` runs."""
+        return self._spans
+
+    @spans.setter
+    def spans(self, recorder: SpanRecorder) -> None:
+        self._spans = self.collector.spans = self.learner.spans = recorder
+
+    def collect(self, step: int, engine=None) -> Batch:
+        """Step ``step``'s batch (this process's share), sampled and scored (:class:`Collector`)."""
+        return self.collector.collect(step, engine)
+
+    def learn(self, batch: Batch) -> dict[str, float]:
+        """Advantages and the update from ``batch``; the step's metrics (:class:`Learner`)."""
+        return self.learner.learn(batch)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step as the reference takes it: collect, then learn; the step's metrics."""
+        return self.learn(self.collect(step))
+
+    def save_checkpoint(self, steps_done: int) -> None:
+        self.checkpointer.ahead = self.ahead
+        self.checkpointer.save(steps_done)
 
     def evaluate(self, step: int | None = None) -> dict[str, float]:
         """``test/*`` metrics of the current student on every dataset's held-out prompts.
@@ -147,7 +178,7 @@ class Trainer(Collection, Learning, Checkpointing):
         if main:
             prepare_log_path(self.config)
         barrier()
-        self.restore(start)
+        self.checkpointer.restore(start)
         if main:
             (log_path / CONFIG_NAME).write_text(yaml.safe_dump(recorded_config(self.config), sort_keys=False))
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
@@ -177,7 +208,7 @@ class Trainer(Collection, Learning, Checkpointing):
                 start_step=start.step,
                 end_step=self.num_steps,
                 bucket_bytes=int(self.config.student.sync_bucket_mb * 2**20),
-                in_flight=self.in_flight,
+                in_flight=self.checkpointer.in_flight,
             )
             if staleness
             else None
