@@ -18,8 +18,15 @@ with ``ignore_eos`` and a stop id it never reaches, within ``--max-tokens-per-re
 that decodes, one client sends scoring requests back to back for SECONDS, and their latency is
 compared with the same requests' on the idle server.
 
+With ``--sampling CLIENTS...`` it measures sampling throughput instead: each client sends one
+seeded row a request (as opd's teacher client does), ``--sample-tokens`` tokens each, and the
+server's completed rows per second at each number of clients are compared with one client's
+(requests that wait while the model decodes are sampled together in one batch); every row's
+tokens must equal the same request's alone.
+
     python bench/serve_load.py --out docs/results/serve_load.json
     python bench/serve_load.py --hostile 60 --out docs/results/serve_hostile.json
+    python bench/serve_load.py --sampling 1 8 --out docs/results/serve_sampling.json
 """
 
 from __future__ import annotations
@@ -91,6 +98,9 @@ def main() -> None:
     parser.add_argument("--max-connections", type=int, default=32)
     parser.add_argument("--hostile", type=float, help="seconds of scoring while a hostile client samples")
     parser.add_argument("--hostile-rows", type=int, default=2, help="prompts in the hostile request")
+    parser.add_argument("--sampling", type=int, nargs="*", help="sampling clients at each level")
+    parser.add_argument("--sample-rows", type=int, default=32, help="rows sampled at each level")
+    parser.add_argument("--sample-tokens", type=int, default=32, help="tokens sampled per row")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
 
@@ -133,6 +143,9 @@ def main() -> None:
             status, answer, _ = post(port, body)
             assert status == 200, status
             reference.append(logprobs_of(answer))
+        if args.sampling:
+            results = sampling(port, args.sampling, args.sample_rows, args.sample_tokens)
+            return
         if args.hostile:
             results = hostile(port, bodies, args.hostile, args.hostile_rows)
             results["server_peak_rss_mib"] = peak_rss_mib(server.pid)
@@ -180,6 +193,51 @@ def main() -> None:
         server.wait()
         if "results" in locals():
             write_result(args.out, "bench/serve_load.py", vars(args) | {"model": str(model)}, results)
+
+
+def sampling(port: int, levels: list[int], rows: int, tokens: int) -> dict:
+    """Rows sampled per second by 1..N clients each sending one seeded row a request, against the
+    first level's; every row's tokens against the same request sent alone."""
+
+    def body(row: int) -> bytes:
+        prompt = [1, 9690, 42 + row % 50]
+        return json.dumps(
+            {
+                "model": "teacher",
+                "prompt": prompt,
+                "max_tokens": tokens,
+                "temperature": 1.0,
+                "seed": 1000 + row,
+                "ignore_eos": True,
+                "stop_token_ids": [49151],
+            }
+        ).encode()
+
+    alone = [post(port, body(row))[1]["choices"][0]["token_ids"] for row in range(rows)]
+    measured = []
+    for clients in levels:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=clients) as pool:
+            answers = list(pool.map(lambda row: post(port, body(row)), range(rows)))
+        wall = time.perf_counter() - started
+        level = {
+            "clients": clients,
+            "rows": rows,
+            "answered_200": sum(status == 200 for status, _, _ in answers),
+            "same_tokens_as_alone": sum(
+                status == 200 and answer["choices"][0]["token_ids"] == want
+                for (status, answer, _), want in zip(answers, alone, strict=True)
+            ),
+            "rows_per_s": rows / wall,
+            "tokens_per_s": rows * tokens / wall,
+        }
+        measured.append(level)
+        print(json.dumps(level))
+    base = measured[0]["rows_per_s"]
+    for level in measured:
+        level["throughput_vs_first"] = level["rows_per_s"] / base
+        print(f"{level['clients']} clients: {level['throughput_vs_first']:.2f}x the rows/s of {levels[0]}")
+    return {"sampling": measured}
 
 
 def latencies(port: int, bodies: list[bytes], seconds: float) -> list[float]:
