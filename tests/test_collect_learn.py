@@ -169,6 +169,7 @@ def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(ba
     batch = trainer.collect(0)
     selected = batch.rollouts.mask_BT.bool()
     current = trainer.learner.policy_logprobs(batch.rollouts)
+    assert not current.requires_grad  # an advantage is a constant: no gradient may flow through it
     assert float((current - batch.rollouts.sampled_logprobs_BT)[selected].abs().max()) < 1e-4
     batch.rollouts.sampled_logprobs_BT[selected] += 0.3
     metrics = trainer.learn(batch)

@@ -261,6 +261,7 @@ class Learner:
                 metrics["post_kl"] = self.post_update_kl(rollouts)
         return metrics
 
+    @torch.no_grad()
     def policy_logprobs(self, rollouts: RolloutBatch) -> torch.Tensor:
         """The student's current log-prob of every completion token of ``rollouts`` (B, T), at the
         run's temperature, detached; forwarded in the update's own micro-batches (the same rows
