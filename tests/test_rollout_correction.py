@@ -153,6 +153,7 @@ def test_the_unset_correction_is_on_where_the_sampler_is_not_the_trainers_forwar
         RolloutCorrection("truncate", "token", 2.0)
     )
     assert resolved({"sampling_dtype": "bfloat16"}, {"rollout_correction": "off"}) == "off"
+    assert resolved({"sampling_dtype": "bfloat16"}, {"rollout_correction": False}) == "off"  # YAML's off
     # a run recorded before the setting existed goes on uncorrected when resumed
     run = tmp_path / "old"
     run.mkdir()

@@ -54,6 +54,8 @@ def fill_defaults(config: Config) -> None:
         training.learning_rate = _kept_or_default(config, resumed, "learning_rate", default)
         if training.learning_rate <= 0:
             raise ConfigError(f"training.learning_rate: must be > 0, got {training.learning_rate}")
+    if training.rollout_correction is False:
+        training.rollout_correction = "off"  # YAML 1.1 reads a bare off as false
     if training.rollout_correction is None:
         training.rollout_correction = _kept_correction(config, resumed)
     if training.objective is None:
@@ -148,6 +150,7 @@ def _kept_correction(config: Config, recorded: dict) -> RolloutCorrection | str:
     differs = student.sampler != "hf" or student.sampling_dtype is not None
     default = MISMATCH_CORRECTION if differs else "off"
     kept = recorded.get("rollout_correction")
+    kept = "off" if kept is False else kept
     if kept is None and recorded:
         kept = "off"  # a run recorded before the setting existed trained uncorrected: it goes on so
     if kept is None:

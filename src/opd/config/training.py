@@ -211,11 +211,12 @@ class PolicyGradientSettings:
     ``opd.objectives.policy_losses``)."""
     loss_fn_config: dict[str, float] = field(default_factory=dict)
     """Knobs of ``loss_fn``: ``clip_low_threshold`` / ``clip_high_threshold`` (ppo, cispo), ``beta`` (dro)."""
-    rollout_correction: RolloutCorrection | Literal["off"] | None = None
+    rollout_correction: RolloutCorrection | Literal["off", False] | None = None
     """The policy loss's weight of tokens the sampler and the trainer disagree on (objectives with
     advantages, and the reward term): ``{mode: truncate | mask, level: token | sequence, cap: 2.0}``
     bounds it (``opd.objectives.rollout_correction``; metrics under ``rollout_correction/``);
-    ``off`` takes the ratio to the sampler's log-probs as it is. Unset: ``{mode: truncate}`` where
+    ``off`` (YAML reads a bare ``off`` as false: either) takes the ratio to the sampler's log-probs
+    as it is. Unset: ``{mode: truncate}`` where
     the sampler is not the trainer's own forward (``student.sampler`` vllm or vllm_server, or a
     ``student.sampling_dtype``), else ``off`` (docs/objectives.md has the measurement)."""
 
