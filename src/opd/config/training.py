@@ -214,9 +214,8 @@ class PolicyGradientSettings:
     rollout_correction: RolloutCorrection | Literal["off", False] | None = None
     """The policy loss's weight of tokens the sampler and the trainer disagree on (objectives with
     advantages, and the reward term): ``{mode: truncate | mask, level: token | sequence, cap: 2.0}``
-    bounds it (``opd.objectives.rollout_correction``; metrics under ``rollout_correction/``);
-    ``off`` (YAML reads a bare ``off`` as false: either) takes the ratio to the sampler's log-probs
-    as it is. Unset: ``{mode: truncate}`` where
+    bounds it (``opd.objectives.rollout_correction``; metrics ``rollout_correction/*``); ``off``
+    (or false, as YAML reads a bare off) takes the ratio as it is. Unset: ``{mode: truncate}`` where
     the sampler is not the trainer's own forward (``student.sampler`` vllm or vllm_server, or a
     ``student.sampling_dtype``), else ``off`` (docs/objectives.md has the measurement)."""
 
