@@ -40,6 +40,10 @@ def test_the_disaggregated_recipe_resolves_for_four_training_processes():
             r"student\.rollout_timeout_s: must be above 0, got 0",
         ),
         (
+            {"sampler": "vllm_server", "rollout_servers": ["http://a:1"], "rollout_rest_s": -1},
+            r"student\.rollout_rest_s: must be 0 or above, got -1",
+        ),
+        (
             {"sampler": "hf", "rollout_servers": ["http://a:1"]},
             r"student\.rollout_servers: applies to sampler: vllm_server only \(student\.sampler is 'hf'\)",
         ),

@@ -343,10 +343,41 @@ def test_a_push_failing_half_way_is_never_sampled_and_the_next_push_completes(
     assert {s.served_version() for s in trainer.engine.servers} == {tag}
 
 
-def test_a_server_killed_mid_run_stops_it_naming_the_server_and_the_run_resumes_once_it_is_back(
+def test_a_server_killed_mid_run_leaves_the_rotation_and_rejoins_in_sync_once_restarted(
+    vllm_models, prompts, servers, tmp_path, capsys
+):
+    """Two servers, server 1 killed after step 1: steps 2 and 3 sample on server 0 alone; restarted
+    at the same address, it is sent the current weights at the next push, checked by their tag and
+    takes rows again. Then server 0 is found serving other weights between a push and a rollout:
+    its rows go to server 1, and it is pushed back in sync at the next step. Every step samples
+    from the weights it trains, no step is lost."""
+    config = on_servers(vllm_models, prompts, tmp_path / "run", servers, rollout_rest_s=0)
+    config["training"]["max_steps"] = 8
+    trainer = Trainer(config_from_dict(config), progress=False)
+    rows = [trainer.train_step(step) for step in range(2)]
+    servers[1].stop(signal.SIGKILL)
+    rows += [trainer.train_step(step) for step in range(2, 4)]
+    servers[1].start().wait()
+    rows += [trainer.train_step(step) for step in range(4, 6)]
+    trainer.engine.sync(trainer.policy)
+    post(servers[0].url + "/update_weight_version", {"new_version": "someone-else"})
+    rows += [trainer.train_step(step) for step in range(6, 8)]
+    assert [r["rollout/servers_live"] for r in rows] == [2, 2, 1, 1, 2, 2, 1, 2]
+    assert_on_policy(rows, steps=8)
+    tag = trainer.engine.tag(trainer.engine.version)
+    assert {s.served_version() for s in trainer.engine.servers} == {tag}
+    err = capsys.readouterr().err
+    assert err.count(f"rollout server {servers[1].url} taken out of rotation (rollout server") == 1
+    assert err.count(f"rollout server {servers[1].url} is back in rotation") == 1
+    assert f"rollout server {servers[0].url} taken out of rotation" in err
+    assert "serves weight version 'someone-else'" in err
+    assert err.count(f"rollout server {servers[0].url} is back in rotation") == 1
+
+
+def test_the_last_server_lost_stops_the_run_naming_it_and_the_run_resumes_once_it_is_back(
     vllm_models, prompts, servers, tmp_path
 ):
-    config = on_servers(vllm_models, prompts, tmp_path / "killed", servers)
+    config = on_servers(vllm_models, prompts, tmp_path / "killed", servers[1:])
     config["training"]["max_steps"] = 5
     path = write(config, tmp_path / "killed.yaml")
     job = subprocess.Popen(

@@ -28,7 +28,16 @@ class RemoteTeacherError(RuntimeError):
 
 
 class RolloutServerError(RuntimeError):
-    """A rollout server that cannot be used, or failed mid-run; the message names it and what to do."""
+    """A rollout server that cannot be used, or failed mid-run; the message names it and what to do.
+
+    ``fault``: how the server failed, when another may take its rows: ``"silent"`` (unreachable,
+    no answer in time), ``"answer"`` (HTTP 5xx, an answer that is not JSON), ``"weights"`` (other
+    weights than the run's); None: it refused the request itself.
+    """
+
+    def __init__(self, message: str, fault: str | None = None):
+        super().__init__(message)
+        self.fault = fault
 
 
 class EpisodeError(RuntimeError):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 from opd.policy.config import StudentConfig
 from opd.sampling.base import RolloutEngine, SamplerSettings
-from opd.sampling.vllm_server import VLLMServerSettings
+from opd.sampling.vllm_server_settings import VLLMServerSettings
 from opd.sampling.vllm_settings import VLLMSettings
 
 if TYPE_CHECKING:

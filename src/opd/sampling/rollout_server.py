@@ -94,7 +94,8 @@ class RolloutServer:
                     "the environment variable that holds it)"
                 )
             raise RolloutServerError(
-                f"rollout server {self.url}: {method} {path} answered HTTP {error.code}: {detail}"
+                f"rollout server {self.url}: {method} {path} answered HTTP {error.code}: {detail}",
+                fault="answer" if error.code >= 500 else None,
             ) from None
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
@@ -102,14 +103,22 @@ class RolloutServer:
                 raise RolloutServerError(
                     f"rollout server {self.url}: no answer to {method} {path} within {limit:g} s "
                     "(student.rollout_timeout_s); is it overloaded or stuck? Run the same command "
-                    "again to resume once it answers"
+                    "again to resume once it answers",
+                    fault="silent",
                 ) from None
             raise RolloutServerError(
                 f"rollout server {self.url}: cannot reach it ({reason}); start it (docs/vllm.md, "
                 "rollout servers) or remove it from student.rollout_servers, then run the same "
-                "command again to resume"
+                "command again to resume",
+                fault="silent",
             ) from None
-        return json.loads(text) if text else None
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:
+            raise RolloutServerError(
+                f"rollout server {self.url}: {method} {path} answered what is not JSON: {text[:200]!r}",
+                fault="answer",
+            ) from None
 
     def handshake(self, student: StudentConfig, tokenizer) -> None:
         """Refuse a server that would not sample the student as the trainer scores it."""

@@ -23,7 +23,6 @@ samples it. ``opd rollout-server`` starts vLLM's server with the options this ne
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -31,7 +30,6 @@ import weakref
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +40,6 @@ from opd.distributed import broadcast_object, new_group, world
 from opd.errors import ConfigError, RolloutServerError
 from opd.models import DTYPES
 from opd.sampling.base import (
-    PushedWeightsSettings,
     SamplingParams,
     TurnStream,
     neutral_sampling_body,
@@ -51,52 +48,11 @@ from opd.sampling.base import (
 )
 from opd.sampling.rollout_guard import default_weights_root
 from opd.sampling.rollout_server import RolloutServer
+from opd.sampling.server_pool import ServerPool
+from opd.sampling.vllm_server_settings import VLLMServerSettings
 
 if TYPE_CHECKING:
     from opd.policy.policy import Policy
-
-
-@dataclass
-class VLLMServerSettings(PushedWeightsSettings):
-    """``sampler: vllm_server``: vLLM servers started apart from the trainer, its weights pushed to
-    them after every update."""
-
-    rollout_servers: list[str] = field(default_factory=list)
-    """``sampler: vllm_server``: the servers' base URLs (``http://host:port``), each serving the
-    student; each process's rows are spread over them."""
-    rollout_timeout_s: float = 300
-    """``sampler: vllm_server``: the longest wait for one answer of a server (a rollout request, a
-    weight push) before the run stops naming it."""
-    rollout_weights_dir: str | None = None
-    """``sampler: vllm_server``: where the pushed weights are written for the servers to read (a
-    directory they see: a shared disk for servers on other machines), the one each server was
-    started with (``opd rollout-server --weights-dir``) or one inside it; unset:
-    ``/dev/shm/opd-rollout-weights`` (or ``opd-rollout-weights`` in the system's temporary
-    directory), which is also the servers' default."""
-    rollout_api_key_env: str | None = None
-    """``sampler: vllm_server``: the environment variable holding the servers' API key (their
-    ``VLLM_API_KEY``), sent with every request; needed for servers that bind a non-loopback host."""
-
-    def plan_line(self) -> str:
-        """Where the rollouts are sampled, for the dry-run plan."""
-        return f"vllm servers {', '.join(self.rollout_servers)}"
-
-    def sampler_problems(self) -> Iterator[tuple[str, str]]:
-        """``(field, problem)``: servers named, each reachable by URL, a sane timeout."""
-        yield from PushedWeightsSettings.sampler_problems(self)
-        if not self.rollout_servers:
-            yield "rollout_servers", "sampler: vllm_server needs at least one server URL (http://host:port)"
-            return
-        for index, url in enumerate(self.rollout_servers):
-            if not (isinstance(url, str) and re.fullmatch(r"https?://[^\s/]+(/\S*)?", url)):
-                yield (
-                    f"rollout_servers[{index}]",
-                    f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000",
-                )
-        if len(set(self.rollout_servers)) != len(self.rollout_servers):
-            yield "rollout_servers", "a server is listed twice"
-        if not self.rollout_timeout_s > 0:
-            yield "rollout_timeout_s", f"must be above 0, got {self.rollout_timeout_s}"
 
 
 class VLLMServerEngine:
@@ -139,6 +95,8 @@ class VLLMServerEngine:
                 )
         self.servers = [RolloutServer(url, student.rollout_timeout_s, key) for url in student.rollout_servers]
         self.processes = world()
+        self.pool = ServerPool(self.servers, student.rollout_rest_s, rank=self.processes.rank)
+        self.student, self.tokenizer = student, tokenizer
         self.group = new_group() if self.processes.size > 1 else None
         self.run_tag = broadcast_object(uuid.uuid4().hex[:12])
         self.version: int | None = None
@@ -176,18 +134,23 @@ class VLLMServerEngine:
             if source is self.policy
             else source.sampler_weights(self.dtype)
         )
-        failure = None
+        failure, live = None, None
         if self.processes.is_main:
             try:
                 self._push(weights, source.version)
             except RolloutServerError as error:
                 failure = str(error)
+            live = [(server.url, server.model) for server in self.pool.live()]
         elif source is self.policy and self.policy.sharded:
             for _ in weights:  # the gather is a collective: take part, rank 0 writes
                 pass
-        failure = broadcast_object(failure, self.group)
+        failure, live = broadcast_object((failure, live), self.group)
         if failure:
             raise RolloutServerError(f"{failure}; no batch was sampled from these weights")
+        models = dict(live)
+        for server in self.servers:
+            server.model = models.get(server.url, server.model)
+        self.pool.keep(list(models))
         self.version = source.version
 
     def _push(self, weights, version: int) -> None:
@@ -210,13 +173,38 @@ class VLLMServerEngine:
                 flush()
         flush()
         try:
-            for server in self.servers:
-                server.begin_weight_update(f"{self.tag(version)}-loading")
-                server.call("POST", "/update_weights", {"update_info": {"files": files}})
-                server.call("POST", "/finish_weight_update", {"weight_version": self.tag(version)})
-                server.call("POST", "/reset_prefix_cache", {})
+            for server in self.pool.live():
+                try:
+                    self._push_files(server, files, version)
+                except RolloutServerError as error:
+                    if error.fault != "silent":  # it answered: the update itself failed
+                        raise
+                    self.pool.take_out(server, error)
+            for server in self.pool.resting():
+                self._rejoin(server, files, version)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+
+    def _push_files(self, server: RolloutServer, files: list[str], version: int) -> None:
+        server.begin_weight_update(f"{self.tag(version)}-loading")
+        server.call("POST", "/update_weights", {"update_info": {"files": files}})
+        server.call("POST", "/finish_weight_update", {"weight_version": self.tag(version)})
+        server.call("POST", "/reset_prefix_cache", {})
+
+    def _rejoin(self, server: RolloutServer, files: list[str], version: int) -> None:
+        """A server out of rotation, tried again: checked as at the start, sent the current
+        weights and taken back once it serves their tag; else it rests again (said unless it is
+        still unreachable)."""
+        try:
+            server.handshake(self.student, self.tokenizer)
+            self._push_files(server, files, version)
+            served = server.served_version()
+        except RolloutServerError as error:
+            if error.fault != "silent":
+                self.pool.warn(f"rollout server {server.url} answers again but is kept out: {error}")
+            return
+        if served == self.tag(version):
+            self.pool.take_back(server, served)
 
     def rollout(
         self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]
@@ -243,18 +231,21 @@ class VLLMServerEngine:
         if self.version is None:
             raise RuntimeError("VLLMServerEngine.sample before the first sync: call sync(policy) first")
         seeds = [None] * len(prompts) if seed is None else row_seeds(seed, len(prompts))
-        chosen = [self._server_of(row) for row in range(len(prompts))]
-        used = list({id(s): s for s in chosen}.values())
-        self._check_versions(used)
         body = self._body(temperature, max_tokens, greedy)
+        self._verify(self.pool.live())
+        done: dict[int, tuple[RolloutServer, Completion]] = {}
+        rows = list(range(len(prompts)))
+        while rows:  # rows of a server found on other weights afterwards are sampled again
+            with ThreadPoolExecutor(max_workers=min(32, max(1, len(rows)))) as pool:
+                answers = pool.map(lambda row: self._sample_row(row, prompts[row], seeds[row], body), rows)
+                done |= dict(zip(rows, answers, strict=True))
+            stale = self._verify(list({server.url: server for server, _ in done.values()}.values()))
+            rows = [row for row, (server, _) in done.items() if server.url in stale]
+        return [done[row][1] for row in range(len(prompts))]
 
-        def one(row: int) -> Completion:
-            return self._sample_one(chosen[row], prompts[row], seeds[row], body)
-
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts)))) as pool:
-            completions = list(pool.map(one, range(len(prompts))))
-        self._check_versions(used)
-        return completions
+    def pool_metrics(self) -> dict[str, float]:
+        """``rollout/servers_live``: the servers in rotation (logged with several only)."""
+        return {"rollout/servers_live": float(len(self.pool.live()))} if len(self.servers) > 1 else {}
 
     @contextmanager
     def turn_stream(self, params: SamplingParams) -> Iterator[TurnStream]:
@@ -263,7 +254,7 @@ class VLLMServerEngine:
         first request and after the last."""
         if self.version is None:
             raise RuntimeError("VLLMServerEngine.turn_stream before the first sync: call sync(policy) first")
-        self._check_versions(self.servers)
+        self._verify(self.pool.live())
         with ThreadPoolExecutor(max_workers=32) as pool:
             stream = _ServerTurns(self, pool, params)
             try:
@@ -271,11 +262,26 @@ class VLLMServerEngine:
             finally:
                 for future in stream.pending:
                     future.cancel()
-        self._check_versions(self.servers)
+        used = list({server.url: server for server in stream.used}.values())
+        if stale := self._verify(used):
+            raise RolloutServerError(
+                f"rollout server {', '.join(sorted(stale))} left the rotation while it played this "
+                "batch's episodes (they cannot be played again half way); run the same command "
+                "again to resume"
+            )
 
-    def _server_of(self, row: int) -> RolloutServer:
-        """Row ``row``'s server: round robin, offset by the process's rank."""
-        return self.servers[(self.processes.rank + row) % len(self.servers)]
+    def _sample_row(
+        self, row: int, prompt: list[int], seed: int | None, body: dict
+    ) -> tuple[RolloutServer, Completion]:
+        """Row ``row`` sampled on its server, or on the next in rotation when that one fails."""
+        while True:
+            server = self.pool.server_for(row)
+            try:
+                return server, self._sample_one(server, prompt, seed, body)
+            except RolloutServerError as error:
+                if error.fault is None:
+                    raise
+                self.pool.take_out(server, error)
 
     def _body(self, temperature: float, max_tokens: int, greedy: bool) -> dict:
         body = neutral_sampling_body(
@@ -301,16 +307,31 @@ class VLLMServerEngine:
         finished = choice["finish_reason"] == "stop"
         return Completion(token_ids, logprobs, finished=finished, policy_version=self.version)
 
-    def _check_versions(self, servers: list[RolloutServer]) -> None:
-        expected = self.tag(self.version)
+    def _verify(self, servers: list[RolloutServer]) -> set[str]:
+        """The URLs of ``servers`` that no longer serve the pushed weights (or do not answer),
+        taken out of rotation."""
+        expected, stale = self.tag(self.version), set()
         for server in servers:
-            served = server.served_version()
+            try:
+                served = server.served_version()
+            except RolloutServerError as error:
+                if error.fault is None:
+                    raise
+                self.pool.take_out(server, error)
+                stale.add(server.url)
+                continue
             if served != expected:
-                raise RolloutServerError(
-                    f"rollout server {server.url} serves weight version {served!r}, not this run's "
-                    f"{expected!r}: it was restarted or another run pushed to it; give each run its own "
-                    "servers, then run the same command again to resume"
+                self.pool.take_out(
+                    server,
+                    RolloutServerError(
+                        f"rollout server {server.url} serves weight version {served!r}, not this "
+                        f"run's {expected!r}: it was restarted or another run pushed to it; give each "
+                        "run its own servers, then run the same command again to resume",
+                        fault="weights",
+                    ),
                 )
+                stale.add(server.url)
+        return stale
 
 
 class _ServerTurns:
@@ -319,15 +340,21 @@ class _ServerTurns:
     def __init__(self, engine: VLLMServerEngine, pool: ThreadPoolExecutor, params: SamplingParams):
         self.engine, self.pool, self.params = engine, pool, params
         self.pending: dict[Future, int] = {}
+        self.used: list[RolloutServer] = []
 
     def submit(self, key: int, prompt: list[int], seed: int, max_tokens: int) -> None:
         engine, params = self.engine, self.params
         body = engine._body(params.temperature, max_tokens, params.greedy)
-        future = self.pool.submit(engine._sample_one, engine._server_of(key), prompt, seed, body)
+        future = self.pool.submit(engine._sample_row, key, prompt, seed, body)
         self.pending[future] = key
 
     def finished(self, waiting: bool = False) -> list[tuple[int, Completion]] | None:
         if not self.pending:
             return [] if waiting else None
         done, _ = wait(self.pending, return_when=FIRST_COMPLETED)
-        return [(self.pending.pop(future), future.result()) for future in done]
+        finished = []
+        for future in done:
+            server, completion = future.result()
+            self.used.append(server)
+            finished.append((self.pending.pop(future), completion))
+        return finished

@@ -17,6 +17,7 @@ from opd.data.sequences import RolloutBatch
 from opd.distributed import all_reduce
 from opd.objectives.advantages import group_centred_rewards, standardized
 from opd.runs.timing import SpanRecorder
+from opd.sampling.vllm_server import VLLMServerEngine
 from opd.trainer.batch import Batch
 from opd.trainer.components import RunComponents
 from opd.trainer.diagnostics import diagnostic_metrics
@@ -153,6 +154,8 @@ class Learner:
         if self.parts.config.training.data_source == "mixed":
             metrics["lmbda"] = self.parts.config.training.lmbda_at(batch.step)
         metrics |= self.parts.teachers.replica_metrics()
+        if isinstance(self.parts.engine, VLLMServerEngine):
+            metrics |= self.parts.engine.pool_metrics()
         if batch.on_policy and teacher is not None:
             metrics |= self.kl_metrics(batch)
             metrics |= diagnostic_metrics(
