@@ -68,10 +68,11 @@ def test_the_disaggregated_recipe_plans_fsdp_over_four_processes_and_two_servers
         in output
     )
     assert "Qwen/Qwen3-8B on http://127.0.0.1:8200/v1 (openai server: no memory here)" in output
-    # bfloat16 weights, gradients and two AdamW moments, each a quarter per process
+    # bfloat16 weights and gradients; float32 AdamW moments and master weights: a quarter per process
     share = parameters(student) * 2 / 4 / 1e9
     assert line(output, "  student").endswith(
-        f"{4 * share:.2f} GB: weights {share:.2f} + gradients {share:.2f} + AdamW {2 * share:.2f}"
+        f"{8 * share:.2f} GB: weights {share:.2f} + gradients {share:.2f} + "
+        f"AdamW with float32 master weights {6 * share:.2f}"
     )
 
 

@@ -43,8 +43,8 @@ def test_the_8gpu_thinking_recipe_fits_six_training_processes_and_a_teacher_serv
     assert "per step       192 sequences (32 per process), up to 8192 tokens each" in done.stdout
     share = parameters(student) * 2 / 6 / 1e9
     assert (
-        f"{4 * share:.2f} GB: weights {share:.2f} + gradients {share:.2f} + AdamW {2 * share:.2f}"
-        in done.stdout
+        f"{8 * share:.2f} GB: weights {share:.2f} + gradients {share:.2f} + "
+        f"AdamW with float32 master weights {6 * share:.2f}" in done.stdout
     )
     on_five = dry_run("qwen3_8b_to_1.7b_8gpu.yaml", cache, "--nproc", "5")
     assert on_five.returncode == 2 and "into world size (5)" in on_five.stderr  # 48 groups do not split in 5

@@ -187,14 +187,17 @@ def describe_plan(config: Config, processes: int) -> str:
     adapter = trainable * trained_bytes if student.lora_rank else 0
     weights = (student_size.parameters * BYTES[dtype] + adapter) / split
     gradients = trainable * trained_bytes / split
-    optimizer = ADAM_STATES * trainable * trained_bytes / split
+    # a half-precision weight trained whole: float32 moments and a float32 master copy
+    master = not student.lora_rank and BYTES[dtype] < BYTES["float32"]
+    optimizer = (ADAM_STATES + master) * trainable * BYTES["float32"] / split
     total = weights + gradients + optimizer
     lines.append(
         "memory/device  (weights, gradients, optimizer state; activations and KV cache not included)"
     )
+    adam = "AdamW with float32 master weights" if master else "AdamW"
     lines.append(
         f"  student      {total / GB:.2f} GB: weights {weights / GB:.2f} + gradients {gradients / GB:.2f} "
-        f"+ AdamW {optimizer / GB:.2f}"
+        f"+ {adam} {optimizer / GB:.2f}"
     )
     for key, (teacher, _, _) in teachers.items():
         size = teacher_sizes[key]
