@@ -203,6 +203,55 @@ def summary(rows: list[dict]) -> dict:
     return found
 
 
+H100_BYTES = 80 * 10**9
+USABLE = 0.9
+"""The share of an 80 GB H100 a run can hold (CUDA's context and the allocator's slack take
+the rest: an assumption, not measured here)."""
+HEAD_COPIES = 3.3
+"""The log-prob head's working set in float32 vocabulary rows per chunk position (the logits,
+their log-softmax and its gradient, measured on this CPU as the plateau of --tiny's score peak:
+127 MB at 64 positions x 151,936 x 4 bytes)."""
+
+
+def formula_per_token(shape: dict, element_bytes: int, lora: bool, checkpointing: bool) -> int:
+    """opd's own estimate of the update's activations a token (the one that sizes micro-batches)."""
+    from transformers import PretrainedConfig
+
+    from opd.trainer.micro_batching import activation_bytes_per_token
+
+    return activation_bytes_per_token(PretrainedConfig(**shape), element_bytes, lora, checkpointing)
+
+
+def longest_completions(chunk: int = 1024) -> list[dict]:
+    """The longest completion one update fits on an 80 GB H100 (bfloat16, the teacher elsewhere),
+    for Qwen3-1.7B and -8B, LoRA rank 32 and full fine-tuning, with and without checkpointing."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.hub_configs import CONFIGS, lora_parameters, parameters
+
+    found = []
+    for repo in ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"):
+        shape, weights = CONFIGS[repo], parameters(repo)
+        adapters = lora_parameters(repo, 32)
+        head = HEAD_COPIES * chunk * shape["vocab_size"] * 4
+        for mode, checkpointing in itertools.product(("lora", "full"), (True, False)):
+            # full: bf16 weights and gradients, float32 moments and master weights (2+2+12 bytes);
+            # LoRA: bf16 base, float32 adapters, their gradients and moments (16 bytes each)
+            static = 16 * weights if mode == "full" else 2 * weights + 16 * adapters
+            per_token = formula_per_token(shape, 2, mode == "lora", checkpointing)
+            room = USABLE * H100_BYTES - static - head
+            found.append(
+                {
+                    "model": repo,
+                    "mode": mode,
+                    "checkpointing": checkpointing,
+                    "static_gb": static / 1e9,
+                    "activation_kb_per_token": per_token / 1e3,
+                    "longest_tokens": max(0, int(room // per_token)),
+                }
+            )
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -228,9 +277,15 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     found = summary(rows)
+    for checkpointing in (False, True):
+        label = "update" + (" (checkpointing)" if checkpointing else "")
+        found[label]["formula_bytes_per_token"] = formula_per_token(SHAPE, 4, False, checkpointing)
     print(json.dumps(found, indent=1))
+    h100 = longest_completions()
+    for row in h100:
+        print(f"{row['model']} {row['mode']} checkpointing={row['checkpointing']}: {row['longest_tokens']}")
     settings = {"lengths": lengths, "model": SHAPE, "logprob_chunk_size": chunk}
-    write_result(args.out, "long_context", settings, rows, summary=found)
+    write_result(args.out, "long_context", settings, rows, summary=found, h100_longest_completion=h100)
 
 
 if __name__ == "__main__":

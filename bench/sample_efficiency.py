@@ -210,7 +210,7 @@ def run_trl(task: str, spec: dict, student: Path, teacher: Path, args, directory
     from trl import DistillationTrainer
     from trl_setup import distillation_config, lora_config
 
-    from opd.build.eval_sets import EvalSet, direct_scorer
+    from opd.assemble.eval_sets import EvalSet, direct_scorer
     from opd.config import config_from_dict
     from opd.data.graders import GRADERS
     from opd.data.sources import load_prompts

@@ -405,7 +405,7 @@ def likeliest(row: dict[int, float], tokenizer) -> str:
 
 def teacher_success_rate(teacher_dir: Path, teacher: dict, eval_prompts: int) -> float:
     """The teacher's own held-out success, greedy episodes in the same environment."""
-    from opd.build.eval_sets import load_eval_sets
+    from opd.assemble.eval_sets import load_eval_sets
     from opd.models import load_causal_lm, load_tokenizer
     from opd.runs.evaluation import evaluate
     from opd.sampling.hf_generate import HFGenerateSampler

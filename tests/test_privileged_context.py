@@ -258,7 +258,7 @@ def test_a_teacher_shown_the_context_writes_after_it_when_it_writes_the_completi
 def test_a_teacher_shown_a_context_renders_with_the_students_template_and_its_variables(answered):
     """No template of its own: the student's, with the student's template variables (thinking
     mode), plus the context; what ``--dry-run`` shows is what the teacher scores."""
-    from opd.build.teachers import teacher_views
+    from opd.assemble.teachers import teacher_views
 
     template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

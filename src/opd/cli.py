@@ -35,7 +35,7 @@ def _train(args: argparse.Namespace) -> None:
 def _dry_run(args: argparse.Namespace) -> None:
     """Check the config for its processes; print the plan and a prompt as the student and each
     teacher read it (tokenizers and prompts are read; no model is loaded, nothing written)."""
-    from opd.build.teachers import teacher_views
+    from opd.assemble.teachers import teacher_views
     from opd.distributed import launched_world
     from opd.trainer.plan import describe_plan
 

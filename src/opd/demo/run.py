@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from opd.build.eval_sets import EvalSet, direct_scorer
+from opd.assemble.eval_sets import EvalSet, direct_scorer
 from opd.config import config_from_dict
 from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.graders import exact_match

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from opd.build.eval_sets import eval_source_of, load_eval_sets
-from opd.build.student import load_student
-from opd.build.teachers import load_teachers
+from opd.assemble.eval_sets import eval_source_of, load_eval_sets
+from opd.assemble.student import load_student
+from opd.assemble.teachers import load_teachers
 from opd.config import ConfigError, config_from_dict
 from opd.runs.checkpoints import latest_model_dir
 from opd.runs.evaluation import evaluate

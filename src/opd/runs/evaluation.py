@@ -3,7 +3,7 @@ score (partial credit where it gives any), pass@1 at the sampling temperature, a
 
 from __future__ import annotations
 
-from opd.build.eval_sets import EvalSet
+from opd.assemble.eval_sets import EvalSet
 from opd.data.graders import Grader
 from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from peft import PeftModel
 
-from opd.build.student import load_student
+from opd.assemble.student import load_student
 from opd.config import config_from_dict
 from opd.models import load_causal_lm, load_tokenizer
 from opd.runs.checkpoints import CheckpointError, latest_model_dir

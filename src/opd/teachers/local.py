@@ -143,7 +143,7 @@ class AdaptersOffTeacher(LocalTeacher):
     """A LoRA student's own base weights as its teacher: the student's model scores with its
     adapters switched off (``disable_adapter``), so ``teacher.model: student`` needs no second copy
     of the weights. Used only where nothing else runs the model meanwhile (synchronous collection,
-    weights not sharded: :func:`opd.build.teachers.teacher_is_the_students_base`)."""
+    weights not sharded: :func:`opd.assemble.teachers.teacher_is_the_students_base`)."""
 
     def __init__(self, peft_model, **options):
         training = peft_model.training

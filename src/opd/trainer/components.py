@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from opd.build.eval_sets import load_eval_sets
-from opd.build.student import load_student
-from opd.build.teachers import load_teachers
+from opd.assemble.eval_sets import load_eval_sets
+from opd.assemble.student import load_student
+from opd.assemble.teachers import load_teachers
 from opd.config import Config
 from opd.data.batching import CompositeBatches, rank_rows
 from opd.data.graders import grader_of

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.build.teachers import run_teachers, teacher_is_the_students_base
+from opd.assemble.teachers import run_teachers, teacher_is_the_students_base
 from opd.config import Config, StudentSection, TrainingConfig
 from opd.errors import ModelLoadError
 from opd.models import model_source

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opd.build.student import Student
+from opd.assemble.student import Student
 from opd.config import Config, ConfigError
 from opd.data.render import ChatRenderer
 from opd.data.sources import load_prompts
