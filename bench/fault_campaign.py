@@ -17,6 +17,14 @@ checkpoint is saved are collected again on resume from the weights it kept for t
 
     python bench/fault_campaign.py --out docs/results/fault_campaign.json
     python bench/fault_campaign.py --max-staleness 1 --out docs/results/fault_campaign_ahead1.json
+    python bench/fault_campaign.py --kills 0 --terms 0 --replica-kills 20 \
+        --out docs/results/fault_campaign_replicas.json
+
+``--replica-kills N`` runs N more runs whose teacher is the tiny teacher behind two ``opd serve``
+replicas, one of them (drawn at random) SIGKILLed at a random moment of the run (anywhere in
+its steps: while a request is in flight or between requests) and started again before the next
+run; every run must finish all its steps, each step's teacher KL equal to the same run's
+against one server within 1e-5.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-staleness", type=int, default=0, help="training.max_staleness of the runs")
+    parser.add_argument("--replica-kills", type=int, default=0, help="runs with a teacher replica killed")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
     test_faults.STEPS = args.steps
@@ -139,7 +148,9 @@ def main() -> None:
             )
             test_faults.finish(config_path)
             test_faults.assert_undisturbed(log_path, reference)
+        replicas = replica_kills(root, config, args.replica_kills, args.steps, chance)
     results = {
+        "replica_kills": replicas,
         "kills": kills,
         "processes_started": restarts,
         "kills_by_phase": dict(where),
@@ -148,6 +159,67 @@ def main() -> None:
     }
     print(json.dumps(results, indent=1))
     write_result(args.out, "bench/fault_campaign.py", vars(args), results)
+
+
+def replica_kills(root: Path, config: dict, runs: int, steps: int, chance: random.Random) -> dict:
+    """``runs`` runs on two teacher replicas, a random one killed at a random moment of each."""
+    import threading
+
+    from opd.config import config_from_dict
+    from opd.runs.metrics import read_jsonl
+    from opd.trainer.loop import Trainer
+    from tests.servers import free_port, start_opd_serve
+
+    if not runs:
+        return {}
+    teacher_dir = config["teacher"]["model"]
+    ports = [free_port(), free_port()]
+    servers = [start_opd_serve(teacher_dir, port) for port in ports]
+
+    def run(urls: list[str], name: str) -> tuple[list[dict], float]:
+        remote = {"model": "teacher", "backend": "openai", "base_url": urls, "tokenizer": teacher_dir}
+        data = dict(config, log_path=str(root / name), teacher=remote | {"request_batch_size": 1})
+        data["training"] = dict(config["training"], max_steps=steps, max_staleness=0)
+        started = time.perf_counter()
+        Trainer(config_from_dict(data), progress=False).run()
+        return read_jsonl(root / name / "metrics.jsonl"), time.perf_counter() - started
+
+    outcomes = []
+    try:
+        reference, seconds = run([f"http://127.0.0.1:{ports[0]}/v1"], "replica-reference")
+        for number in range(runs):
+            victim, delay = chance.randrange(2), chance.uniform(0.0, seconds)
+            timer = threading.Timer(delay, servers[victim].kill)
+            timer.start()
+            rows, _ = run([f"http://127.0.0.1:{port}/v1" for port in ports], f"replicas-{number}")
+            timer.join()
+            servers[victim].wait()
+            equal = len(rows) == len(reference) and all(
+                abs(a["teacher_kl"] - b["teacher_kl"]) <= 1e-5 for a, b in zip(rows, reference, strict=True)
+            )
+            outcomes.append(
+                {
+                    "killed": victim,
+                    "after_s": delay,
+                    "steps": len(rows),
+                    "equal_to_one_server": equal,
+                    "replicas_live_at_end": rows[-1].get("teacher/replicas_live") if rows else None,
+                }
+            )
+            print(json.dumps(outcomes[-1]), flush=True)
+            servers[victim] = start_opd_serve(teacher_dir, ports[victim])
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+    return {
+        "runs": len(outcomes),
+        "finished_every_step": sum(o["steps"] == steps for o in outcomes),
+        "equal_to_one_server": sum(o["equal_to_one_server"] for o in outcomes),
+        "steps_lost": sum(steps - o["steps"] for o in outcomes),
+        "reference_seconds": seconds,
+        "runs_detail": outcomes,
+    }
 
 
 if __name__ == "__main__":

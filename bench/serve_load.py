@@ -27,6 +27,18 @@ tokens must equal the same request's alone.
     python bench/serve_load.py --out docs/results/serve_load.json
     python bench/serve_load.py --hostile 60 --out docs/results/serve_hostile.json
     python bench/serve_load.py --sampling 1 8 --out docs/results/serve_sampling.json
+    python bench/serve_load.py --mixed 600 --out docs/results/serve_mixed.json
+
+With ``--mixed SECONDS`` it runs a campaign of random interleavings instead: ``--clients``
+threads each send, one after another for SECONDS, a request of a kind drawn at random: a
+scoring request, a seeded sampling request, a malformed one (bad JSON, wrong types, an unknown
+model, a negative length) or a slow one (its body trickled past ``--request-timeout``). The
+server runs with a small ``--max-waiting``, so some requests are refused with 503. Each request
+is counted as answered right (a score equal to its lone answer within 1e-4, a seeded sample
+with its lone answer's tokens, a 4xx for a malformed one, the connection closed for a slow
+one), refused (503 with ``Retry-After``, then sent again), wrong (a 200 with another answer, or
+a status its kind should not get) or lost (no answer, a 5xx other than 503). The server's
+resident memory is read every 5 s: its mean over the first and the last minute.
 """
 
 from __future__ import annotations
@@ -101,8 +113,11 @@ def main() -> None:
     parser.add_argument("--sampling", type=int, nargs="*", help="sampling clients at each level")
     parser.add_argument("--sample-rows", type=int, default=32, help="rows sampled at each level")
     parser.add_argument("--sample-tokens", type=int, default=32, help="tokens sampled per row")
+    parser.add_argument("--mixed", type=float, help="seconds of random interleavings of every kind")
+    parser.add_argument("--clients", type=int, default=8, help="--mixed: client threads")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
     args = parser.parse_args()
+    limits = ["--max-waiting", "4", "--request-timeout", "2"] if args.mixed else []
 
     model = converted_dir()
     port = free_port()
@@ -119,6 +134,7 @@ def main() -> None:
             "teacher",
             "--max-connections",
             str(args.max_connections),
+            *limits,
         ],
         stdout=subprocess.DEVNULL,
     )
@@ -145,6 +161,11 @@ def main() -> None:
             reference.append(logprobs_of(answer))
         if args.sampling:
             results = sampling(port, args.sampling, args.sample_rows, args.sample_tokens)
+            return
+        if args.mixed:
+            results = mixed(port, server.pid, bodies, reference, args.mixed, args.clients)
+            results["server_alive"] = server.poll() is None
+            print(json.dumps({k: v for k, v in results.items() if k != "memory_mib"}, indent=1))
             return
         if args.hostile:
             results = hostile(port, bodies, args.hostile, args.hostile_rows)
@@ -279,6 +300,136 @@ def hostile(port: int, bodies: list[bytes], seconds: float, rows: int) -> dict:
         "hostile_still_decoding_after": still_decoding,
         "idle": {"requests": len(idle), "p50_s": statistics.median(idle), "max_s": max(idle)},
         "during_hostile": {"requests": len(busy), "p50_s": statistics.median(busy), "max_s": max(busy)},
+    }
+
+
+def seeded_body(row: int, tokens: int = 16) -> bytes:
+    """A seeded sampling request of one row (as opd's teacher client sends them)."""
+    prompt = [1, 9690, 42 + row % 50]
+    return json.dumps(
+        {"model": "teacher", "prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "seed": 1000 + row}
+    ).encode()
+
+
+MALFORMED = [
+    b"{not json",
+    json.dumps({"model": "teacher", "prompt": 5, "max_tokens": 1}).encode(),
+    json.dumps({"model": "someone-else", "prompt": [1, 2, 3], "max_tokens": 1}).encode(),
+    json.dumps({"model": "teacher", "prompt": [1, 2, 3], "max_tokens": -1}).encode(),
+    json.dumps({"model": "teacher", "prompt": [[1, 2], "x"], "max_tokens": 1}).encode(),
+]
+
+
+def send_once(port: int, body: bytes) -> tuple[int | None, dict | None, str | None]:
+    """(status, JSON answer, Retry-After) of one request; status None: no answer."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read()), None
+    except urllib.error.HTTPError as error:
+        return error.code, None, error.headers.get("Retry-After")
+    except OSError:
+        return None, None, None
+
+
+def slow_client(port: int, timeout_s: float = 2.0) -> bool:
+    """A body trickled a byte a second: True when the server closes the connection in time."""
+    import socket
+
+    body = seeded_body(0)
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+        try:
+            for byte in body:
+                connection.sendall(bytes([byte]))
+                time.sleep(1.0)
+                if time.monotonic() - started > 4 * timeout_s + 10:
+                    return False  # still held open: the server did not drop it
+        except OSError:
+            return True  # dropped
+        connection.settimeout(30)
+        try:
+            return connection.recv(1) in (b"", b"H") and time.monotonic() - started < 4 * timeout_s + 10
+        except OSError:
+            return True
+
+
+def mixed(port: int, pid: int, bodies: list[bytes], reference: list, seconds: float, clients: int) -> dict:
+    """Random interleavings of scoring, seeded sampling, malformed and slow requests for ``seconds``."""
+    alone = [send_once(port, seeded_body(row))[1]["choices"][0]["token_ids"] for row in range(8)]
+    kinds = ("score", "sample", "malformed", "slow")
+    counts = {kind: dict.fromkeys(("tried", "right", "refused", "wrong", "lost"), 0) for kind in kinds}
+    lock, deadline = threading.Lock(), time.monotonic() + seconds
+    memory: list[tuple[float, float]] = []
+
+    def count(kind: str, outcome: str) -> None:
+        with lock:
+            counts[kind][outcome] += 1
+
+    def one_request(rng: random.Random) -> None:
+        kind = rng.choices(kinds, weights=(4, 4, 2, 1))[0]
+        count(kind, "tried")
+        if kind == "slow":
+            count(kind, "right" if slow_client(port) else "lost")
+            return
+        index = rng.randrange(len(bodies) if kind == "score" else 8)
+        body = {"score": bodies[index], "sample": seeded_body(index)}.get(kind) or rng.choice(MALFORMED)
+        while True:
+            status, answer, retry_after = send_once(port, body)
+            if status not in (429, 503):
+                break
+            count(kind, "refused")
+            if retry_after is None:
+                count(kind, "wrong")  # a refusal must say when to come back
+                return
+            time.sleep(min(float(retry_after), 5.0))
+        if kind == "malformed":
+            count(kind, "right" if status is not None and 400 <= status < 500 else "wrong")
+        elif status is None or status >= 500:
+            count(kind, "lost")
+        elif status != 200:
+            count(kind, "wrong")
+        elif kind == "score":
+            near = all(
+                abs(a - b) <= 1e-4
+                for got, want in zip(logprobs_of(answer), reference[index], strict=True)
+                for a, b in zip(got, want, strict=True)
+            )
+            count(kind, "right" if near else "wrong")
+        else:
+            count(kind, "right" if answer["choices"][0]["token_ids"] == alone[index] else "wrong")
+
+    def client(number: int) -> None:
+        rng = random.Random(number)
+        while time.monotonic() < deadline:
+            one_request(rng)
+
+    def watch() -> None:
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            memory.append((time.monotonic() - started, int(fields["VmRSS"].split()[0]) / 1024))
+            time.sleep(5)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(clients)]
+    threads.append(threading.Thread(target=watch))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first = [mib for at, mib in memory if at < 60]
+    last = [mib for at, mib in memory if at >= memory[-1][0] - 60]
+    return {
+        "seconds": seconds,
+        "clients": clients,
+        "counts": counts,
+        "memory_first_minute_mib": statistics.mean(first),
+        "memory_last_minute_mib": statistics.mean(last),
+        "memory_mib": memory,
     }
 
 

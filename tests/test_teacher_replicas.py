@@ -153,6 +153,29 @@ def test_a_dead_or_faulty_replica_leaves_the_rotation_and_the_scores_do_not_chan
         scored(gone)
 
 
+def test_a_replica_silent_at_the_start_starts_out_of_rotation_and_none_answering_is_refused(
+    two_servers, capsys
+):
+    """A replica that does not answer the start's probe (down, or killed while it is asked) is
+    left out with one warning and the others carry the run; none answering stops it by name."""
+    (port_a, _), _ = two_servers
+    dead = free_port()
+    teacher = RemoteTeacher(
+        backend="openai", base_url=[url(dead), url(port_a)], model="teacher", max_retries=1, backoff_s=0.01
+    )
+    check_replicas(teacher, SEQUENCES[2], 2, "teacher")
+    assert teacher.pool.live == 1 and not teacher.pool.replicas[0].live
+    alone = RemoteTeacher(backend="openai", base_url=url(port_a), model="teacher")
+    assert torch.equal(teacher.probe[1], alone.score_sequence(SEQUENCES[2]))
+    said = capsys.readouterr().err
+    assert f"teacher replica {url(dead)} taken out of rotation (no answer to the start's probe: " in said
+    silent = RemoteTeacher(
+        backend="openai", base_url=[url(dead), url(free_port())], model="t", max_retries=1, backoff_s=0.01
+    )
+    with pytest.raises(RemoteTeacherError, match=r"teacher\.base_url: no teacher replica answered: "):
+        check_replicas(silent, SEQUENCES[2], 2, "teacher")
+
+
 def test_a_replica_that_comes_back_is_probed_and_taken_back(two_servers, model_dirs, capsys):
     (port_a, _), _ = two_servers
     later = free_port()

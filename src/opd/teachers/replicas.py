@@ -129,27 +129,39 @@ def probe_gap(answer_T: torch.Tensor, reference_T: torch.Tensor) -> tuple[float,
 
 def check_replicas(teacher: RemoteTeacher, probe_ids: list[int], probes: int, where: str) -> None:
     """Score ``probe_ids`` ``probes`` times at each address; raise naming the address when an
-    answer disagrees with the first address's first one, which becomes the reference a replica
-    back from a failure is probed against.
+    answer disagrees with the first answer, which becomes the reference a replica back from a
+    failure is probed against. A replica that does not answer (one of several) starts out of
+    rotation, probed against that reference when its rest is over; none answering raises.
 
     With a round-robin balancer over two replicas behind one address, the second probe already
     meets the other one.
     """
     if probes < 1:
         return
-    reference = None
+    reference, failures = None, []
     for replica in teacher.pool.replicas:
         for index in range(1, probes + 1):
-            answer = teacher.score_sequence(probe_ids, replica)
+            try:
+                answer = teacher.score_sequence(probe_ids, replica)
+            except RemoteTeacherError as error:
+                if not teacher.pool.several:
+                    raise
+                failures.append(str(error))
+                teacher.pool.take_out(replica, f"no answer to the start's probe: {error}", say=True)
+                break
+            if reference is None:
+                reference = answer
+                continue
             if reference is None:
                 reference = answer
                 continue
             mean, most = probe_gap(answer, reference)
             if mean > DISAGREEMENT_NATS:
                 several = teacher.pool.several
+                first = next(r for r in teacher.pool.replicas if r.live)
                 which = (
-                    f"otherwise than {teacher.pool.replicas[0].base_url} did"
-                    if several and replica is not teacher.pool.replicas[0]
+                    f"otherwise than {first.base_url} did"
+                    if several and replica is not first
                     else "otherwise"
                 )
                 raise RemoteTeacherError(
@@ -160,4 +172,6 @@ def check_replicas(teacher: RemoteTeacher, probe_ids: list[int], probes: int, wh
                     "serve different weights; point base_url at replicas of one checkpoint (or "
                     f"set {where}.replica_probes: 0 to skip this check)"
                 )
+    if reference is None:
+        raise RemoteTeacherError(f"{where}.base_url: no teacher replica answered: {'; '.join(failures)}")
     teacher.probe = (probe_ids, reference)
