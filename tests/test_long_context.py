@@ -1,5 +1,5 @@
 """bench/long_context.py --tiny on every CI run: one opd step (sample, score, update with and
-without gradient checkpointing) at four completion lengths spanning 8x, each phase's peak memory
+without gradient checkpointing) at three completion lengths spanning 8x, each phase's peak memory
 measured in a process of its own; past a few hundred tokens no phase grows by a (tokens x
 vocabulary) tensor."""
 
@@ -25,14 +25,14 @@ def test_the_tiny_long_context_run_measures_every_phase_and_no_tokens_x_vocabula
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
     rows = record["results"]
-    assert {row["tokens"] for row in rows if row["phase"] != "sample"} == {256, 512, 1024, 2048}
+    assert {row["tokens"] for row in rows if row["phase"] != "sample"} == {128, 256, 1024}
     assert {(row["phase"], row["checkpointing"]) for row in rows} == {
         ("sample", False), ("score", False), ("update", False), ("update", True)
     }  # fmt: skip
     assert all(row["peak_bytes"] > 0 and row["seconds"] > 0 for row in rows if row["phase"] != "sample")
     for label, found in record["summary"].items():
         slopes = found["bytes_per_token_slopes"]
-        assert len(slopes) == 3 and found["last_slope_over_vocab_row"] == slopes[-1] / VOCAB_ROW_BYTES
+        assert len(slopes) == 2 and found["last_slope_over_vocab_row"] == slopes[-1] / VOCAB_ROW_BYTES
         assert found["last_slope_over_vocab_row"] < 0.25, (label, slopes)  # a (T x V) tensor: >= 1
     update = {row["tokens"]: row["peak_bytes"] for row in rows if row["phase"] == "update"}
     assert update[2048] > update[256]  # the activations grow with the completion

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -16,8 +18,10 @@ from opd.logprobs import (
 )
 from opd.models import module_device
 from opd.packing import packing_problem, use_packed_attention
-from opd.policy.parallel.fsdp import apply_fsdp
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
+
+if TYPE_CHECKING:
+    from opd.policy.parallel.base import ParallelMode
 
 
 class LocalTeacher:
@@ -59,12 +63,12 @@ class LocalTeacher:
         self.module.packed = packing and self.packing_problem is None
         use_packed_attention(self.model, self.module.packed)
 
-    def shard(self) -> None:
-        """Shard the teacher over the processes with FSDP2 (each holds 1/N of it, gathered a block
-        at a time while it scores). Its forwards become collectives: :meth:`score` then runs as
-        many forwards on every process (padding with one-token forwards), and every process must
-        call it as many times, in the same order."""
-        apply_fsdp(self.module, self.model)
+    def shard(self, mode: ParallelMode) -> None:
+        """Shard the teacher over the processes as the run's sharding ``mode`` shards the student
+        (FSDP2: each holds 1/N of it, gathered a block at a time while it scores). Its forwards
+        become collectives: :meth:`score` then runs as many forwards on every process (padding
+        with one-token forwards), and every process must call it as many times, in the same order."""
+        mode.wrap(self.module, self.model, module_device(self.model))
         self.sharded = True
 
     @property

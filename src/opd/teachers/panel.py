@@ -139,17 +139,7 @@ class TeacherPanel:
             )
             check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
         if teacher_cfg.backend != "local":
-            remote = RemoteTeacher(
-                backend=teacher_cfg.backend,
-                base_url=teacher_cfg.base_url,
-                model=teacher_cfg.model,
-                api_key_env=teacher_cfg.api_key_env,
-                timeout_s=teacher_cfg.timeout_s,
-                max_retries=teacher_cfg.max_retries,
-                max_concurrency=teacher_cfg.max_concurrency,
-                request_batch_size=teacher_cfg.request_batch_size,
-                replica_rest_s=teacher_cfg.replica_rest_s,
-            )
+            remote = RemoteTeacher.from_config(teacher_cfg)
             probe_tokenizer = teacher_format.renderer.tokenizer if teacher_format else self.tokenizer
             probe_ids = probe_tokenizer.encode(" ".join(PROBE_TEXTS), add_special_tokens=False)
             check_replicas(remote, probe_ids, teacher_cfg.replica_probes, where)

@@ -30,6 +30,7 @@ from opd.sampling.base import neutral_sampling_body
 from opd.secrets import redact
 from opd.teachers.answers import BadAnswer, Scored, parse_prompt_choices, parse_sampled, parse_sglang
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
+from opd.teachers.config import TeacherConfig
 from opd.teachers.replicas import DISAGREEMENT_NATS, Replica, ReplicaPool, probe_gap
 
 
@@ -82,6 +83,21 @@ class _Fault(Exception):
 
 class RemoteTeacher:
     """Scores token ids through ``POST {base_url}/completions`` (openai) or ``/generate`` (sglang)."""
+
+    @classmethod
+    def from_config(cls, teacher: TeacherConfig) -> RemoteTeacher:
+        """The remote teacher a ``teacher`` section (or a mixture's member) describes."""
+        return cls(
+            backend=teacher.backend,
+            base_url=teacher.base_url,
+            model=teacher.model,
+            api_key_env=teacher.api_key_env,
+            timeout_s=teacher.timeout_s,
+            max_retries=teacher.max_retries,
+            max_concurrency=teacher.max_concurrency,
+            request_batch_size=teacher.request_batch_size,
+            replica_rest_s=teacher.replica_rest_s,
+        )
 
     def __init__(
         self,

@@ -139,7 +139,7 @@ class RunComponents:
             parallel=parallel,
         )
         if shards_its_teacher(config, parallel):
-            self.teachers.per_dataset[0].shard()
+            self.teachers.per_dataset[0].shard(self.policy.parallel)
         self.teacher_writers = self.teachers.writers()
         self.eval_sets = load_eval_sets(config, self.teachers.logprobs, self.environments)
         for eval_set in self.eval_sets:
