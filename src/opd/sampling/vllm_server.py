@@ -172,16 +172,17 @@ class VLLMServerEngine:
             if size >= self.bucket_bytes:
                 flush()
         flush()
-        try:
+        try:  # servers back from their rest first: they may be all a failing push leaves
+            rejoined = {s.url for s in self.pool.resting() if self._rejoin(s, files, version)}
             for server in self.pool.live():
+                if server.url in rejoined:
+                    continue
                 try:
                     self._push_files(server, files, version)
                 except RolloutServerError as error:
                     if error.fault != "silent":  # it answered: the update itself failed
                         raise
                     self.pool.take_out(server, error)
-            for server in self.pool.resting():
-                self._rejoin(server, files, version)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -191,7 +192,7 @@ class VLLMServerEngine:
         server.call("POST", "/finish_weight_update", {"weight_version": self.tag(version)})
         server.call("POST", "/reset_prefix_cache", {})
 
-    def _rejoin(self, server: RolloutServer, files: list[str], version: int) -> None:
+    def _rejoin(self, server: RolloutServer, files: list[str], version: int) -> bool:
         """A server out of rotation, tried again: checked as at the start, sent the current
         weights and taken back once it serves their tag; else it rests again (said unless it is
         still unreachable)."""
@@ -202,9 +203,11 @@ class VLLMServerEngine:
         except RolloutServerError as error:
             if error.fault != "silent":
                 self.pool.warn(f"rollout server {server.url} answers again but is kept out: {error}")
-            return
-        if served == self.tag(version):
-            self.pool.take_back(server, served)
+            return False
+        if served != self.tag(version):
+            return False
+        self.pool.take_back(server, served)
+        return True
 
     def rollout(
         self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]
