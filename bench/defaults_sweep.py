@@ -38,7 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import yaml
-from provenance import environment, git_commit
+from provenance import environment, git_commit, relative_paths
 from sample_efficiency import SWEEP, cache_root, prepare_teacher, run_config
 from smollm2 import converted_dir
 
@@ -259,6 +259,7 @@ def health(results: list[dict], every: int = 5) -> str:
 
 def main() -> None:
     tasks = yaml.safe_load(SWEEP.read_text())["tasks"]
+    commit = git_commit(ROOT)  # the code this process runs: read before it changes on disk
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -332,7 +333,7 @@ def main() -> None:
                         result = {
                             "bench": "bench/defaults_sweep.py",
                             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                            "commit": git_commit(ROOT),
+                            "commit": commit,
                             "environment": environment(),
                             "task": task,
                             "task_spec": spec,
@@ -359,7 +360,7 @@ def main() -> None:
                             result["collected_by"] = " ".join([Path(sys.executable).name, *sys.argv])
                             result["stopped_at_step"] = run["stopped_at_step"]
                             result["wall_seconds"] = run["wall_seconds"]
-                        result_file.write_text(json.dumps(result, indent=1) + "\n")
+                        result_file.write_text(relative_paths(json.dumps(result, indent=1)) + "\n")
                         print(json.dumps({"run": name, "curve": run["curve"]}), flush=True)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
     ours = [r for r in results if r.get("bench") == "bench/defaults_sweep.py"]

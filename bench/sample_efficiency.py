@@ -30,7 +30,7 @@ from functools import cache
 from pathlib import Path
 
 import yaml
-from provenance import environment, git_commit
+from provenance import environment, git_commit, relative_paths
 from smollm2 import converted_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,6 +411,7 @@ def report(results: list[dict], out: Path) -> str:
 
 def main() -> None:
     sweep = yaml.safe_load(SWEEP.read_text())
+    commit = git_commit(ROOT)  # the code this process runs: read before it changes on disk
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -456,7 +457,7 @@ def main() -> None:
                     result = {
                         "bench": "bench/sample_efficiency.py",
                         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                        "commit": git_commit(ROOT),
+                        "commit": commit,
                         "environment": environment(),
                         "task": task,
                         "task_spec": spec,
@@ -472,7 +473,7 @@ def main() -> None:
                         "curve": curve,
                         "wall_seconds": time.perf_counter() - started,
                     }
-                    result_file.write_text(json.dumps(result, indent=1) + "\n")
+                    result_file.write_text(relative_paths(json.dumps(result, indent=1)) + "\n")
                     print(json.dumps({"method": name, "seed": seed, "last": curve[-1]}), flush=True)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
     tables = report([r for r in results if r.get("bench") == "bench/sample_efficiency.py"], args.out)
