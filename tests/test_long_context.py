@@ -34,5 +34,3 @@ def test_the_tiny_long_context_run_measures_every_phase_and_no_tokens_x_vocabula
         slopes = found["bytes_per_token_slopes"]
         assert len(slopes) == 2 and found["last_slope_over_vocab_row"] == slopes[-1] / VOCAB_ROW_BYTES
         assert found["last_slope_over_vocab_row"] < 0.25, (label, slopes)  # a (T x V) tensor: >= 1
-    update = {row["tokens"]: row["peak_bytes"] for row in rows if row["phase"] == "update"}
-    assert update[2048] > update[256]  # the activations grow with the completion
