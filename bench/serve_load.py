@@ -67,20 +67,11 @@ def post(port: int, body: bytes) -> tuple[int, dict | None, int]:
     """(status, answer, retries) of one request, retrying 503s and connection errors."""
     refused = 0
     while True:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=300) as response:
-                return response.status, json.loads(response.read()), refused
-        except urllib.error.HTTPError as error:
-            if error.code != 503 or refused > 2000:
-                return error.code, None, refused
-            refused += 1
-            time.sleep(0.05)
-        except OSError:
-            refused += 1
-            time.sleep(0.05)
+        status, answer, _ = send_once(port, body)
+        if status is not None and (status != 503 or refused > 2000):
+            return status, answer, refused
+        refused += 1
+        time.sleep(0.05)
 
 
 def logprobs_of(answer: dict) -> list[list[float]]:
