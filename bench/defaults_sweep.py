@@ -20,17 +20,17 @@ entropy, gradient norm, advantages) are kept to show how a run goes wrong.
 ``--sft-steps`` runs the published pipeline: that many steps of NLL on the teacher's samples
 first (same mode and rate), then ``--steps`` on-policy from the merged result, one curve;
 ``--then-set`` changes the second stage only.
-Each finished run is a JSON file in ``--out`` (an interrupted sweep resumes) with its commit,
-resolved config, environment, curve and per-step metrics; ``defaults.md`` (tables) is rebuilt
-from all of them. Each process trains in run directories of its own under the cache, so several
-sweeps (one seed each, say) can run at once.
+Each finished run is a JSON file in ``--out`` with its commit, resolved config, environment,
+curve and per-step metrics; ``defaults.md`` (tables) is rebuilt from all of them. An interrupted
+sweep resumes: finished runs are skipped, and a run stopped halfway goes on from its last
+checkpoint (its run directory under the cache is named after it, so several sweeps, one seed
+each say, can run at once).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -91,23 +91,27 @@ def train_stage(
     overrides: list[str],
     steps: int,
     args,
+    directory: Path,
     export: Path | None,
 ) -> dict:
-    """One ``opd`` run of ``steps`` steps; its resolved config, held-out curve and per-step
-    training metrics; its final student merged into ``export`` when one is given."""
+    """One ``opd`` run of ``steps`` steps in ``directory``; its resolved config, held-out curve and
+    per-step training metrics; its final student merged into ``export`` when one is given. A run
+    stopped halfway resumes from its last checkpoint there (the step it resumed from is kept)."""
     from opd.config import config_from_dict, config_to_dict
     from opd.runs.export import export_student
+    from opd.runs.metrics import read_jsonl
     from opd.trainer.loop import train
 
-    directory = cache_root() / "runs" / f"defaults-sweep-{os.getpid()}"
+    checkpoints = directory / "checkpoints.jsonl"
+    resumed = read_jsonl(checkpoints)[-1]["step"] if checkpoints.is_file() else 0
     data = user_config(directory, student, teacher, task, spec, steps, args)
-    config = config_from_dict(data, overrides)
-    metrics = train(config, progress=True).metrics
+    config = config_from_dict(data, [*overrides, "on_existing_log_path=resume"])
+    train(config, progress=True)
     if export is not None:
         shutil.rmtree(export, ignore_errors=True)
         export_student(directory, export, merge_lora=True)
-    shutil.rmtree(directory, ignore_errors=True)
-    return stage_record(config_to_dict(config), metrics, task)
+    record = stage_record(config_to_dict(config), read_jsonl(directory / "metrics.jsonl"), task)
+    return record | ({"resumed_from_step": resumed} if resumed else {})
 
 
 def stage_record(config: dict, metrics: list[dict], task: str) -> dict:
@@ -129,15 +133,29 @@ def stage_record(config: dict, metrics: list[dict], task: str) -> dict:
     }
 
 
-def run_one(task: str, spec: dict, student: Path, teacher: Path, overrides: list[str], args) -> dict:
+def run_one(
+    name: str, task: str, spec: dict, student: Path, teacher: Path, overrides: list[str], args
+) -> dict:
     """One run, after ``--sft-steps`` of stage one when asked: the stages' curves and metrics
-    joined on one step axis (stage two's steps follow stage one's), each stage's config kept."""
+    joined on one step axis (stage two's steps follow stage one's), each stage's config kept.
+    Its run directories (named after the run) stay until it is done, so the same command after
+    an interruption goes on from the last checkpoint."""
+    directory = cache_root() / "runs" / f"defaults-sweep-{name}"
     if not args.sft_steps:
-        return train_stage(task, spec, student, teacher, overrides, args.steps, args, None)
-    merged = cache_root() / "runs" / f"defaults-sweep-sft-student-{os.getpid()}"
-    first = train_stage(task, spec, student, teacher, overrides + SFT_OVERRIDES, args.sft_steps, args, merged)
-    second = train_stage(task, spec, merged, teacher, overrides + args.then_set, args.steps, args, None)
-    shutil.rmtree(merged, ignore_errors=True)
+        run = train_stage(task, spec, student, teacher, overrides, args.steps, args, directory, None)
+        shutil.rmtree(directory, ignore_errors=True)
+        return run
+    first_directory = directory.with_name(directory.name + "-sft")
+    merged = directory.with_name(directory.name + "-sft-student")
+    first = train_stage(
+        task, spec, student, teacher, overrides + SFT_OVERRIDES, args.sft_steps, args,
+        first_directory, merged,
+    )  # fmt: skip
+    second = train_stage(
+        task, spec, merged, teacher, overrides + args.then_set, args.steps, args, directory, None
+    )
+    for done in (first_directory, merged, directory):
+        shutil.rmtree(done, ignore_errors=True)
 
     def shifted(rows: list[dict]) -> list[dict]:
         return [row | {"step": row["step"] + args.sft_steps} for row in rows]
@@ -329,7 +347,7 @@ def main() -> None:
                         if result_file.exists():
                             continue
                         if not args.stopped:
-                            run = run_one(task, spec, base, teacher, overrides, args)
+                            run = run_one(name, task, spec, base, teacher, overrides, args)
                         result = {
                             "bench": "bench/defaults_sweep.py",
                             "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -350,6 +368,7 @@ def main() -> None:
                             "teacher_score": teacher_score,
                             "config": run["config"],
                             **({"sft_config": run["sft_config"]} if "sft_config" in run else {}),
+                            **{k: run[k] for k in ("resumed_from_step",) if k in run},
                             "curve": run["curve"],
                             "metrics": run["steps"],
                             "wall_seconds": time.perf_counter() - started,
