@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tiny",
         action="store_true",
-        help="one task, one seed, 10 steps, a half-right teacher: the smoke run",
+        help="one task, one seed, 6 steps, a half-right teacher: the smoke run",
     )
     parser.add_argument("--out", type=Path, required=True, help="the result file (JSON)")
     parser.add_argument("--report-only", action="store_true", help="the table and figure of --out")
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         global TINY
         TINY = True
-        args.tasks, args.seeds, args.steps, args.eval_every = ["chain"], [0], 10, 5
+        args.tasks, args.seeds, args.steps, args.eval_every = ["chain"], [0], 6, 3
         TASKS["chain"] = replace(TASKS["chain"], teacher=replace(TASKS["chain"].teacher, target_accuracy=0.5))
     methods = {name: METHODS[name] for name in args.methods} | dict(map(parse_variant, args.variant))
     methods |= dict(parse_variant(text, []) for text in args.defaults_variant)

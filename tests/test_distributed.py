@@ -200,17 +200,10 @@ processes play different numbers of turns, so they sample in lock step."""
         ("fsdp", 0, 0, "sampled_reverse_kl", False, False, True),
         ("ddp", 4, 0, "sampled_reverse_kl", False, True, False),
         ("fsdp", 4, 0, "sampled_reverse_kl", False, True, False),
-        ("fsdp", 0, 1, "sampled_reverse_kl", False, False, False),
-        (
-            "fsdp",
-            0,
-            0,
-            "jsd",
-            False,
-            True,
-            False,
-        ),  # the fused heads read the (sharded) lm head inside the forward
-        ("fsdp", 0, 0, "topk_forward_kl", False, False, False),
+        # the teacher's top-k scores collected ahead, for the step after
+        ("fsdp", 0, 1, "topk_forward_kl", False, False, False),
+        # the fused heads read the (sharded) lm head inside the forward
+        ("fsdp", 0, 0, "jsd", False, True, False),
     ],
 )
 def test_two_processes_make_the_update_one_process_makes(

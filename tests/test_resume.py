@@ -86,19 +86,15 @@ def killed_and_resumed(config: dict, tmp_path, timeout_s: float = 120) -> list[d
     return read_jsonl(metrics)
 
 
-@pytest.mark.parametrize("reward_coef", [0.0, 1.0])
-def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(
-    base_config, tmp_path, char_tokenizer, reward_coef
-):
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path, char_tokenizer):
     """With a second dataset of multi-turn episodes (``retry``), played by a student that ends its
-    turns early: each turn's draws depend on (seed, step, row, turn) only. With ``reward_coef`` the
-    task's rewards (the grader's, the environment's) join the advantages."""
-    if reward_coef:
-        graded = tmp_path / "graded.jsonl"
-        lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah")]
-        graded.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        base_config["datasets"][0]["source"] = str(graded)
-        base_config["training"]["reward_coef"] = reward_coef
+    turns early: each turn's draws depend on (seed, step, row, turn) only; the task's rewards (the
+    grader's, the environment's) join the advantages beside the teacher's KL."""
+    graded = tmp_path / "graded.jsonl"
+    lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah")]
+    graded.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    base_config["datasets"][0]["source"] = str(graded)
+    base_config["training"]["reward_coef"] = 1.0
     quick = tmp_path / "quick_student"
     quick_to_stop(tiny_llama(len(char_tokenizer), seed=1)).save_pretrained(quick)
     char_tokenizer.save_pretrained(quick)
@@ -109,7 +105,7 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
     assert [r["step"] for r in reference] == list(range(STEPS))
     assert max(row["episode/turns"] for row in reference) > 1
-    assert ("advantage/reward_abs_mean" in reference[0]) == bool(reward_coef)
+    assert "advantage/reward_abs_mean" in reference[0]  # the reward is in the advantages
 
     config_path = write_config(base_config, tmp_path, "killed")
     metrics = tmp_path / "killed" / "metrics.jsonl"
@@ -274,14 +270,12 @@ def test_only_the_first_torchrun_worker_says_a_resumed_run_keeps_its_recorded_se
     assert len(said["0"]) == 1 and said["1"] == []
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_sigkill_with_collection_ahead_then_resume_matches_an_uninterrupted_run(
-    base_config, tmp_path, staleness
-):
-    """``max_staleness: k``: each checkpoint keeps the weights its batches in collection were handed
-    (k older versions), and the resumed run collects those steps from them again: every row equals
-    the uninterrupted run's, staleness included (a resume that sampled them from the checkpoint's
-    weights would log staleness 0, 1, ... after it)."""
+def test_sigkill_with_collection_ahead_then_resume_matches_an_uninterrupted_run(base_config, tmp_path):
+    """``max_staleness: k`` (2 here: two versions in flight): each checkpoint keeps the weights its
+    batches in collection were handed (k older versions), and the resumed run collects those steps
+    from them again: every row equals the uninterrupted run's, staleness included (a resume that
+    sampled them from the checkpoint's weights would log staleness 0, 1, ... after it)."""
+    staleness = 2
     base_config["training"]["max_staleness"] = staleness
     run_cli(write_config(base_config, tmp_path, "reference"))
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")

@@ -147,9 +147,9 @@ def one_process(config_path: Path, *overrides: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def assert_every_step_on_policy(rows: list[dict]) -> None:
+def assert_every_step_on_policy(rows: list[dict], steps: int = 3) -> None:
     kl = [abs(r["kl_sample_train"]) for r in rows if "kl_sample_train" in r]
-    assert len(kl) == 3 and max(kl) < 1e-3, kl
+    assert len(kl) == steps and max(kl) < 1e-3, kl
 
 
 @pytest.mark.parametrize(
@@ -225,24 +225,24 @@ def test_a_process_killed_mid_run_resumes_to_the_uninterrupted_run(vllm_models, 
     runs = {}
     for name in ("uninterrupted", "killed"):
         config = run_config(vllm_models, prompts, tmp_path / name)
-        config["training"]["max_steps"] = 5
+        config["training"]["max_steps"] = 4
         runs[name] = write(config, tmp_path / f"{name}.yaml")
     two_processes(runs["uninterrupted"])
     metrics = tmp_path / "killed" / "metrics.jsonl"
     job = start_job(runs["killed"])
-    wait_for_rows(job, metrics, 3)
+    wait_for_rows(job, metrics, 2)
     pid = rank_pid(runs["killed"], 1)
     assert pid is not None, "rank 1 not found"
     os.kill(pid, signal.SIGKILL)
     _, stderr = job.communicate(timeout=240)
     assert job.returncode != 0
     assert "Run the same command again to resume from the last checkpoint" in stderr
-    assert len(read_jsonl(metrics)) < 6, "the run finished before it could be killed"
+    assert len(read_jsonl(metrics)) < 5, "the run finished before it could be killed"
 
     two_processes(runs["killed"])
     rows = read_jsonl(metrics)
-    assert [r["step"] for r in rows] == list(range(6))  # none lost, none twice (5: the final evaluation)
-    assert_every_step_on_policy(rows[:3])
+    assert [r["step"] for r in rows] == list(range(5))  # none lost, none twice (4: the final evaluation)
+    assert_every_step_on_policy(rows[:2], steps=2)
     assert_same_metrics(rows, read_jsonl(tmp_path / "uninterrupted" / "metrics.jsonl"), 1e-6)
 
 

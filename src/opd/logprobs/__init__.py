@@ -31,7 +31,9 @@ from opd.logprobs.forward import (
 from opd.logprobs.head import (
     HeadGradients,
     backward_chunk_starts,
+    check_head_rows,
     head_gradient_expected,
+    logit_chunks,
     selected_token_logprobs,
 )
 from opd.logprobs.transform import (
@@ -53,11 +55,13 @@ __all__ = [
     "ScoredRows",
     "backbone_and_head",
     "backward_chunk_starts",
+    "check_head_rows",
     "chunk_logits",
     "chunk_logits_inplace",
     "flat_rows",
     "head_gradient_expected",
     "head_weights",
+    "logit_chunks",
     "logit_transform_for",
     "refuse_ids_outside",
     "row_dot",
@@ -113,10 +117,11 @@ def topk_logprobs(
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely token ids and their log-probs per row, chunk by chunk (no gradient)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     weight, bias = head_weights(lm_head, vocab_size)
     ids, values = [], []
-    for start in range(0, hidden_ND.shape[0], chunk_size):
-        logits, _ = chunk_logits(hidden_ND[start : start + chunk_size], weight, bias, transform)
+    for _, _, logits in logit_chunks(hidden_ND, weight, bias, transform, chunk_size):
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         ids.append(top.indices)
         values.append(top.values)

@@ -5,7 +5,7 @@ time). :class:`HeadGradients` is shared by every fused head (the selected-token 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -38,6 +38,33 @@ def backward_chunk_starts(rows: int, chunk_size: int, last_kept: bool) -> list[i
     return starts[-1:] + starts[:-1] if last_kept else starts
 
 
+def check_head_rows(hidden_ND: torch.Tensor, token_ids_N: torch.Tensor, chunk_size: int) -> None:
+    """What every head checks before its first chunk: at least one row a chunk, ``(N, D)`` hidden
+    states and one scored token id per row (a clear error, not a shape error inside a gather)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden_ND.dim() != 2 or token_ids_N.dim() != 1 or hidden_ND.shape[0] != token_ids_N.shape[0]:
+        raise ValueError(
+            f"hidden states must be (N, D) and token ids (N,); got {tuple(hidden_ND.shape)} "
+            f"and {tuple(token_ids_N.shape)}"
+        )
+
+
+def logit_chunks(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    transform: LogitTransform,
+    chunk_size: int,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """The forward loop every head shares: each chunk's rows ``start:end`` and its transformed
+    float32 logits, in a fresh buffer the head may overwrite. One ``chunk x V`` buffer is alive
+    at a time as long as the head drops its names for a chunk's buffers before the next."""
+    for start in range(0, hidden_ND.shape[0], chunk_size):
+        end = start + chunk_size
+        yield start, end, chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
+
+
 class _SelectedTokenLogProbs(torch.autograd.Function):
     """log softmax(z)[token] and the entropy of softmax(z), chunk by chunk, recomputed in backward.
 
@@ -57,9 +84,7 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
         entropy_N = torch.zeros_like(logprobs_N)
         logsumexp_N = torch.empty_like(logprobs_N)
         ctx.kept_probs = None
-        for start in range(0, rows, chunk_size):
-            end = start + chunk_size
-            shifted = chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
+        for start, end, shifted in logit_chunks(hidden_ND, weight_VD, bias_V, transform, chunk_size):
             row_max = shifted.amax(dim=-1)
             selected = shifted.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             shifted -= row_max[:, None]
@@ -88,22 +113,24 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
         hidden_ND, weight_VD, bias_V, token_ids_N, logsumexp_N = ctx.saved_tensors
         grads = HeadGradients(hidden_ND, weight_VD, bias_V, ctx.needs_input_grad[:3], ctx.transform)
         kept_probs, ctx.kept_probs = ctx.kept_probs, None  # used once: a second backward recomputes
-        rows = hidden_ND.shape[0]
-        for start in backward_chunk_starts(rows, ctx.chunk_size, kept_probs is not None):
-            end = start + ctx.chunk_size
-            grad_out = grad_logprobs_N[start:end] * grads.constant_factor
-            if kept_probs is not None and end >= rows:
-                grad_raw, derivative, kept_probs = kept_probs, None, None
-            else:
-                grad_raw, derivative = grads.logits(start, end)
-                grad_raw -= logsumexp_N[start:end, None]
-                grad_raw.exp_()
-            grad_raw *= -grad_out[:, None]
-            chunk_rows = torch.arange(grad_raw.shape[0], device=grad_raw.device)
-            grad_raw[chunk_rows, token_ids_N[start:end]] += grad_out
-            grads.add(start, end, grad_raw, derivative)
-            del grad_raw
-        return (*grads.result(), None, None, None, None, None)
+
+        def minus_one_hot_(probs: torch.Tensor, start: int) -> torch.Tensor:
+            """``p - onehot(token)`` in place: d (-log p[token]) / d logits."""
+            rows = torch.arange(probs.shape[0], device=probs.device)
+            probs[rows, token_ids_N[start : start + probs.shape[0]]] -= 1.0
+            return probs
+
+        def recompute(start: int, end: int) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+            logits, derivative = grads.logits(start, end)
+            logits -= logsumexp_N[start:end, None]
+            return minus_one_hot_(logits.exp_(), start), -1.0, derivative
+
+        kept = None
+        if kept_probs is not None:
+            last = (hidden_ND.shape[0] - 1) // ctx.chunk_size * ctx.chunk_size
+            kept = (minus_one_hot_(kept_probs, last), -1.0)
+        gradients = grads.chunked_backward(grad_logprobs_N, ctx.chunk_size, kept, recompute)
+        return (*gradients, None, None, None, None, None)
 
 
 class HeadGradients:
@@ -200,13 +227,7 @@ def selected_token_logprobs(
     Returns:
         ``(logprobs_N, entropy_N)`` in float32; gradients flow into ``logprobs_N`` only.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if hidden_ND.dim() != 2 or token_ids_N.dim() != 1 or hidden_ND.shape[0] != token_ids_N.shape[0]:
-        raise ValueError(
-            f"hidden states must be (N, D) and token ids (N,); got {tuple(hidden_ND.shape)} "
-            f"and {tuple(token_ids_N.shape)}"
-        )
+    check_head_rows(hidden_ND, token_ids_N, chunk_size)
     weight, bias = head_weights(lm_head, vocab_size)
     refuse_ids_outside(token_ids_N, weight.shape[0], "token id")
     keep_last = head_gradient_expected(hidden_ND, lm_head)

@@ -33,9 +33,11 @@ from opd.logprobs import (
     PLAIN_LOGITS,
     HeadGradients,
     LogitTransform,
+    check_head_rows,
     chunk_logits_inplace,
     head_gradient_expected,
     head_weights,
+    logit_chunks,
     row_dot,
 )
 from opd.teachers.base import HeadRows
@@ -132,9 +134,7 @@ class _ChunkedJSD(torch.autograd.Function):
         student_lse_N = torch.empty_like(loss_N)
         student_mixture_kl_N = torch.empty_like(loss_N)
         ctx.kept = None
-        for start in range(0, rows, chunk_size):
-            end = start + chunk_size
-            student_log = chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
+        for start, end, student_log in logit_chunks(hidden_ND, weight_VD, bias_V, transform, chunk_size):
             student_lse_N[start:end] = _log_softmax_(student_log)
             selected_N[start:end] = student_log.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             student_prob = student_log.exp()
@@ -263,8 +263,7 @@ def chunked_jsd_mixed(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`chunked_jsd` against ``T = sum_i w_i T_i`` per row: a mixture of teachers, or rows
     of several teachers (each row's own at weight 1, the others 0). Each row's weights sum to 1."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_head_rows(hidden_ND, token_ids_N, chunk_size)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     weight, bias = head_weights(lm_head, vocab_size)

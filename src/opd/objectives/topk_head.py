@@ -30,9 +30,10 @@ from opd.logprobs import (
     PLAIN_LOGITS,
     HeadGradients,
     LogitTransform,
-    chunk_logits_inplace,
+    check_head_rows,
     head_gradient_expected,
     head_weights,
+    logit_chunks,
     refuse_ids_outside,
     row_dot,
 )
@@ -87,10 +88,8 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
         teacher_tail_log_N = tail_logprob(teacher_topk_log_NK)
         teacher_tail_N = teacher_tail_log_N.exp()
         ctx.kept = None
-        for start in range(0, rows, chunk_size):
-            end = start + chunk_size
+        for start, end, shifted in logit_chunks(hidden_ND, weight_VD, bias_V, transform, chunk_size):
             ids = topk_ids_NK[start:end]
-            shifted = chunk_logits_inplace(hidden_ND[start:end], weight_VD, bias_V, transform)
             row_max = shifted.amax(dim=-1)
             selected = shifted.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             shifted -= row_max[:, None]
@@ -191,8 +190,7 @@ def chunked_topk_forward_kl(
     Returns:
         ``(loss_N, logprobs_N, entropy_N)`` in float32; gradients flow into ``loss_N`` only.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_head_rows(hidden_ND, token_ids_N, chunk_size)
     rows = hidden_ND.shape[0]
     if teacher_topk_ids_NK.shape != teacher_topk_log_NK.shape or teacher_topk_ids_NK.shape[:1] != (rows,):
         raise ValueError(
