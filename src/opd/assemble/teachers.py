@@ -13,6 +13,7 @@ from opd.models import load_tokenizer
 from opd.policy.parallel import parallel_modes
 from opd.teachers.base import TeacherRequest
 from opd.teachers.config import STUDENT, TeacherConfig
+from opd.teachers.loading import LocalScoring, TeacherLoading
 from opd.teachers.panel import TeacherPanel, teacher_renderer
 
 
@@ -38,18 +39,24 @@ def load_teachers(
             announce(f"the teacher is the student {model} with its adapters off (no second copy)")
         else:
             announce(f"loading the teacher {model} ...")
-    return TeacherPanel(
-        teachers,
-        [f"datasets[{i}].teacher" if d.teacher else "teacher" for i, d in enumerate(config.datasets)],
-        student.tokenizer,
-        student.renderer,
+    scoring = LocalScoring(
         pad_id,
-        request=request,
         batch_size=config.training.teacher_batch_size,
         chunk_size=config.training.logprob_chunk_size,
         token_budget=token_budget,
         packing=config.training.packing,
+    )
+    loading = TeacherLoading(
+        student.tokenizer,
+        scoring,
         student_base=(config.student.model, student.policy.model) if shared else None,
+    )
+    return TeacherPanel(
+        teachers,
+        [f"datasets[{i}].teacher" if d.teacher else "teacher" for i, d in enumerate(config.datasets)],
+        student.renderer,
+        loading,
+        request=request,
     )
 
 

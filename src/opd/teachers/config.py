@@ -159,6 +159,24 @@ class TeacherConfig:
             listed = ", ".join(map(str, weights))
             yield "mixture", f"the weights must sum to 1, got {sum(weights):g} ({listed})"
 
+    def load_key(self) -> tuple:
+        """What makes two sections one loaded teacher: the same model or server, dtype and
+        device (datasets that name it alike share its weights or its connections)."""
+        return (self.backend, repr(self.base_url), self.model, self.dtype, self.device)
+
+    def format_key(self) -> tuple:
+        """What makes two sections read the student's rollouts alike: the same tokenizer,
+        template (and its variables: thinking on and off are two formats), alignment, and
+        whether a context re-renders the conversation."""
+        return (
+            self.tokenizer or self.model,
+            self.chat_template,
+            repr(sorted(self.chat_template_kwargs.items())),
+            self.cross_tokenizer,
+            self.character_topk,
+            self.context is not None,
+        )
+
     @property
     def members(self) -> list[tuple[TeacherConfig, float]]:
         """The teachers it mixes with their weights (itself with weight 1 when it mixes none)."""

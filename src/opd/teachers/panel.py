@@ -8,24 +8,21 @@ states). A teacher with its own chat template or tokenizer sees each rollout thr
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
 from opd.data.render import ChatRenderer
 from opd.data.sequences import RolloutBatch, turn_spans
-from opd.distributed import launched_world
-from opd.models import PROBE_TEXTS, check_same_vocabulary, load_causal_lm, load_tokenizer
+from opd.models import load_tokenizer
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.alignment import TeacherFormat
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores, rows_by_identity
 from opd.teachers.config import TeacherConfig
 from opd.teachers.context import PrivilegedContext
-from opd.teachers.local import AdaptersOffTeacher, LocalTeacher
+from opd.teachers.loading import TeacherLoading, load_teacher
 from opd.teachers.mixture import mixed_logprobs, mixed_topk
 from opd.teachers.remote import RemoteTeacher
-from opd.teachers.replicas import check_replicas
 from opd.teachers.writer import TeacherSample, TeacherWriter
 
 
@@ -51,24 +48,14 @@ class TeacherPanel:
         self,
         teachers: list[TeacherConfig],
         fields: list[str],
-        tokenizer,
         renderer: ChatRenderer,
-        pad_id: int,
+        loading: TeacherLoading,
         *,
         request: TeacherRequest | None,
-        batch_size: int = 32,
-        chunk_size: int = 1024,
-        token_budget: int | None = None,
-        packing: bool = True,
-        student_base: tuple[str, object] | None = None,
     ):
-        self.tokenizer, self.renderer, self.pad_id, self.request = tokenizer, renderer, pad_id, request
-        self.batch_size, self.chunk_size = batch_size, chunk_size
-        self.token_budget, self.packing = token_budget, packing
-        self.student_base = student_base
-        """The student's model path and its LoRA model, whose base scores for a local teacher of
-        that path (None: every local teacher is loaded)."""
-        self.vocab_size = len(tokenizer)
+        self.loading, self.renderer, self.request = loading, renderer, request
+        self.tokenizer, self.pad_id = loading.tokenizer, loading.scoring.pad_id
+        self.vocab_size = len(self.tokenizer)
         self._formats: dict[tuple, TeacherFormat | None] = {}
         self._loaded: dict[tuple, Teacher] = {}
         shared: dict[tuple, tuple[tuple[Reading, float], ...]] = {}
@@ -90,26 +77,13 @@ class TeacherPanel:
     def _reading(self, teacher_cfg: TeacherConfig, where: str) -> Reading:
         """The teacher of ``teacher_cfg`` as it reads rows: loaded once per model or server, with
         one format per tokenizer and template."""
-        key = (
-            teacher_cfg.backend,
-            repr(teacher_cfg.base_url),  # one address or a list of them
-            teacher_cfg.model,
-            teacher_cfg.dtype,
-            teacher_cfg.device,
-        )
-        format_key = (
-            teacher_cfg.tokenizer or teacher_cfg.model,
-            teacher_cfg.chat_template,
-            repr(sorted(teacher_cfg.chat_template_kwargs.items())),  # thinking on and off: two formats
-            teacher_cfg.cross_tokenizer,
-            teacher_cfg.character_topk,
-            teacher_cfg.context is not None,  # a context needs the conversation re-rendered
-        )
+        format_key = teacher_cfg.format_key()
         if format_key not in self._formats:
             self._formats[format_key] = self._teacher_format(teacher_cfg)
         teacher_format = self._formats[format_key]
+        key = teacher_cfg.load_key()
         if key not in self._loaded:
-            self._loaded[key] = self._load_teacher(teacher_cfg, where, teacher_format)
+            self._loaded[key] = load_teacher(teacher_cfg, where, self.loading, teacher_format)
         return Reading(self._loaded[key], teacher_format, teacher_cfg.privileged_context)
 
     def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
@@ -125,51 +99,6 @@ class TeacherPanel:
             teacher_cfg.cross_tokenizer,
             character_topk=min(teacher_cfg.character_topk, len(tokenizer)),
         )
-
-    def _load_teacher(
-        self, teacher_cfg: TeacherConfig, where: str, teacher_format: TeacherFormat | None
-    ) -> Teacher:
-        tokenizer_name = teacher_cfg.tokenizer or (
-            teacher_cfg.model if teacher_cfg.backend == "local" else None
-        )
-        if tokenizer_name is not None and not teacher_cfg.cross_tokenizer:
-            field_name = f"{where}.tokenizer" if teacher_cfg.tokenizer else f"{where}.model"
-            teacher_tokenizer = load_tokenizer(
-                tokenizer_name, field_name, trust_remote_code=teacher_cfg.trust_remote_code
-            )
-            check_same_vocabulary(self.tokenizer, teacher_tokenizer, field_name)
-        if teacher_cfg.backend != "local":
-            remote = RemoteTeacher.from_config(teacher_cfg)
-            probe_tokenizer = teacher_format.renderer.tokenizer if teacher_format else self.tokenizer
-            probe_ids = probe_tokenizer.encode(" ".join(PROBE_TEXTS), add_special_tokens=False)
-            check_replicas(remote, probe_ids, teacher_cfg.replica_probes, where)
-            return remote
-        options = {
-            "pad_id": self.pad_id,
-            "batch_size": self.batch_size,
-            "chunk_size": self.chunk_size,
-            "token_budget": self.token_budget,
-            "packing": self.packing,
-        }
-        if self.student_base is not None and teacher_cfg.model == self.student_base[0]:
-            return AdaptersOffTeacher(self.student_base[1], vocab_size=self.vocab_size, **options)
-        model = load_causal_lm(
-            teacher_cfg.model,
-            f"{where}.model",
-            dtype=teacher_cfg.dtype,
-            device=teacher_cfg.device,
-            trust_remote_code=teacher_cfg.trust_remote_code,
-        )
-        vocab_size = self.vocab_size
-        if teacher_cfg.cross_tokenizer:
-            vocab_size = len(teacher_format.renderer.tokenizer)
-        teacher = LocalTeacher(model, vocab_size=vocab_size, **options)
-        if teacher.packing_problem and launched_world().is_main:
-            warnings.warn(
-                f"training.packing: {teacher.packing_problem}; the teacher {teacher_cfg.model} scores padded",
-                stacklevel=2,
-            )
-        return teacher
 
     def replica_metrics(self) -> dict[str, float]:
         """``teacher/replicas_live``: the replicas in rotation over every remote teacher given
