@@ -79,12 +79,12 @@ def test_the_python_example_runs_as_written_and_says_the_same_when_run_again(new
 
 
 def test_the_demo_follow_up_commands_run(new_user):
-    """``opd demo --steps 100 --log-path runs/short``, then report, export and eval on its run
+    """``opd demo --steps 50 --log-path runs/short``, then report, export and eval on its run
     (the README shows them on runs/demo, the 400-step run `opd demo` makes)."""
     work, env = new_user
     (block,) = [b for b in blocks("bash") if "opd report runs/demo" in b]
     commands = [shlex.split(line, comments=True) for line in block.splitlines()]
-    assert commands[2] == ["opd", "demo", "--steps", "100", "--log-path", "runs/short"]
+    assert commands[2] == ["opd", "demo", "--steps", "50", "--log-path", "runs/short"]
     opd = [sys.executable, "-m", "opd"]
     run(opd + commands[2][1:], work, env)
     run([*opd, "report", "runs/short"], work, env)
