@@ -267,13 +267,15 @@ def test_per_dataset_teachers_and_metrics(base_config, model_dirs, prompts_file)
 def test_datasets_sharing_a_teacher_share_its_loaded_tokenizer_and_format(
     base_config, prompts_file, monkeypatch
 ):
+    from opd.teachers import loading as teacher_loading
     from opd.teachers import panel as teacher_panel
 
     loads = []
     original = teacher_panel.load_tokenizer
-    monkeypatch.setattr(
-        teacher_panel, "load_tokenizer", lambda name, *a, **k: loads.append(name) or original(name, *a, **k)
-    )
+    for module in (teacher_panel, teacher_loading):  # the format's tokenizer, the vocabulary check's
+        monkeypatch.setattr(
+            module, "load_tokenizer", lambda name, *a, **k: loads.append(name) or original(name, *a, **k)
+        )
     base_config["teacher"]["chat_template"] = "tokenizer"
     second = dict(base_config["datasets"][0], name="again", source=str(prompts_file))
     base_config["datasets"].append(second)
