@@ -6,7 +6,8 @@ here are about checkpoints, not learning), full fine-tune in float32, 4 prompts 
 to 16 tokens a step, a checkpoint after every step, 6 steps. A checkpoint of a run collecting
 ahead also holds the weights its batches in collection were handed (``in_flight/``: one copy of
 the sampler weights per version, at most k). Size: the bytes of the checkpoint after step 3
-(the last ones hold fewer steps in flight: the run ends); seconds: the median of ``time/checkpoint``.
+(the last ones hold fewer steps in flight: the run ends); seconds: the median of
+``time/checkpoint``.
 
     python bench/ahead_checkpoint.py --out docs/results/ahead_checkpoint.json
 """
@@ -34,7 +35,9 @@ def one_run(model: Path, staleness: int, steps: int, root: Path) -> dict:
 
     prompts = root / "prompts.jsonl"
     words = ("apple", "river", "stone", "cloud", "ember", "frost", "grain", "honey")
-    prompts.write_text("".join(json.dumps({"prompt": f"Spell {w} backwards."}) + "\n" for w in words))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Spell {w} backwards."}) + "\n" for w in words)
+    )
     log_path = root / f"run-k{staleness}"
     config = config_from_dict(
         {
@@ -44,7 +47,9 @@ def one_run(model: Path, staleness: int, steps: int, root: Path) -> dict:
             "eval_every": 0,
             "student": {"model": str(model), "lora_rank": 0},
             "teacher": {"model": str(model)},
-            "datasets": [{"name": "spell", "source": str(prompts), "groups_per_batch": 4, "group_size": 2}],
+            "datasets": [
+                {"name": "spell", "source": str(prompts), "groups_per_batch": 4, "group_size": 2}
+            ],
             "training": {"max_steps": steps, "max_tokens": 16, "max_staleness": staleness},
         }
     )
@@ -56,9 +61,13 @@ def one_run(model: Path, staleness: int, steps: int, root: Path) -> dict:
         "max_staleness": staleness,
         "checkpoint_bytes": size(inner),
         "in_flight_bytes": size(in_flight) if in_flight.exists() else 0,
-        "in_flight_versions": len(list(in_flight.glob("*.safetensors"))) if in_flight.exists() else 0,
+        "in_flight_versions": len(list(in_flight.glob("*.safetensors")))
+        if in_flight.exists()
+        else 0,
         "model_bytes": size(inner / "model"),
-        "checkpoint_seconds": [round(r["time/checkpoint"], 3) for r in rows if "time/checkpoint" in r],
+        "checkpoint_seconds": [
+            round(r["time/checkpoint"], 3) for r in rows if "time/checkpoint" in r
+        ],
         "checkpoint_seconds_median": statistics.median(
             r["time/checkpoint"] for r in rows if "time/checkpoint" in r
         ),
@@ -72,7 +81,9 @@ def main() -> None:
     )
     parser.add_argument("--staleness", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     model = converted_dir()
     runs = []
@@ -82,11 +93,12 @@ def main() -> None:
             runs.append(run)
             print(
                 f"max_staleness {staleness}: checkpoint {run['checkpoint_bytes'] / 2**20:.0f} MiB "
-                f"(in flight {run['in_flight_bytes'] / 2**20:.0f} MiB, "
-                f"{run['in_flight_versions']} versions), "
-                f"saved in {run['checkpoint_seconds_median']:.2f} s (median)"
+                f"(in flight {run['in_flight_bytes'] / 2**20:.0f} MiB, {run['in_flight_versions']} "
+                f"versions), saved in {run['checkpoint_seconds_median']:.2f} s (median)"
             )
-    write_result(args.out, "bench/ahead_checkpoint.py", vars(args) | {"model": str(model)}, {"runs": runs})
+    write_result(
+        args.out, "bench/ahead_checkpoint.py", vars(args) | {"model": str(model)}, {"runs": runs}
+    )
 
 
 if __name__ == "__main__":

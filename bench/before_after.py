@@ -37,7 +37,8 @@ OBJECTIVES = {"opd-sampled": "sampled_reverse_kl", "opd-jsd": "jsd", "opd-topk":
 
 
 def step_worker(args, tree: Path):
-    """A trainer of ``tree``'s opd doing ``bench/step_time.py``'s work; returns ``step -> seconds``."""
+    """A trainer of ``tree``'s opd doing ``bench/step_time.py``'s work; returns ``step ->
+    seconds``."""
     from opd.config import TrainingConfig, config_from_dict
     from opd.data.builtin_tasks import generate_task_prompts
     from opd.trainer.loop import Trainer
@@ -49,17 +50,32 @@ def step_worker(args, tree: Path):
     directory = Path(tempfile.mkdtemp())
     prompts = generate_task_prompts("reverse", seed=123, count=args.prompts * (args.steps + 1))
     prompt_file = directory / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": p.messages[0]["content"]}) + "\n" for p in prompts))
+    prompt_file.write_text(
+        "".join(json.dumps({"prompt": p.messages[0]["content"]}) + "\n" for p in prompts)
+    )
     config = {
         "log_path": str(directory / "run"),
         "eval_every": 0,
         "save_every": 0,
-        "student": {"model": args.student, "lora_rank": 16 if args.mode == "lora" else 0, "device": "cpu"},
+        "student": {
+            "model": args.student,
+            "lora_rank": 16 if args.mode == "lora" else 0,
+            "device": "cpu",
+        },
         "teacher": {"model": args.teacher, "device": "cpu"},
         "datasets": [
-            {"name": "bench", "source": str(prompt_file), "groups_per_batch": args.prompts, "group_size": 1}
+            {
+                "name": "bench",
+                "source": str(prompt_file),
+                "groups_per_batch": args.prompts,
+                "group_size": 1,
+            }
         ],
-        "training": {"learning_rate": 1e-5, "max_tokens": args.max_tokens, "max_steps": args.steps + 1}
+        "training": {
+            "learning_rate": 1e-5,
+            "max_tokens": args.max_tokens,
+            "max_steps": args.steps + 1,
+        }
         | objective,
     }
     trainer = Trainer(config_from_dict(config), progress=False)
@@ -67,7 +83,8 @@ def step_worker(args, tree: Path):
 
 
 def head_worker(args, tree: Path):
-    """``tree``'s fused head on fixed inputs; returns ``call -> seconds`` of a forward + backward."""
+    """``tree``'s fused head on fixed inputs; returns ``call -> seconds`` of a forward +
+    backward."""
     import torch
 
     from opd.objectives.jsd_head import chunked_jsd
@@ -81,7 +98,9 @@ def head_worker(args, tree: Path):
     teacher_hidden = torch.randn(int(args.mode), args.dim)
     ids = torch.randint(0, args.vocab, (int(args.mode),))
     with torch.no_grad():
-        top = torch.log_softmax(teacher_head(teacher_hidden), dim=-1).topk(int(float(setting)), dim=-1)
+        top = torch.log_softmax(teacher_head(teacher_hidden), dim=-1).topk(
+            int(float(setting)), dim=-1
+        )
 
     def call(_: int) -> float:
         hidden.grad, head.weight.grad = None, None
@@ -92,7 +111,13 @@ def head_worker(args, tree: Path):
             )
         else:
             loss = chunked_jsd(
-                hidden, head, ids, teacher_hidden, teacher_head, float(setting), chunk_size=args.chunk_size
+                hidden,
+                head,
+                ids,
+                teacher_hidden,
+                teacher_head,
+                float(setting),
+                chunk_size=args.chunk_size,
             )
         loss[0].sum().backward()
         return time.perf_counter() - started
@@ -146,7 +171,9 @@ class Worker:
         ):
             if getattr(args, flag) is not None:
                 command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.opd_path = self._read()["ready"]
 
     def _read(self) -> dict:
@@ -207,19 +234,27 @@ def main() -> None:
     parser.add_argument("--teacher")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per (tool, mode) and side")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed steps per (tool, mode) and side"
+    )
     parser.add_argument("--tools", nargs="*", default=list(OBJECTIVES), choices=list(OBJECTIVES))
     parser.add_argument("--modes", nargs="*", default=["full", "lora"], choices=["full", "lora"])
     parser.add_argument("--heads", nargs="*", default=["jsd=0", "jsd=1", "jsd=0.5", "topk=32"])
-    parser.add_argument("--rows", nargs="*", type=int, default=[256, 1024], help="fused heads: rows")
+    parser.add_argument(
+        "--rows", nargs="*", type=int, default=[256, 1024], help="fused heads: rows"
+    )
     parser.add_argument("--dim", type=int, default=576)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--chunk-size", type=int, default=1024)
-    parser.add_argument("--calls", type=int, default=10, help="fused heads: timed calls per head and side")
+    parser.add_argument(
+        "--calls", type=int, default=10, help="fused heads: timed calls per head and side"
+    )
     parser.add_argument("--threads", type=int, help="torch threads per worker (default: torch's)")
     parser.add_argument("--heads-only", action="store_true")
     parser.add_argument("--steps-only", action="store_true")
-    parser.add_argument("--out", type=Path, help="write the pairs here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="write the pairs here as JSON, with their provenance"
+    )
     for hidden in ("worker-tree", "kind", "job", "mode"):
         parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -240,7 +275,10 @@ def main() -> None:
         ["git", "rev-parse", args.base], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
     print(f"before: {base_commit[:12]}   after: this tree ({git_commit(ROOT)[:12]}...)")
-    print(f"{'what':>16} {'mode':>6} {'before s':>9} {'after s':>9} {'after/before':>12} {'middle half':>13}")
+    print(
+        f"{'what':>16} {'mode':>6} {'before s':>9} {'after s':>9} {'after/before':>12} "
+        f"{'middle half':>13}"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         base_tree = Path(scratch) / "base"
@@ -252,14 +290,21 @@ def main() -> None:
                 low, high = row["ratio_quartiles"]
                 label = job if kind == "step" else f"head {job}"
                 print(
-                    f"{label:>16} {mode if kind == 'step' else mode + 'r':>6} {row['before_seconds']:9.3f} "
-                    f"{row['after_seconds']:9.3f} {row['ratio']:12.3f} {low:6.3f}-{high:.3f}",
+                    f"{label:>16} {mode if kind == 'step' else mode + 'r':>6} "
+                    f"{row['before_seconds']:9.3f} {row['after_seconds']:9.3f} "
+                    f"{row['ratio']:12.3f} {low:6.3f}-{high:.3f}",
                     flush=True,
                 )
                 rows.append(row)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("worker_tree", "kind", "job", "mode", "out")}
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=True
+            )
+    settings = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("worker_tree", "kind", "job", "mode", "out")
+    }
     write_result(args.out, "bench/before_after.py", settings, rows, base_commit=base_commit)
 
 

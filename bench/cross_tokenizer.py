@@ -10,11 +10,14 @@ each teacher token's log-prob split over its letters (docs/teachers.md). Held-ou
 accuracy before and after is measured as the demo measures it, per seed; the figure is the
 BPE teacher's gain over the character teacher's.
 
-    python bench/cross_tokenizer.py --seeds 0 1 2 --steps 200 --out docs/results/cross_tokenizer.json
-    python bench/cross_tokenizer.py --bpe-steps 10000 --set teacher.character_topk=0   # a longer-trained
+    python bench/cross_tokenizer.py --seeds 0 1 2 --steps 200 --out
+    docs/results/cross_tokenizer.json python bench/cross_tokenizer.py --bpe-steps 10000 --set
+    teacher.character_topk=0   # a longer-trained
                                                                      # teacher; the even split
-    python bench/cross_tokenizer.py --char-target 0.92   # also a character teacher stopped at 92% on
-                                                         # dev: the same tokenizer, the BPE one's accuracy
+    python bench/cross_tokenizer.py --char-target 0.92   # also a character teacher stopped at 92%
+    on
+                                                         # dev: the same tokenizer, the BPE one's
+                                                         accuracy
 
 The BPE teacher stays below the character one (about 92% against 100% held out), so the ratio
 of their gains mixes the tokenizer with the teacher's accuracy; ``--char-target`` adds a third
@@ -59,7 +62,8 @@ BPE_TARGET = 0.98
 
 
 def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A BPE tokenizer learned on the task's prompts and answers, with the demo's specials and template.
+    """A BPE tokenizer learned on the task's prompts and answers, with the demo's specials and
+    template.
 
     Every printable character is in its alphabet, so no text is dropped; words are split at
     whitespace before merging, so tokens never straddle a space.
@@ -71,7 +75,9 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+|\S+"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=list(string.printable)
+        vocab_size=BPE_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=list(string.printable),
     )
     backend.train_from_iterator(texts, trainer)
     return with_chat_specials(backend)
@@ -126,7 +132,9 @@ def answer_tokens_per_char(directory: Path, eval_prompts) -> float:
     """Mean characters per token of the held-out answers under a teacher's tokenizer."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
     chars = sum(len(p.answer) for p in eval_prompts)
-    tokens = sum(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in eval_prompts)
+    tokens = sum(
+        len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in eval_prompts
+    )
     return chars / tokens
 
 
@@ -154,8 +162,12 @@ def main() -> None:
         help="which teachers' runs to make (char-matched only with --char-target)",
     )
     parser.add_argument("--set", nargs="*", default=[], metavar="DOTTED.KEY=VALUE")
-    parser.add_argument("--work-dir", default=None, help="models and runs (default: a new temp dir)")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--work-dir", default=None, help="models and runs (default: a new temp dir)"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="opd-cross-tokenizer-"))
     os.environ["OPD_CACHE"] = str(work / "cache")
@@ -171,13 +183,17 @@ def main() -> None:
     if args.char_target is not None and "char-matched" in args.teachers:
         spec = replace(demo.TEACHER_SPEC, target_accuracy=args.char_target)
         name = f"teacher-dev{args.char_target:g}"
-        teachers["char-matched"] = {"path": demo.ensure_model(name, spec, seed=0, log=print), "overrides": []}
+        teachers["char-matched"] = {
+            "path": demo.ensure_model(name, spec, seed=0, log=print),
+            "overrides": [],
+        }
     teachers = {name: teacher for name, teacher in teachers.items() if name in args.teachers}
     for name, teacher in teachers.items():
         teacher["accuracy"] = teacher_accuracy(teacher["path"], eval_prompts)
         teacher["chars_per_answer_token"] = answer_tokens_per_char(teacher["path"], eval_prompts)
         print(
-            f"{name} teacher: {teacher['accuracy']:.1%}, {teacher['chars_per_answer_token']:.2f} chars/token"
+            f"{name} teacher: {teacher['accuracy']:.1%}, {teacher['chars_per_answer_token']:.2f} "
+            "chars/token"
         )
     char_scorer = LocalTeacher(
         load_causal_lm(str(char_teacher), "teacher.model", dtype="float32", device="cpu"),
@@ -209,24 +225,32 @@ def main() -> None:
             }
             rows.append(row)
             print(
-                f"seed {seed} {name:>4} teacher: accuracy {before['accuracy']:.1%} -> {after['accuracy']:.1%}"
-                f" (char-teacher KL {before['teacher_kl']:.3f} -> {after['teacher_kl']:.3f}),"
-                f" {row['seconds']:.0f}s",
+                f"seed {seed} {name:>4} teacher: accuracy {before['accuracy']:.1%} -> "
+                f"{after['accuracy']:.1%} (char-teacher KL {before['teacher_kl']:.3f} -> "
+                f"{after['teacher_kl']:.3f}), {row['seconds']:.0f}s",
                 flush=True,
             )
     gains = {name: [r["gain"] for r in rows if r["teacher"] == name] for name in teachers}
     mean_gain = {name: sum(values) / len(values) for name, values in gains.items()}
     print("mean gain: " + ", ".join(f"{name} {gain:+.1%}" for name, gain in mean_gain.items()))
     summary = {
-        "teachers": {n: {k: str(v) if k == "path" else v for k, v in t.items()} for n, t in teachers.items()},
+        "teachers": {
+            n: {k: str(v) if k == "path" else v for k, v in t.items()} for n, t in teachers.items()
+        },
         "mean_gain": mean_gain,
     }
     for reference in ("char", "char-matched"):
         if "bpe" in mean_gain and mean_gain.get(reference):
-            summary[f"bpe_over_{reference.replace('-', '_')}"] = mean_gain["bpe"] / mean_gain[reference]
+            summary[f"bpe_over_{reference.replace('-', '_')}"] = (
+                mean_gain["bpe"] / mean_gain[reference]
+            )
             print(f"bpe / {reference} = {mean_gain['bpe'] / mean_gain[reference]:.2f}")
     write_result(
-        args.out, "bench/cross_tokenizer.py", vars(args) | {"work_dir": str(work)}, rows, summary=summary
+        args.out,
+        "bench/cross_tokenizer.py",
+        vars(args) | {"work_dir": str(work)},
+        rows,
+        summary=summary,
     )
 
 

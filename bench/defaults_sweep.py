@@ -4,16 +4,17 @@ Each run is what a new user writes: the student (untuned SmolLM2-135M-Instruct),
 (the same model fine-tuned on the task by ``bench/sample_efficiency.py``, cached), the task's
 train and held-out prompts, ``max_steps`` and the task's ``max_tokens``; every other setting
 is opd's default (objective, batch, schedule, LoRA), but for the learning rate and the mode
-(LoRA at the default rank, or ``full``: ``student.lora_rank=0``) the sweep varies, and ``--set`` for a variant
-(``--label`` names it). Held-out greedy accuracy on the task's 48 prompts is measured at the
-start, every ``--eval-every`` steps and at the end; each step's training metrics (teacher KL,
+(LoRA at the default rank, or ``full``: ``student.lora_rank=0``) the sweep varies, and ``--set`` for
+a variant (``--label`` names it). Held-out greedy accuracy on the task's 48 prompts is measured at
+the start, every ``--eval-every`` steps and at the end; each step's training metrics (teacher KL,
 entropy, gradient norm, advantages) are kept to show how a run goes wrong.
 
     python bench/defaults_sweep.py --tasks short products --modes lora full --seeds 0 1 2
     python bench/defaults_sweep.py --tasks short --modes full --lrs 5e-5 --label no-warmup \\
         --set training.warmup_steps=0
     python bench/defaults_sweep.py --tasks products --modes lora --sft-steps 20 --label sft20
-    python bench/defaults_sweep.py --tasks products --modes lora --sft-steps 20 --label sft20-slower \\
+    python bench/defaults_sweep.py --tasks products --modes lora --sft-steps 20 --label sft20-slower
+    \\
         --then-set training.learning_rate=1e-4
     python bench/defaults_sweep.py --report-only --out docs/results/defaults
 
@@ -30,6 +31,7 @@ each say, can run at once).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import sys
@@ -129,7 +131,10 @@ def stage_record(config: dict, metrics: list[dict], task: str) -> dict:
             for row in metrics
             if key in row
         ],
-        "steps": [{"step": row["step"], **{k: row[k] for k in KEPT_METRICS if k in row}} for row in metrics],
+        "steps": [
+            {"step": row["step"], **{k: row[k] for k in KEPT_METRICS if k in row}}
+            for row in metrics
+        ],
     }
 
 
@@ -142,7 +147,9 @@ def run_one(
     an interruption goes on from the last checkpoint."""
     directory = cache_root() / "runs" / f"defaults-sweep-{name}"
     if not args.sft_steps:
-        run = train_stage(task, spec, student, teacher, overrides, args.steps, args, directory, None)
+        run = train_stage(
+            task, spec, student, teacher, overrides, args.steps, args, directory, None
+        )
         shutil.rmtree(directory, ignore_errors=True)
         return run
     first_directory = directory.with_name(directory.name + "-sft")
@@ -163,8 +170,10 @@ def run_one(
     return {
         "config": second["config"],
         "sft_config": first["config"],
-        # stage two's first evaluation is of the merged stage-one student: it stands for stage one's last
-        "curve": [p for p in first["curve"] if p["step"] < args.sft_steps] + shifted(second["curve"]),
+        # stage two's first evaluation is of the merged stage-one student: it stands for stage one's
+        # last
+        "curve": [p for p in first["curve"] if p["step"] < args.sft_steps]
+        + shifted(second["curve"]),
         "steps": first["steps"] + shifted(second["steps"]),
     }
 
@@ -209,12 +218,15 @@ def report(results: list[dict]) -> str:
             if scored:
                 teacher[-1] += f" (score {run['teacher_score']:.1%})"
         if score_only:
-            teacher.append(f"the score-only runs' teacher: score {score_only[0]['teacher_accuracy']:.1%}")
+            teacher.append(
+                f"the score-only runs' teacher: score {score_only[0]['teacher_accuracy']:.1%}"
+            )
         lines += [
             f"\n### {task}: {'; '.join(teacher)}\n",
-            "Each cell is the share of held-out answers fully right (`test/<task>/accuracy`), and after"
-            " it in brackets the mean partial credit where the run recorded it (`score`); runs marked"
-            " (score only) recorded the mean partial credit alone, in their accuracy's place.\n",
+            "Each cell is the share of held-out answers fully right (`test/<task>/accuracy`), and "
+            "after it in brackets the mean partial credit where the run recorded it (`score`); "
+            "runs marked (score only) recorded the mean partial credit alone, in their accuracy's "
+            "place.\n",
             "| variant | objective | mode | learning rate | seed | "
             + " | ".join(f"step {step}" for step in eval_steps)
             + " | best | gap closed | min entropy |",
@@ -222,7 +234,9 @@ def report(results: list[dict]) -> str:
         ]
         for run in group:
             accuracies = [point["accuracy"] for point in run["curve"]]
-            score_only = run.get("curve_counts") == "score"  # recorded before opd counted fully right
+            score_only = (
+                run.get("curve_counts") == "score"
+            )  # recorded before opd counted fully right
             by_step = {
                 point["step"]: (
                     f"score {point['accuracy']:.1%}" if score_only else f"{point['accuracy']:.1%}"
@@ -236,8 +250,8 @@ def report(results: list[dict]) -> str:
                 (row["entropy"] for row in run["metrics"] if "entropy" in row), default=float("nan")
             )
             lines.append(
-                f"| {run['label']}{' (score only)' if score_only else ''} | {name} | {run['mode']} | "
-                f"{run['learning_rate']:g} | {run['seed']} | "
+                f"| {run['label']}{' (score only)' if score_only else ''} | {name} | {run['mode']} "
+                f"| {run['learning_rate']:g} | {run['seed']} | "
                 + " | ".join(by_step.get(step, "-") for step in eval_steps)
                 + f" | {max(accuracies):.1%} | {gap_closed(run):+.0%} | {entropy:.3f} |"
             )
@@ -251,10 +265,10 @@ def health(results: list[dict], every: int = 5) -> str:
         results, key=lambda r: (r["task"], r["label"], r["mode"], r["learning_rate"], r["seed"])
     ):
         lines += [
-            f"\n{run['task']}, {run['label']}, {run['mode']}, lr {run['learning_rate']:g}, "
-            f"seed {run['seed']}\n",
-            "| step | teacher KL | per completion | entropy | grad norm | advantage mean | std | min "
-            "| completion tokens |",
+            f"\n{run['task']}, {run['label']}, {run['mode']}, lr {run['learning_rate']:g}, seed "
+            f"{run['seed']}\n",
+            "| step | teacher KL | per completion | entropy | grad norm | advantage mean | std | "
+            "min | completion tokens |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         trained = [row for row in run["metrics"] if "entropy" in row]
@@ -272,6 +286,90 @@ def health(results: list[dict], every: int = 5) -> str:
                 + " | ".join(f"{value:.3g}" for value in cells)
                 + f" | {row.get('completion_len_mean', float('nan')):.1f} |"
             )
+    return "\n".join(lines)
+
+
+def per_flop(results: list[dict], labels: list[str], task: str, batch: int = 16) -> str:
+    """Each label's mean curve (share fully right, and partial credit) against training FLOPs,
+    counted as the lab counts them (``bench/lab.py``'s ``step_flops``: the update 6N a token, the
+    writer's forward 2N, the teacher's scores 2N where the objective reads them; evaluation not
+    counted), and each label's share at the smallest final budget among them."""
+    import statistics
+
+    from lab import step_flops
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.config.parsing import build_objective
+    from opd.config.training import TrainingConfig
+    from opd.data.render import ChatRenderer
+
+    base = converted_dir()
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters())
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(base))
+    source = cache_root() / "data" / f"{task}-train.jsonl"
+    prompts = [json.loads(line)["prompt"] for line in source.read_text().splitlines()[:256]]
+    prompt_tokens = statistics.mean(
+        len(renderer.prompt_ids([{"role": "user", "content": p}])) for p in prompts
+    )
+    curves = {}
+    for label in labels:
+        runs = [r for r in results if r["task"] == task and r["label"] == label]
+        points = []
+        for run in runs:
+            recorded = run["config"]["training"]
+            training = TrainingConfig(
+                data_source=recorded["data_source"],
+                objective=build_objective(recorded["objective"], "training.objective"),
+                kl_penalty_coef=recorded["kl_penalty_coef"],
+            )
+            config = SimpleNamespace(training=training)
+            trained = [r for r in run["metrics"] if "completion_len_mean" in r]
+            for point in run["curve"]:
+                flops = sum(
+                    step_flops(
+                        row | {"num_sequences": batch},
+                        config,
+                        prompt_tokens,
+                        {"student": params, "teacher": params},
+                    )
+                    for row in trained
+                    if row["step"] < point["step"]
+                )
+                if run.get("curve_counts") == "score":  # recorded before opd counted fully right
+                    points.append((point["step"], flops, None, point["accuracy"]))
+                else:
+                    points.append((point["step"], flops, point["accuracy"], point.get("score")))
+        curves[label] = []
+        for step in sorted({p[0] for p in points}):
+            at = [p for p in points if p[0] == step]
+            means = [
+                statistics.mean(values) if None not in (values := [p[i] for p in at]) else None
+                for i in (1, 2, 3)
+            ]
+            curves[label].append((step, *means, len(at)))
+    budget = min(curve[-1][1] for curve in curves.values())
+    lines = [
+        f"\n### {task}: accuracy against training FLOPs (N = {params / 1e6:.1f}M, "
+        f"{prompt_tokens:.0f} prompt tokens, {batch} sequences a step)\n",
+        "| label | step | seeds | training FLOPs | fully right | partial credit |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, curve in curves.items():
+        for step, flops, accuracy, score, seeds in curve:
+            cells = ["-" if v is None else f"{v:.1%}" for v in (accuracy, score)]
+            lines.append(f"| {label} | {step} | {seeds} | {flops:.3g} | {' | '.join(cells)} |")
+    lines.append(f"\nAt {budget:.3g} FLOPs (the smallest final budget):")
+    for label, curve in curves.items():
+        for before, after in itertools.pairwise(curve):
+            if before[1] <= budget <= after[1]:
+                share = (budget - before[1]) / max(after[1] - before[1], 1e-30)
+                at = [
+                    "-"
+                    if before[i] is None
+                    else f"{before[i] + share * (after[i] - before[i]):.1%}"
+                    for i in (2, 3)
+                ]
+                lines.append(f"- {label}: {at[0]} fully right, partial credit {at[1]}")
     return "\n".join(lines)
 
 
@@ -300,16 +398,25 @@ def main() -> None:
         help="first train this many steps on the teacher's samples (NLL, same mode and rate), then"
         " --steps on-policy from the merged result: the published pipeline",
     )
-    parser.add_argument("--set", nargs="*", default=[], help="overrides of the variant (after the mode's)")
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="overrides of the variant (after the mode's)"
+    )
     parser.add_argument(
         "--then-set",
         nargs="*",
         default=[],
-        help="with --sft-steps: overrides of the on-policy stage only (a lower rate after the switch)",
+        help="with --sft-steps: overrides of the on-policy stage only (a lower rate after the "
+        "switch)",
     )
     parser.add_argument("--label", default="defaults", help="names the variant in the tables")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "defaults")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--per-flop",
+        nargs="+",
+        metavar="LABEL",
+        help="with --report-only and one task: these labels' mean curves against training FLOPs",
+    )
     parser.add_argument(
         "--stopped",
         type=Path,
@@ -335,10 +442,14 @@ def main() -> None:
                             [f"training.learning_rate={lr}"] if lr is not None else []
                         )
                         overrides += args.set
-                        data = user_config(Path("unused"), base, teacher, task, spec, args.steps, args)
+                        data = user_config(
+                            Path("unused"), base, teacher, task, spec, args.steps, args
+                        )
                         resolved_lr = config_from_dict(data, overrides).training.learning_rate
                         steps = args.sft_steps + args.steps
-                        name = f"{task}-{args.label}-{mode}-lr{resolved_lr:g}-seed{seed}-{steps}steps"
+                        name = (
+                            f"{task}-{args.label}-{mode}-lr{resolved_lr:g}-seed{seed}-{steps}steps"
+                        )
                         started = time.perf_counter()
                         if args.stopped:
                             run = stopped_run(args.stopped, task)
@@ -376,13 +487,20 @@ def main() -> None:
                         if args.stopped:
                             ran = [a for a in sys.argv if a not in ("--stopped", str(args.stopped))]
                             result["command"] = " ".join([Path(sys.executable).name, *ran])
-                            result["collected_by"] = " ".join([Path(sys.executable).name, *sys.argv])
+                            result["collected_by"] = " ".join(
+                                [Path(sys.executable).name, *sys.argv]
+                            )
                             result["stopped_at_step"] = run["stopped_at_step"]
                             result["wall_seconds"] = run["wall_seconds"]
                         result_file.write_text(relative_paths(json.dumps(result, indent=1)) + "\n")
                         print(json.dumps({"run": name, "curve": run["curve"]}), flush=True)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
     ours = [r for r in results if r.get("bench") == "bench/defaults_sweep.py"]
+    if args.per_flop:
+        table = per_flop(ours, args.per_flop, args.tasks[0])
+        (args.out / f"per_flop_{args.tasks[0]}.md").write_text(table + "\n")
+        print(table)
+        return
     tables = report(ours) + "\n" + health(ours)
     (args.out / "defaults.md").write_text(tables + "\n")
     print(tables)

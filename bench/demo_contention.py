@@ -32,7 +32,16 @@ SETTINGS = {
 
 def demo_seconds(steps: int, env: dict) -> float:
     with tempfile.TemporaryDirectory() as log_path:
-        command = [sys.executable, "-m", "opd", "demo", "--steps", str(steps), "--log-path", log_path]
+        command = [
+            sys.executable,
+            "-m",
+            "opd",
+            "demo",
+            "--steps",
+            str(steps),
+            "--log-path",
+            log_path,
+        ]
         started = time.perf_counter()
         subprocess.run(command, env=env, check=True, capture_output=True)
         return time.perf_counter() - started
@@ -41,17 +50,25 @@ def demo_seconds(steps: int, env: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     base = {
-        key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
     }
     seconds: dict[str, dict[str, float]] = {}
     for setting, extra in SETTINGS.items():
         for condition, code in COMPETITORS.items():
-            competitor = None if code is None else subprocess.Popen([sys.executable, "-c", code], env=base)
+            competitor = (
+                None if code is None else subprocess.Popen([sys.executable, "-c", code], env=base)
+            )
             try:
-                time.sleep(1.0)  # the competitor running before the demo starts, as a user's would be
+                time.sleep(
+                    1.0
+                )  # the competitor running before the demo starts, as a user's would be
                 seconds.setdefault(setting, {})[condition] = demo_seconds(args.steps, base | extra)
             finally:
                 if competitor is not None:
@@ -67,7 +84,10 @@ def main() -> None:
     for setting, row in ratios.items():
         print(f"{setting:18} " + " ".join(f"{row[condition]:>19.2f}x" for condition in COMPETITORS))
     write_result(
-        args.out, "bench/demo_contention.py", vars(args), {"seconds": seconds, "ratio_to_alone": ratios}
+        args.out,
+        "bench/demo_contention.py",
+        vars(args),
+        {"seconds": seconds, "ratio_to_alone": ratios},
     )
 
 

@@ -25,7 +25,8 @@ from opd.demo import run as demo
 
 
 def with_overrides(overrides: list[str]):
-    """``demo.demo_config`` with the run's ``dotted.key=value`` overrides applied, as ``opd train`` does."""
+    """``demo.demo_config`` with the run's ``dotted.key=value`` overrides applied, as ``opd train``
+    does."""
     original = demo.demo_config
 
     def config(*args, **kwargs) -> dict:
@@ -37,10 +38,16 @@ def with_overrides(overrides: list[str]):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 9)))
-    parser.add_argument("--steps", type=int, default=200, help="the end-to-end test's 200 by default")
+    parser.add_argument(
+        "--steps", type=int, default=200, help="the end-to-end test's 200 by default"
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="DOTTED.KEY=VALUE")
-    parser.add_argument("--work-dir", default=None, help="models and runs (default: a new temp dir)")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--work-dir", default=None, help="models and runs (default: a new temp dir)"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="opd-demo-robustness-"))
     demo.demo_config = with_overrides(args.set)
@@ -48,7 +55,10 @@ def main() -> None:
     os.environ["OPD_CACHE"] = str(work / "teacher-cache")
     teacher = demo.ensure_model("teacher", demo.TEACHER_SPEC, seed=0, log=print)
     print(f"{args.steps} steps, overrides {args.set or 'none'}; models and runs in {work}")
-    print(f"{'seed':>4} {'acc before':>10} {'acc after':>9} {'KL before':>9} {'KL after':>8} {'KL cut':>6}")
+    print(
+        f"{'seed':>4} {'acc before':>10} {'acc after':>9} {'KL before':>9} {'KL after':>8} "
+        f"{'KL cut':>6}"
+    )
     rows = []
     for seed in args.seeds:
         os.environ["OPD_CACHE"] = str(work / f"seed{seed}")
@@ -58,11 +68,14 @@ def main() -> None:
         demo.ensure_model("student", demo.STUDENT_SPEC, seed=seed, **silent)
         run_dir = work / f"run-seed{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of an earlier one
-        results = demo.run_demo(log_path=str(run_dir), steps=args.steps, seed=0, progress=False, **silent)
+        results = demo.run_demo(
+            log_path=str(run_dir), steps=args.steps, seed=0, progress=False, **silent
+        )
         before, after = results["student before"], results["student after"]
         print(
-            f"{seed:>4} {before['accuracy']:>10.1%} {after['accuracy']:>9.1%} {before['teacher_kl']:>9.3f} "
-            f"{after['teacher_kl']:>8.3f} {before['teacher_kl'] / after['teacher_kl']:>5.1f}x",
+            f"{seed:>4} {before['accuracy']:>10.1%} {after['accuracy']:>9.1%} "
+            f"{before['teacher_kl']:>9.3f} {after['teacher_kl']:>8.3f} "
+            f"{before['teacher_kl'] / after['teacher_kl']:>5.1f}x",
             flush=True,
         )
         rows.append({"seed": seed, "before": before, "after": after})

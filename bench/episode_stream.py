@@ -126,14 +126,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=Path.home() / ".cache/opd/smollm2-135m-instruct")
+    parser.add_argument(
+        "--model", type=Path, default=Path.home() / ".cache/opd/smollm2-135m-instruct"
+    )
     parser.add_argument("--prompts", type=int, default=32, help="prompts a step")
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens a turn at most")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--episode-tokens", type=int, default=320, help="tokens an episode at most")
     parser.add_argument("--steps", type=int, default=4, help="timed steps (each sampled both ways)")
-    parser.add_argument("--tool-delay", type=float, default=0.0, help="seconds each tool answer takes")
+    parser.add_argument(
+        "--tool-delay", type=float, default=0.0, help="seconds each tool answer takes"
+    )
     parser.add_argument(
         "--step-workers", type=int, default=1, help="also sample with env.step_workers N (N > 1)"
     )
@@ -148,7 +152,9 @@ def main() -> None:
     engines = {"streamed": trainer.engine, "lockstep": InLockStep(trainer.engine)}
     variants = {name: (engine, 1) for name, engine in engines.items()}
     if args.step_workers > 1:
-        variants |= {f"{name}-threads": (engine, args.step_workers) for name, engine in engines.items()}
+        variants |= {
+            f"{name}-threads": (engine, args.step_workers) for name, engine in engines.items()
+        }
 
     def timed(step: int, name: str) -> tuple[float, object]:
         trainer.engine, workers = variants[name]
@@ -192,8 +198,8 @@ def main() -> None:
         steps.append(record)
         times = ", ".join(f"{name} {record[f'{name}_s']:.2f} s" for name in names)
         print(
-            f"step {step}: {times}; {record['same_episodes']}/{rows} episodes the same streamed and in "
-            f"lock step; turns mean {record['turns_mean']:.2f} max {record['turns_max']}, "
+            f"step {step}: {times}; {record['same_episodes']}/{rows} episodes the same streamed "
+            f"and in lock step; turns mean {record['turns_mean']:.2f} max {record['turns_max']}, "
             f"{record['tool_calls']:.0f} tool calls",
             flush=True,
         )
@@ -205,7 +211,10 @@ def main() -> None:
         **{f"{name}_episodes_per_s": episodes / seconds[name] for name in names},
         "streamed_vs_lockstep_time": seconds["streamed"] / seconds["lockstep"],
         "per_step_time_ratios": [r["streamed_s"] / r["lockstep_s"] for r in steps],
-        **{f"same_episodes_{name}": sum(r[f"same_episodes_{name}"] for r in steps) for name in names[1:]},
+        **{
+            f"same_episodes_{name}": sum(r[f"same_episodes_{name}"] for r in steps)
+            for name in names[1:]
+        },
         "same_episodes": sum(r["same_episodes"] for r in steps),
     }
     for name in names[2:]:
@@ -215,7 +224,9 @@ def main() -> None:
         "episodes/s: "
         + ", ".join(f"{name} {summary[f'{name}_episodes_per_s']:.3f}" for name in names)
         + f"; time streamed / lock step {summary['streamed_vs_lockstep_time']:.2f}; "
-        + ", ".join(f"{name}: {summary[f'same_episodes_{name}']}/{episodes} the same" for name in names[1:])
+        + ", ".join(
+            f"{name}: {summary[f'same_episodes_{name}']}/{episodes} the same" for name in names[1:]
+        )
     )
     write_result(
         args.out,

@@ -73,7 +73,9 @@ def base_config(root: Path) -> dict:
         "seed": 0,
         "student": {"model": str(paths["student"]), "lora_rank": 0},
         "teacher": {"model": str(paths["teacher"])},
-        "datasets": [{"name": "rev", "source": str(prompts), "groups_per_batch": 2, "group_size": 2}],
+        "datasets": [
+            {"name": "rev", "source": str(prompts), "groups_per_batch": 2, "group_size": 2}
+        ],
         "training": {"learning_rate": 1e-3, "max_tokens": 6, "max_steps": 2},
     }
 
@@ -99,9 +101,15 @@ def main() -> None:
     parser.add_argument("--terms", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-staleness", type=int, default=0, help="training.max_staleness of the runs")
-    parser.add_argument("--replica-kills", type=int, default=0, help="runs with a teacher replica killed")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--max-staleness", type=int, default=0, help="training.max_staleness of the runs"
+    )
+    parser.add_argument(
+        "--replica-kills", type=int, default=0, help="runs with a teacher replica killed"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     test_faults.STEPS = args.steps
     chance = random.Random(args.seed)
@@ -109,7 +117,9 @@ def main() -> None:
         root = Path(directory)
         config = base_config(root)
         config["training"]["max_staleness"] = args.max_staleness
-        config_path = test_faults.write_config(config, root / "run.yaml", root / "run", save_every=1)
+        config_path = test_faults.write_config(
+            config, root / "run.yaml", root / "run", save_every=1
+        )
         reference = test_faults.reference_run(config_path, root)
         log_path, where, kills, restarts = root / "run", Counter(), 0, 0
         while kills < args.kills:
@@ -177,7 +187,12 @@ def replica_kills(root: Path, config: dict, runs: int, steps: int, chance: rando
     servers = [start_opd_serve(teacher_dir, port) for port in ports]
 
     def run(urls: list[str], name: str) -> tuple[list[dict], float]:
-        remote = {"model": "teacher", "backend": "openai", "base_url": urls, "tokenizer": teacher_dir}
+        remote = {
+            "model": "teacher",
+            "backend": "openai",
+            "base_url": urls,
+            "tokenizer": teacher_dir,
+        }
         data = dict(config, log_path=str(root / name), teacher=remote | {"request_batch_size": 1})
         data["training"] = dict(config["training"], max_steps=steps, max_staleness=0)
         started = time.perf_counter()
@@ -195,7 +210,8 @@ def replica_kills(root: Path, config: dict, runs: int, steps: int, chance: rando
             timer.join()
             servers[victim].wait()
             equal = len(rows) == len(reference) and all(
-                abs(a["teacher_kl"] - b["teacher_kl"]) <= 1e-5 for a, b in zip(rows, reference, strict=True)
+                abs(a["teacher_kl"] - b["teacher_kl"]) <= 1e-5
+                for a, b in zip(rows, reference, strict=True)
             )
             outcomes.append(
                 {

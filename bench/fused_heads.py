@@ -1,4 +1,5 @@
-"""Time and peak memory of the fused divergence heads, forward + backward: fused vs autograd vs naive.
+"""Time and peak memory of the fused divergence heads, forward + backward: fused vs autograd vs
+naive.
 
 Two objectives: ``jsd`` (against a teacher head, ``--beta``) and ``topk`` (``topk_forward_kl``
 against a teacher's ``--topk`` ids and log-probs, drawn once from a random teacher head and not
@@ -8,7 +9,8 @@ timed: in training they come from the teacher panel or a server).
   ``topk_forward_kl`` of ``tests/reference.py``), autograd.
 - ``checkpointed``: ``chunked_head_objective`` (``tests/reference.py``) with the same divergence
   per chunk (autograd inside activation checkpointing; what opd ran before the fused heads).
-- ``fused``: ``opd.objectives.jsd_head.chunked_jsd`` or ``opd.objectives.topk_head.chunked_topk_forward_kl``
+- ``fused``: ``opd.objectives.jsd_head.chunked_jsd`` or
+``opd.objectives.topk_head.chunked_topk_forward_kl``
   (in place, analytic gradient).
 
 Each variant runs in its own process (peak = the rise of its high-water mark over the inputs
@@ -41,7 +43,8 @@ OBJECTIVES = ("jsd", "topk")
 
 
 def loss_function(variant: str, objective: str, setting: float):
-    """``(hidden, head, ids, teacher, chunk_size) -> loss_N``; ``teacher`` is what the objective reads."""
+    """``(hidden, head, ids, teacher, chunk_size) -> loss_N``; ``teacher`` is what the objective
+    reads."""
     from opd.objectives.jsd_head import chunked_jsd
     from opd.objectives.topk_head import chunked_topk_forward_kl
     from tests.reference import chunked_head_objective, generalized_jsd, topk_forward_kl
@@ -79,7 +82,9 @@ def run_one(args) -> dict:
     ids = torch.randint(0, args.vocab, (args.rows,))
     if args.objective == "topk":
         with torch.no_grad():
-            top = torch.log_softmax(teacher_head(teacher_hidden), dim=-1).topk(int(args.setting), dim=-1)
+            top = torch.log_softmax(teacher_head(teacher_hidden), dim=-1).topk(
+                int(args.setting), dim=-1
+            )
         teacher = (top.indices, top.values)
     else:
         teacher = (teacher_hidden, teacher_head)
@@ -116,11 +121,19 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=576, help="hidden size (576 = SmolLM2-135M)")
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--chunk-size", type=int, default=1024)
-    parser.add_argument("--beta", type=float, nargs="*", default=[0.0, 1.0, 0.5], help="jsd's betas")
-    parser.add_argument("--topk", type=int, nargs="*", default=[32], help="topk's teacher tokens per row")
-    parser.add_argument("--calls", type=int, default=3, help="timed calls per process (after a warm-up)")
+    parser.add_argument(
+        "--beta", type=float, nargs="*", default=[0.0, 1.0, 0.5], help="jsd's betas"
+    )
+    parser.add_argument(
+        "--topk", type=int, nargs="*", default=[32], help="topk's teacher tokens per row"
+    )
+    parser.add_argument(
+        "--calls", type=int, default=3, help="timed calls per process (after a warm-up)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="processes per variant, alternating")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--setting", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -130,7 +143,8 @@ def main() -> None:
         return
     print(
         f"N={args.rows} D={args.dim} V={args.vocab} chunk={args.chunk_size} "
-        f"threads={torch.get_num_threads()}; forward + backward of the head; medians; ratios to naive"
+        f"threads={torch.get_num_threads()}; forward + backward of the head; medians; ratios to "
+        "naive"
     )
     header = ("objective", "variant", "seconds", "time x", "peak MiB", "mem %", "loss")
     widths = (12, 13, 8, 7, 9, 6, 12)
@@ -148,7 +162,8 @@ def main() -> None:
                 print(
                     f"{label:>12} {variant:>13} {seconds[variant]:>8.3f} "
                     f"{seconds[variant] / seconds['naive']:>7.2f} {memory[variant]:>9.0f} "
-                    f"{100 * memory[variant] / memory['naive']:>5.0f}% {runs[variant][0]['loss']:>12.4f}"
+                    f"{100 * memory[variant] / memory['naive']:>5.0f}% "
+                    f"{runs[variant][0]['loss']:>12.4f}"
                 )
                 rows.append(
                     {

@@ -27,7 +27,8 @@ TESTS = [
 ]
 STATISTICS = re.compile(
     r"^(?P<test>\S+::\S+):\s*$"
-    r"|^\s+- (?P<passing>\d+) passing, (?P<failing>\d+) failing, and (?P<invalid>\d+) invalid test cases"
+    r"|^\s+- (?P<passing>\d+) passing, (?P<failing>\d+) failing, and (?P<invalid>\d+) invalid test "
+    r"cases"
 )
 
 
@@ -36,9 +37,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--examples", type=int, default=2000)
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
-    environment = os.environ | {"HYPOTHESIS_PROFILE": "campaign", "OPD_FUZZ_EXAMPLES": str(args.examples)}
+    environment = os.environ | {
+        "HYPOTHESIS_PROFILE": "campaign",
+        "OPD_FUZZ_EXAMPLES": str(args.examples),
+    }
     result = subprocess.run(
         [
             sys.executable,
@@ -66,7 +72,9 @@ def main() -> None:
             counts = per_test.setdefault(current, {"passing": 0, "failing": 0, "invalid": 0})
             for key in counts:
                 counts[key] += int(match[key])
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
+    summary = (
+        result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
+    )
     print("\n".join(f"{name}: {counts}" for name, counts in per_test.items()))
     print(summary)
     results = {

@@ -19,7 +19,8 @@ rest are skipped and said so):
   bfloat16 sampler.
 
     python bench/gpu_check.py --out docs/results/gpu_check.json     # on the GPU, ~5 minutes
-    python bench/gpu_check.py --cpu --tiny                           # every section, tiny, on the CPU (CI)
+    python bench/gpu_check.py --cpu --tiny                           # every section, tiny, on the
+    CPU (CI)
 
 On the GPU machine opd goes in over the image's packages: ``pip install --no-deps -e .``.
 """
@@ -51,8 +52,15 @@ PEAKS = {  # (dense bf16 FLOP/s, memory bytes/s): vendors' figures
     "H200": (989e12, 4.8e12),
     "A100": (312e12, 2.0e12),
 }
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}  # fmt: skip
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+}
 BF16_TOLERANCE = 0.05
 """Packed against padded in bfloat16: the largest log-prob difference allowed (a bfloat16 value
 near -10 is 0.06 apart from its neighbours; the two paths sum in different orders)."""
@@ -98,7 +106,9 @@ def build_models(root: Path, tiny: bool, device, dtype) -> dict[str, Path]:
 def run_config(paths: dict, root: Path, args, **training) -> dict:
     prompts = root / "prompts.jsonl"
     if not prompts.exists():
-        words = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(3 + i % 5)) for i in range(64)]
+        words = [
+            "".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(3 + i % 5)) for i in range(64)
+        ]
         prompts.write_text(
             "".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in words)
         )
@@ -110,7 +120,9 @@ def run_config(paths: dict, root: Path, args, **training) -> dict:
         "save_every": 0,
         "student": {"model": str(paths["student"]), "lora_rank": 0, **model},
         "teacher": {"model": str(paths["teacher"]), **model},
-        "datasets": [{"name": "rev", "source": str(prompts), "groups_per_batch": 4, "group_size": 2}],
+        "datasets": [
+            {"name": "rev", "source": str(prompts), "groups_per_batch": 4, "group_size": 2}
+        ],
         "training": {"max_tokens": 16 if args.tiny else 64, "max_steps": 10, **training},
     }
 
@@ -126,9 +138,14 @@ def rows_batch(rows: int, length: int, prompt: int, vocab: int):
     mask = torch.zeros(rows, length)
     mask[:, prompt:] = 1.0
     return RolloutBatch(
-        ids, torch.ones(rows, length, dtype=torch.long), mask, torch.full((rows, length), -2.0) * mask,
-        torch.zeros(rows, dtype=torch.long), torch.ones(rows, dtype=torch.bool), [prompt] * rows,
-    )  # fmt: skip
+        ids,
+        torch.ones(rows, length, dtype=torch.long),
+        mask,
+        torch.full((rows, length), -2.0) * mask,
+        torch.zeros(rows, dtype=torch.long),
+        torch.ones(rows, dtype=torch.bool),
+        [prompt] * rows,
+    )
 
 
 def synchronize(device) -> None:
@@ -145,7 +162,9 @@ def check_packing(trainer, args) -> dict:
 
     teacher = trainer.teachers.per_dataset[0]
     batch = rows_batch(8, 48 if args.tiny else 512, 16, len(trainer.tokenizer))
-    lengths = [12, 48, 20, 33, 48, 5, 40, 27] if args.tiny else [64, 512, 200, 333, 480, 96, 410, 270]
+    lengths = (
+        [12, 48, 20, 33, 48, 5, 40, 27] if args.tiny else [64, 512, 200, 333, 480, 96, 410, 270]
+    )
     for row, length in enumerate(lengths):
         batch.attention_mask_BT[row, length:] = 0
         batch.mask_BT[row, length:] = 0
@@ -212,12 +231,18 @@ def check_update(trainer_for, args, flops_peak) -> list[dict]:
         batch = rows_batch(rows, length, 16, len(trainer.tokenizer))
         scores = trainer.teachers.score(batch)
         advantages = trainer.objective.advantages(
-            batch.sampled_logprobs_BT, scores, batch.mask_BT, policy_gradient(trainer.config.training)
+            batch.sampled_logprobs_BT,
+            scores,
+            batch.mask_BT,
+            policy_gradient(trainer.config.training),
         )
         advantages = torch.zeros_like(batch.mask_BT) if advantages is None else advantages
         static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         per_token = activation_bytes_per_token(
-            trainer.policy.base_model.config, 2 if args.dtype != "float32" else 4, False, checkpointing
+            trainer.policy.base_model.config,
+            2 if args.dtype != "float32" else 4,
+            False,
+            checkpointing,
         )
         for budget in budgets:
             batching = dataclasses.replace(trainer.batching, tokens=budget)
@@ -228,9 +253,16 @@ def check_update(trainer_for, args, flops_peak) -> list[dict]:
                 synchronize(device)
                 started = time.perf_counter()
                 policy_update(
-                    trainer.policy, trainer.objective, trainer.optimizer, trainer.scheduler, batch, scores,
-                    advantages, trainer.config.training, batching,
-                )  # fmt: skip
+                    trainer.policy,
+                    trainer.objective,
+                    trainer.optimizer,
+                    trainer.scheduler,
+                    batch,
+                    scores,
+                    advantages,
+                    trainer.config.training,
+                    batching,
+                )
                 synchronize(device)
                 timings.append(time.perf_counter() - started)
             seconds = min(timings[1:])
@@ -269,7 +301,9 @@ def check_sampler(trainer, args, bandwidth) -> list[dict]:
         sampler.sample([prompt] * batch, temperature=1.0, max_tokens=4, seed=0)  # warm-up
         synchronize(trainer.policy.device)
         started = time.perf_counter()
-        completions = sampler.sample([prompt] * batch, temperature=1.0, max_tokens=new_tokens, seed=0)
+        completions = sampler.sample(
+            [prompt] * batch, temperature=1.0, max_tokens=new_tokens, seed=0
+        )
         synchronize(trainer.policy.device)
         seconds = time.perf_counter() - started
         tokens = sum(len(c.token_ids) for c in completions)
@@ -307,18 +341,28 @@ def check_resume(paths: dict, root: Path, args) -> dict:
     tolerance = 1e-6 if args.dtype == "float32" else 1e-2
     runs = {}
     for name in ("reference", "killed"):
-        config = run_config(paths, root, args, max_steps=10) | {"log_path": str(root / name), "save_every": 3}
+        config = run_config(paths, root, args, max_steps=10) | {
+            "log_path": str(root / name),
+            "save_every": 3,
+        }
         path = root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         runs[name] = path
     command = [sys.executable, "-m", "opd", "train"]
     environment = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     subprocess.run(
-        [*command, str(runs["reference"]), "--no-progress"], check=True, env=environment, capture_output=True
+        [*command, str(runs["reference"]), "--no-progress"],
+        check=True,
+        env=environment,
+        capture_output=True,
     )
     metrics = root / "killed" / "metrics.jsonl"
-    job = subprocess.Popen([*command, str(runs["killed"]), "--no-progress"], env=environment,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    job = subprocess.Popen(
+        [*command, str(runs["killed"]), "--no-progress"],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and job.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
@@ -328,11 +372,16 @@ def check_resume(paths: dict, root: Path, args) -> dict:
     job.send_signal(signal.SIGKILL)
     job.wait()
     subprocess.run(
-        [*command, str(runs["killed"]), "--no-progress"], check=True, env=environment, capture_output=True
+        [*command, str(runs["killed"]), "--no-progress"],
+        check=True,
+        env=environment,
+        capture_output=True,
     )
     reference, resumed = read_jsonl(root / "reference" / "metrics.jsonl"), read_jsonl(metrics)
     keys = ("teacher_kl", "loss", "grad_norm")
-    worst = max(abs(a[k] - b[k]) for a, b in zip(reference, resumed, strict=True) for k in keys if k in a)
+    worst = max(
+        abs(a[k] - b[k]) for a, b in zip(reference, resumed, strict=True) for k in keys if k in a
+    )
     kl = max(abs(r["kl_sample_train"]) for r in reference if "kl_sample_train" in r)
     return {
         "killed_after_rows": killed_at,
@@ -350,8 +399,12 @@ def main() -> None:
     )
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (float32)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: every section in seconds")
-    parser.add_argument("--budget-s", type=float, default=420, help="skip sections not started by then")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--budget-s", type=float, default=420, help="skip sections not started by then"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     import torch
 
@@ -361,8 +414,12 @@ def main() -> None:
     device = torch.device(args.device)
     flops_peak, bandwidth = peaks(device)
     started = time.perf_counter()
-    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "dtype": args.dtype, "peak_flops": flops_peak, "peak_bandwidth": bandwidth}  # fmt: skip
+    results: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "peak_flops": flops_peak,
+        "peak_bandwidth": bandwidth,
+    }
     from opd.config import config_from_dict
     from opd.trainer.loop import Trainer
 
@@ -400,7 +457,8 @@ def main() -> None:
             except Exception as error:  # one section's failure must not cost the others' figures
                 results[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
             print(
-                f"{name}: {time.perf_counter() - began:.1f} s  {json.dumps(results[name])[:300]}", flush=True
+                f"{name}: {time.perf_counter() - began:.1f} s  {json.dumps(results[name])[:300]}",
+                flush=True,
             )
     results["seconds"] = time.perf_counter() - started
     print(json.dumps(results, indent=1))

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 
 def run_child(script: str, variant: str, flags: dict[str, object]) -> dict:
-    """``script --child VARIANT --flag value ...`` in a new interpreter; its last stdout line is JSON."""
+    """``script --child VARIANT --flag value ...`` in a new interpreter; its last stdout line is
+    JSON."""
     command = [sys.executable, script, "--child", variant]
     for flag, value in flags.items():
         command += [f"--{flag.replace('_', '-')}", str(value)]
@@ -30,6 +31,10 @@ def alternating_medians(
     for _ in range(repeats):
         for variant in variants:
             runs[variant].append(measure(variant))
-    seconds = {variant: statistics.median(r["seconds"] for r in runs[variant]) for variant in variants}
-    memory = {variant: statistics.median(r["peak_mib"] for r in runs[variant]) for variant in variants}
+    seconds = {
+        variant: statistics.median(r["seconds"] for r in runs[variant]) for variant in variants
+    }
+    memory = {
+        variant: statistics.median(r["peak_mib"] for r in runs[variant]) for variant in variants
+    }
     return runs, seconds, memory

@@ -30,8 +30,8 @@ where its scores are used, the update 6N per token; evaluation is not counted.
     R=training.objective=sampled_reverse_kl,training.learning_rate=3e-5
     python bench/lab.py --tasks chain --steps 200 --eval-every 25 --methods --variant matched:$R \\
         --variant noise2:$R,lab.sampler_noise=2 \\
-        --variant "noise2-truncate:$R,lab.sampler_noise=2,training.rollout_correction={mode: truncate}" \\
-        --out docs/results/lab/rollout-correction-chain.json
+        --variant "noise2-truncate:$R,lab.sampler_noise=2,training.rollout_correction={mode:
+        truncate}" \\ --out docs/results/lab/rollout-correction-chain.json
 """
 
 from __future__ import annotations
@@ -94,7 +94,11 @@ def _chain(rng: random.Random) -> tuple[str, str, str]:
 
 def teacher_spec(steps: int, target: float) -> DemoModelSpec:
     return DemoModelSpec(
-        hidden_size=128, num_layers=2, sft_steps=steps, sft_learning_rate=1e-3, target_accuracy=target
+        hidden_size=128,
+        num_layers=2,
+        sft_steps=steps,
+        sft_learning_rate=1e-3,
+        target_accuracy=target,
     )
 
 
@@ -118,7 +122,8 @@ BASE = [
     "datasets.0.groups_per_batch=8",
     "datasets.0.group_size=4",
 ]
-"""The lab's shared setting (opd's dotted overrides), which every method but ``defaults`` starts from."""
+"""The lab's shared setting (opd's dotted overrides), which every method but ``defaults`` starts
+from."""
 METHODS: dict[str, list[str]] = {
     "opd-topk": [*BASE, "training.objective=topk_forward_kl"],
     "opd-rkl": [*BASE, "training.objective=sampled_reverse_kl"],
@@ -144,7 +149,10 @@ def cache_root() -> Path:
     import os
 
     suffix = "-tiny" if TINY else ""
-    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / f"lab-{LAB_VERSION}{suffix}"
+    return (
+        Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd"))
+        / f"lab-{LAB_VERSION}{suffix}"
+    )
 
 
 def task_prompts(task: str, split: str, count: int) -> list[Prompt]:
@@ -152,13 +160,16 @@ def task_prompts(task: str, split: str, count: int) -> list[Prompt]:
     prompts = []
     for _ in range(count):
         question, completion, answer = TASKS[task].make(rng)
-        prompts.append(Prompt(({"role": "user", "content": question},), answer=answer, completion=completion))
+        prompts.append(
+            Prompt(({"role": "user", "content": question},), answer=answer, completion=completion)
+        )
     return prompts
 
 
 def write_jsonl(path: Path, prompts: list[Prompt]) -> None:
     rows = [
-        {"prompt": p.messages[0]["content"], "answer": p.answer, "completion": p.completion} for p in prompts
+        {"prompt": p.messages[0]["content"], "answer": p.answer, "completion": p.completion}
+        for p in prompts
     ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
@@ -176,7 +187,9 @@ def ensure_task(task: str) -> dict[str, Path]:
     grader = GRADERS[TASKS[task].grader]
     dev = task_prompts(task, "dev", 200)
     models = {}
-    student = STUDENT if TASKS[task].student_seed else replace(TASKS[task].teacher, target_accuracy=0.2)
+    student = (
+        STUDENT if TASKS[task].student_seed else replace(TASKS[task].teacher, target_accuracy=0.2)
+    )
     for name, spec, seed in (
         ("teacher", TASKS[task].teacher, 0),
         ("student", student, TASKS[task].student_seed),
@@ -193,7 +206,9 @@ def ensure_task(task: str) -> dict[str, Path]:
         def should_stop(steps: int, sampler=sampler, spec=spec, reached=reached) -> bool:
             if steps % CHECK_EVERY:
                 return False
-            reached.append(accuracy(sampler, renderer, dev, grader, max_tokens=TASKS[task].max_tokens))
+            reached.append(
+                accuracy(sampler, renderer, dev, grader, max_tokens=TASKS[task].max_tokens)
+            )
             return reached[-1] >= spec.target_accuracy
 
         train_prompts = task_prompts(task, "train", 4000)
@@ -261,7 +276,9 @@ def step_flops(row: dict, config, prompt_tokens: float, params: dict[str, int]) 
     if source != "dataset":  # the writer's forward passes, prompt and completion
         flops += 2 * params[source] * tokens
     objective = training.objective_for(source).name
-    if objective != "nll" and not (objective == "sampled_reverse_kl" and training.kl_penalty_coef == 0):
+    if objective != "nll" and not (
+        objective == "sampled_reverse_kl" and training.kl_penalty_coef == 0
+    ):
         flops += 2 * params["teacher"] * tokens  # the teacher's scores are used
     return flops
 
@@ -273,7 +290,8 @@ float32 trainer do, made large enough to see."""
 
 
 def mismatched(trainer: Trainer, sigma: float, seed: int) -> None:
-    """Make ``trainer``'s sampler disagree with it: noise on each sampled token's reported log-prob."""
+    """Make ``trainer``'s sampler disagree with it: noise on each sampled token's reported
+    log-prob."""
     collect, generator = trainer.collect, torch.Generator().manual_seed(seed)
 
     def noisy(step):
@@ -305,7 +323,9 @@ def run_method(files, task, name, overrides, seed, steps, eval_every, scratch: P
     params = {
         role: sum(
             p.numel()
-            for p in load_causal_lm(str(files[role]), role, dtype="float32", device="cpu").parameters()
+            for p in load_causal_lm(
+                str(files[role]), role, dtype="float32", device="cpu"
+            ).parameters()
         )
         for role in ("student", "teacher")
     }
@@ -332,7 +352,9 @@ def run_method(files, task, name, overrides, seed, steps, eval_every, scratch: P
     shutil.rmtree(log_path, ignore_errors=True)
     resolved = recorded_config(config)
     for section in ("student", "teacher"):  # paths relative to $OPD_CACHE, not this machine's
-        resolved[section]["model"] = str(Path(resolved[section]["model"]).relative_to(cache_root().parent))
+        resolved[section]["model"] = str(
+            Path(resolved[section]["model"]).relative_to(cache_root().parent)
+        )
     resolved["log_path"] = Path(resolved["log_path"]).name
     for key in ("source", "eval_source"):
         resolved["datasets"][0][key] = str(
@@ -374,7 +396,9 @@ def teacher_accuracy(files, task: str) -> float:
     model = load_causal_lm(str(files["teacher"]), "teacher", dtype="float32", device="cpu")
     sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
     test = task_prompts(task, "test", 128)
-    return accuracy(sampler, renderer, test, GRADERS[TASKS[task].grader], max_tokens=TASKS[task].max_tokens)
+    return accuracy(
+        sampler, renderer, test, GRADERS[TASKS[task].grader], max_tokens=TASKS[task].max_tokens
+    )
 
 
 def parse_variant(text: str, base: list[str] = BASE) -> tuple[str, list[str]]:
@@ -432,17 +456,21 @@ def accuracy_at(curve: list[dict], flops: float) -> float:
 
 
 def summary(record: dict) -> str:
-    """A markdown table a task: each method's mean accuracy at its evaluations, its range at the end,
-    the share of the student's gap to the teacher closed, and the FLOPs to 60% of the teacher."""
+    """A markdown table a task: each method's mean accuracy at its evaluations, its range at the
+    end, the share of the student's gap to the teacher closed, and the FLOPs to 60% of the
+    teacher."""
     runs, lines = record["results"], []
     for task, teacher in record["teacher_accuracy"].items():
         methods = list(dict.fromkeys(run["method"] for run in runs if run["task"] == task))
         curves = {method: mean_curve(runs, task, method) for method in methods}
         steps = [point["step"] for point in next(iter(curves.values()))]
-        budget = min(curve[-1]["flops"] for curve in curves.values())  # every method's accuracy there
+        budget = min(
+            curve[-1]["flops"] for curve in curves.values()
+        )  # every method's accuracy there
         seeds = len({run["seed"] for run in runs if run["task"] == task})
         lines += [
-            f"**{task}** (teacher {teacher:.1%}; mean of {seeds} seeds; greedy accuracy, share fully right)",
+            f"**{task}** (teacher {teacher:.1%}; mean of {seeds} seeds; greedy accuracy, share "
+            "fully right)",
             "",
             "| method | " + " | ".join(f"step {s}" for s in steps) + " | end range | gap closed "
             f"| FLOPs to 60% of the teacher | accuracy at {budget:.3g} FLOPs |",
@@ -481,8 +509,12 @@ def figure(record: dict, path: Path) -> None:
                 curve = mean_curve(runs, task, method)
                 xs = [point[x] for point in curve]
                 ax.plot(xs, [point["accuracy"] for point in curve], label=method)
-                ax.fill_between(xs, [p["low"] for p in curve], [p["high"] for p in curve], alpha=0.12)
-            ax.axhline(record["teacher_accuracy"][task], color="black", linestyle="--", label="teacher")
+                ax.fill_between(
+                    xs, [p["low"] for p in curve], [p["high"] for p in curve], alpha=0.12
+                )
+            ax.axhline(
+                record["teacher_accuracy"][task], color="black", linestyle="--", label="teacher"
+            )
             ax.set_xlabel("training step" if x == "step" else "training FLOPs")
             if x == "flops":
                 ax.set_xscale("log")
@@ -501,7 +533,8 @@ def combined(paths: list[Path], only: list[str] | None) -> dict:
     runs = [run for record in records for run in record["results"]]
     if only:
         runs = sorted(
-            (run for run in runs if run["method"] in only), key=lambda run: only.index(run["method"])
+            (run for run in runs if run["method"] in only),
+            key=lambda run: only.index(run["method"]),
         )
     teachers = {task: acc for record in records for task, acc in record["teacher_accuracy"].items()}
     return {"results": runs, "teacher_accuracy": teachers}
@@ -511,9 +544,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--variant", action="append", default=[], help="NAME:key=value,... on the base")
     parser.add_argument(
-        "--defaults-variant", action="append", default=[], help="NAME:key=value,... on opd's defaults"
+        "--variant", action="append", default=[], help="NAME:key=value,... on the base"
+    )
+    parser.add_argument(
+        "--defaults-variant",
+        action="append",
+        default=[],
+        help="NAME:key=value,... on opd's defaults",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=200)
@@ -526,12 +564,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the result file (JSON)")
     parser.add_argument("--report-only", action="store_true", help="the table and figure of --out")
     parser.add_argument(
-        "--combine", type=Path, nargs="+", help="with --report-only: these result files' runs together"
+        "--combine",
+        type=Path,
+        nargs="+",
+        help="with --report-only: these result files' runs together",
     )
-    parser.add_argument("--only", nargs="+", help="with --report-only: these methods, in this order")
+    parser.add_argument(
+        "--only", nargs="+", help="with --report-only: these methods, in this order"
+    )
     args = parser.parse_args(argv)
     if args.report_only:
-        record = combined(args.combine, args.only) if args.combine else json.loads(args.out.read_text())
+        record = (
+            combined(args.combine, args.only) if args.combine else json.loads(args.out.read_text())
+        )
         figure(record, args.out.with_suffix(".png"))
         print(summary(record))
         return 0
@@ -539,8 +584,12 @@ def main(argv: list[str] | None = None) -> int:
         global TINY
         TINY = True
         args.tasks, args.seeds, args.steps, args.eval_every = ["chain"], [0], 6, 3
-        TASKS["chain"] = replace(TASKS["chain"], teacher=replace(TASKS["chain"].teacher, target_accuracy=0.5))
-    methods = {name: METHODS[name] for name in args.methods} | dict(map(parse_variant, args.variant))
+        TASKS["chain"] = replace(
+            TASKS["chain"], teacher=replace(TASKS["chain"].teacher, target_accuracy=0.5)
+        )
+    methods = {name: METHODS[name] for name in args.methods} | dict(
+        map(parse_variant, args.variant)
+    )
     methods |= dict(parse_variant(text, []) for text in args.defaults_variant)
     runs, teachers, commit = [], {}, git_commit(Path(__file__).resolve().parents[1])
     settings = {
@@ -566,11 +615,14 @@ def main(argv: list[str] | None = None) -> int:
                     end = run["curve"][-1]
                     print(
                         f"lab: {task} {name} seed {seed}: {run['curve'][0]['accuracy']:.1%} -> "
-                        f"{end['accuracy']:.1%} ({end['flops']:.3g} FLOPs, {run['wall_seconds']:.0f}s)",
+                        f"{end['accuracy']:.1%} ({end['flops']:.3g} FLOPs, "
+                        f"{run['wall_seconds']:.0f}s)",
                         file=sys.stderr,
                     )
                     # the file so far after every run: a long lab can be read while it runs
-                    write_result(args.out, "lab", settings, runs, teacher_accuracy=teachers, commit=commit)
+                    write_result(
+                        args.out, "lab", settings, runs, teacher_accuracy=teachers, commit=commit
+                    )
     record = json.loads(args.out.read_text())
     figure(record, args.out.with_suffix(".png"))
     print(summary(record))

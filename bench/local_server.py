@@ -17,7 +17,10 @@ def free_port() -> int:
 
 
 def wait_for_health(
-    process: subprocess.Popen, port: int, timeout_s: float, why_exited: Callable[[], str] = lambda: ""
+    process: subprocess.Popen,
+    port: int,
+    timeout_s: float,
+    why_exited: Callable[[], str] = lambda: "",
 ) -> None:
     """Return once ``/health`` answers on ``port``; stop the bench with what went wrong if the
     server exits first (``why_exited``: e.g. its log's tail) or does not answer in time."""

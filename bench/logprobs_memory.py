@@ -32,7 +32,9 @@ def naive(hidden, weight, ids):
 def chunked(hidden, weight, ids, chunk_size, with_entropy):
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = weight
-    return selected_token_logprobs(hidden, head, ids, chunk_size=chunk_size, with_entropy=with_entropy)[0]
+    return selected_token_logprobs(
+        hidden, head, ids, chunk_size=chunk_size, with_entropy=with_entropy
+    )[0]
 
 
 VARIANTS = ("naive", "chunked", "chunked+entropy")
@@ -62,7 +64,11 @@ def run_one(variant: str, rows: int, dim: int, vocab: int, chunk_size: int, devi
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    return {"variant": variant, "seconds": seconds, "peak_mib": (peak_bytes(device) - baseline) / 2**20}
+    return {
+        "variant": variant,
+        "seconds": seconds,
+        "peak_mib": (peak_bytes(device) - baseline) / 2**20,
+    }
 
 
 def measure(variant: str, args, vocab: int) -> dict:
@@ -81,7 +87,9 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -94,7 +102,9 @@ def main() -> None:
         f"B={args.batch} T={args.seq} D={args.dim} chunk={args.chunk_size} device={args.device} "
         f"threads={torch.get_num_threads()}"
     )
-    print("forward + backward of selected-token log-probs; medians; ratios against naive in this run")
+    print(
+        "forward + backward of selected-token log-probs; medians; ratios against naive in this run"
+    )
     print(f"{'vocab':>8} {'variant':>16} {'seconds':>8} {'time x':>7} {'peak MiB':>9} {'mem %':>6}")
     rows = []
     for vocab in args.vocab:
@@ -111,7 +121,12 @@ def main() -> None:
                 f"{memory[variant]:>9.0f} {memory_share:>5.0f}%"
             )
             rows.append(
-                {"vocab": vocab, "variant": variant, "seconds": seconds[variant], "peak_mib": memory[variant]}
+                {
+                    "vocab": vocab,
+                    "variant": variant,
+                    "seconds": seconds[variant],
+                    "peak_mib": memory[variant],
+                }
             )
     settings = {k: v for k, v in vars(args).items() if k not in ("child", "out")}
     write_result(args.out, "bench/logprobs_memory.py", settings, rows)

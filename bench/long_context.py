@@ -13,8 +13,8 @@ scored and trained are drawn at random (their cost does not depend on which toke
 ``sample`` draws its own, up to the length (a random model may stop early: the tokens it drew
 are recorded).
 
-    python bench/long_context.py --tiny --out /tmp/long-tiny.json     # 128, 256, 512 tokens, < 1 minute
-    python bench/long_context.py --out docs/results/long_context.json    # 2k-16k tokens
+    python bench/long_context.py --tiny --out /tmp/long-tiny.json     # 128, 256, 512 tokens, < 1
+    minute python bench/long_context.py --out docs/results/long_context.json    # 2k-16k tokens
 
 Each row is ``{phase, checkpointing, tokens, peak_bytes, seconds, seconds_per_token}``; the
 summary gives each phase's bytes a token between consecutive lengths (the slope: equal slopes
@@ -144,9 +144,15 @@ def phase_run(phase: str, tokens: int, checkpointing: bool, model: Path, chunk: 
     config = config_from_dict(
         {
             "log_path": str(prompts.parent / "run"),
-            "student": {"model": str(model), "lora_rank": 0, "gradient_checkpointing": checkpointing},
+            "student": {
+                "model": str(model),
+                "lora_rank": 0,
+                "gradient_checkpointing": checkpointing,
+            },
             "teacher": {"model": str(model)},
-            "datasets": [{"name": "long", "source": str(prompts), "groups_per_batch": 1, "group_size": 1}],
+            "datasets": [
+                {"name": "long", "source": str(prompts), "groups_per_batch": 1, "group_size": 1}
+            ],
             "training": {
                 "max_tokens": tokens,
                 "max_steps": 1,
@@ -162,7 +168,9 @@ def phase_run(phase: str, tokens: int, checkpointing: bool, model: Path, chunk: 
         ids = torch.randint(len(SPECIAL_TOKENS), VOCAB, (tokens,)).tolist()
         completion = Completion(ids, [0.0] * tokens, finished=False, policy_version=0)
         rollouts = build_rollout_batch([prompt], [completion], [0], trainer.engine.pad_id)
-        request = config.training.objective_for("student").teacher_request(config.training.temperature)
+        request = config.training.objective_for("student").teacher_request(
+            config.training.temperature
+        )
         teacher = trainer.teachers.score(rollouts, request) if phase == "update" else None
     gc.collect()
     resident, _ = memory_now()
@@ -216,7 +224,9 @@ def summary(rows: list[dict]) -> dict:
         label = phase + (" (checkpointing)" if checkpointing else "")
         found[label] = {
             "bytes_per_token_slopes": slopes,
-            "slope_spread": (max(slopes) - min(slopes)) / max(slopes) if slopes and max(slopes) > 0 else None,
+            "slope_spread": (max(slopes) - min(slopes)) / max(slopes)
+            if slopes and max(slopes) > 0
+            else None,
             "last_slope_over_vocab_row": slopes[-1] / (VOCAB * 4) if slopes else None,
         }
     return found
@@ -282,7 +292,9 @@ def main() -> None:
         help="training.logprob_chunk_size (default: opd's 1024; 64 with --tiny, below its lengths)",
     )
     parser.add_argument("--out", type=Path, help="the result file (JSON)")
-    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "opd-long-context")
+    parser.add_argument(
+        "--models", type=Path, default=Path(tempfile.gettempdir()) / "opd-long-context"
+    )
     args = parser.parse_args()
     map_large_blocks()  # before torch allocates anything; each phase's fork inherits it
     import opd.trainer.loop  # noqa: F401  (imported once: each phase's fork inherits it)
@@ -303,9 +315,14 @@ def main() -> None:
     print(json.dumps(found, indent=1))
     h100 = longest_completions()
     for row in h100:
-        print(f"{row['model']} {row['mode']} checkpointing={row['checkpointing']}: {row['longest_tokens']}")
+        print(
+            f"{row['model']} {row['mode']} checkpointing={row['checkpointing']}: "
+            f"{row['longest_tokens']}"
+        )
     settings = {"lengths": lengths, "model": SHAPE, "logprob_chunk_size": chunk}
-    write_result(args.out, "long_context", settings, rows, summary=found, h100_longest_completion=h100)
+    write_result(
+        args.out, "long_context", settings, rows, summary=found, h100_longest_completion=h100
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ objective, `topk_forward_kl` k 20, full fine-tuning, float32) `--repeats` times 
 warm-up, in each of `--rounds` rounds that take the modes in turn (the machine's drift falls
 on all alike), and prints medians and the ratios to `padded` measured in this run.
 
-    python bench/packing.py --model ~/.cache/opd/smollm2-135m-instruct --out docs/results/packing.json
+    python bench/packing.py --model ~/.cache/opd/smollm2-135m-instruct --out
+    docs/results/packing.json
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ def config(args, directory: str, settings: dict) -> dict:
     if not prompt_file.exists():
         from opd.data.builtin_tasks import generate_task_prompts
 
-        words = [p.messages[0]["content"] for p in generate_task_prompts("reverse", seed=7, count=args.rows)]
+        words = [
+            p.messages[0]["content"]
+            for p in generate_task_prompts("reverse", seed=7, count=args.rows)
+        ]
         asked = [
-            w + (" Explain every step, then give the answer." if i % 2 else "") for i, w in enumerate(words)
+            w + (" Explain every step, then give the answer." if i % 2 else "")
+            for i, w in enumerate(words)
         ]
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in asked))
     return {
@@ -61,9 +66,15 @@ def config(args, directory: str, settings: dict) -> dict:
         "student": {"model": args.model, "device": "cpu"},
         "teacher": {"model": args.teacher or args.model, "device": "cpu"},
         "datasets": [
-            {"name": "bench", "source": str(prompt_file), "groups_per_batch": args.rows, "group_size": 1}
+            {
+                "name": "bench",
+                "source": str(prompt_file),
+                "groups_per_batch": args.rows,
+                "group_size": 1,
+            }
         ],
-        "training": {"max_tokens": args.max_tokens, "learning_rate": 1e-5, "max_steps": 1} | settings,
+        "training": {"max_tokens": args.max_tokens, "learning_rate": 1e-5, "max_steps": 1}
+        | settings,
     }
 
 
@@ -104,7 +115,9 @@ def run_mode(args, directory: str, mode: str) -> dict:
     from opd.trainer.loop import Trainer
     from opd.trainer.update import policy_gradient, policy_update
 
-    if mode == "packed-mask":  # transformers sees packed position ids and no mask: its block-diagonal mask
+    if (
+        mode == "packed-mask"
+    ):  # transformers sees packed position ids and no mask: its block-diagonal mask
         opd.packing.per_sequence_attention = lambda backbone: nullcontext()
     trainer = Trainer(config_from_dict(config(args, directory, MODES[mode])), progress=False)
     saved = torch.load(Path(directory) / "rows.pt", weights_only=True)

@@ -41,10 +41,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_gaps.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "replica_gaps.json"
+    )
     args = parser.parse_args()
     base = converted_dir()
-    ids = AutoTokenizer.from_pretrained(base).encode(" ".join(PROBE_TEXTS), add_special_tokens=False)
+    ids = AutoTokenizer.from_pretrained(base).encode(
+        " ".join(PROBE_TEXTS), add_special_tokens=False
+    )
     reference = probe_logprobs(base, ids, torch.float32)
     answers = {
         "same weights, float32 again": (base, torch.float32),
@@ -57,7 +61,10 @@ def main() -> None:
     for name, (model_dir, dtype) in answers.items():
         gap = (probe_logprobs(model_dir, ids, dtype) - reference).abs()
         rows.append({"answer": name, "mean_gap": gap.mean().item(), "max_gap": gap.max().item()})
-        print(f"{name:45s} mean {rows[-1]['mean_gap']:.4f}  max {rows[-1]['max_gap']:.4f} nats", flush=True)
+        print(
+            f"{name:45s} mean {rows[-1]['mean_gap']:.4f}  max {rows[-1]['max_gap']:.4f} nats",
+            flush=True,
+        )
     print(f"threshold (mean): {DISAGREEMENT_NATS} nats a token; probe: {len(ids)} tokens")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {

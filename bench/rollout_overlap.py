@@ -69,7 +69,12 @@ def run(staleness: int, url: str, student: Path, teacher: Path, args) -> tuple[d
                 {
                     "name": "chain_sum",
                     "source": "reasoning_gym:chain_sum",
-                    "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+                    "task_config": {
+                        "min_terms": 2,
+                        "max_terms": 2,
+                        "min_digits": 1,
+                        "max_digits": 1,
+                    },
                     "groups_per_batch": args.prompts,
                     "group_size": args.group_size,
                 }
@@ -112,7 +117,9 @@ def run(staleness: int, url: str, student: Path, teacher: Path, args) -> tuple[d
     result = {
         "step_s": statistics.median(between),
         "train_s": statistics.median(r["time/train"] for r in timed),
-        "wait_for_batch_s": statistics.median(r.get("time/wait_for_batch", r["time/sample"]) for r in timed),
+        "wait_for_batch_s": statistics.median(
+            r.get("time/wait_for_batch", r["time/sample"]) for r in timed
+        ),
         "wall_s": wall,
         "rows": rows,
     }
@@ -130,7 +137,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-cores", default="0")
     parser.add_argument("--trainer-cores", default="1")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     student = converted_dir()
     teacher = perturbed_teacher(student, 0.05)
@@ -148,11 +157,17 @@ def main() -> None:
             server.wait(timeout=60)
     print(f"{'max_staleness':>13} {'s/step':>7} {'train s':>8} {'batch wait s':>12}")
     for staleness, r in results.items():
-        print(f"{staleness:>13} {r['step_s']:7.2f} {r['train_s']:8.2f} {r['wait_for_batch_s']:12.2f}")
+        print(
+            f"{staleness:>13} {r['step_s']:7.2f} {r['train_s']:8.2f} {r['wait_for_batch_s']:12.2f}"
+        )
     ratio = results[1]["step_s"] / results[0]["step_s"]
     print(f"max_staleness 1 / 0, seconds per step: {ratio:.2f} (target <= 0.7)")
     write_result(
-        args.out, "bench/rollout_overlap.py", vars(args) | {"configs": configs}, results, ratio=ratio
+        args.out,
+        "bench/rollout_overlap.py",
+        vars(args) | {"configs": configs},
+        results,
+        ratio=ratio,
     )
 
 

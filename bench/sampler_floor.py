@@ -59,7 +59,8 @@ def vllm_engine(model_dir: str, model, tokenizer, *, stop_token_ids: list[int]):
 
 
 def update_floor(linears: list[nn.Linear], tokens: int, repeats: int) -> dict:
-    """Median seconds of every linear layer's forward and backward matmuls over ``tokens`` tokens."""
+    """Median seconds of every linear layer's forward and backward matmuls over ``tokens``
+    tokens."""
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(tokens, m.in_features, generator=generator) for m in linears]
     grads = [torch.randn(tokens, m.out_features, generator=generator) for m in linears]
@@ -85,14 +86,21 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--vllm", action="store_true", help="also time opd's vLLM engine (needs vLLM)")
-    parser.add_argument("--update-tokens", type=int, help="also time the update's matmuls at T tokens")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--vllm", action="store_true", help="also time opd's vLLM engine (needs vLLM)"
+    )
+    parser.add_argument(
+        "--update-tokens", type=int, help="also time the update's matmuls at T tokens"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-    from opd.sampling.hf_generate import HFGenerateSampler, inverse_cdf_sample
+    from opd.sampling.hf_generate import HFGenerateSampler
+    from opd.sampling.seeded import inverse_cdf_sample
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -106,8 +114,11 @@ def main() -> None:
     def opd_sampler() -> None:
         sampler.sample(prompts, temperature=1.0, max_tokens=args.new_tokens)
 
-    # transformers 5.x renamed `past_key_values` to `cache` (the old name still works, with a warning)
-    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name still works, with a
+    # warning)
+    cache_argument = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
 
     @torch.inference_mode()
     def bare_loop() -> None:
@@ -148,12 +159,12 @@ def main() -> None:
         "matmuls alone (floor)": floor,
     }
     print(
-        f"{args.model}: batch {args.batch}, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, "
-        f"{torch.get_num_threads()} threads; linear weights {weight_bytes / 2**20:.0f} MiB float32, "
-        f"read at {weight_bytes / floor / 2**30:.1f} GiB/s by the floor"
+        f"{args.model}: batch {args.batch}, {args.prompt_tokens} prompt + {args.new_tokens} new "
+        f"tokens, {torch.get_num_threads()} threads; linear weights {weight_bytes / 2**20:.0f} MiB "
+        f"float32, read at {weight_bytes / floor / 2**30:.1f} GiB/s by the floor"
     )
     print(
-        f"the two decoders' times include the prompt's prefill: one forward, "
+        "the two decoders' times include the prompt's prefill: one forward, "
         f"{per_token_seconds(prefill, 1, args.repeats) * 1000:.0f} ms"
     )
     print(f"{'':>24} {'ms/token':>9} {'vs floor':>9}")

@@ -76,7 +76,10 @@ def post(port: int, body: bytes) -> tuple[int, dict | None, int]:
 
 def logprobs_of(answer: dict) -> list[list[float]]:
     return [
-        [next(iter(entry.values()))["logprob"] if entry else 0.0 for entry in choice["prompt_logprobs"]]
+        [
+            next(iter(entry.values()))["logprob"] if entry else 0.0
+            for entry in choice["prompt_logprobs"]
+        ]
         for choice in answer["choices"]
     ]
 
@@ -99,14 +102,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--topk", type=int, default=0)
     parser.add_argument("--max-connections", type=int, default=32)
-    parser.add_argument("--hostile", type=float, help="seconds of scoring while a hostile client samples")
-    parser.add_argument("--hostile-rows", type=int, default=2, help="prompts in the hostile request")
+    parser.add_argument(
+        "--hostile", type=float, help="seconds of scoring while a hostile client samples"
+    )
+    parser.add_argument(
+        "--hostile-rows", type=int, default=2, help="prompts in the hostile request"
+    )
     parser.add_argument("--sampling", type=int, nargs="*", help="sampling clients at each level")
     parser.add_argument("--sample-rows", type=int, default=32, help="rows sampled at each level")
     parser.add_argument("--sample-tokens", type=int, default=32, help="tokens sampled per row")
     parser.add_argument("--mixed", type=float, help="seconds of random interleavings of every kind")
     parser.add_argument("--clients", type=int, default=8, help="--mixed: client threads")
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     limits = ["--max-waiting", "4", "--request-timeout", "2"] if args.mixed else []
 
@@ -137,7 +146,8 @@ def main() -> None:
                 {
                     "model": "teacher",
                     "prompt": [
-                        [rng.randrange(100, 49000) for _ in range(args.tokens)] for _ in range(args.sequences)
+                        [rng.randrange(100, 49000) for _ in range(args.tokens)]
+                        for _ in range(args.sequences)
                     ],
                     "prompt_logprobs": args.topk,
                     "max_tokens": 1,
@@ -173,7 +183,9 @@ def main() -> None:
                 seconds = time.perf_counter() - started
                 wrong = status == 200 and any(
                     abs(a - b) > 1e-4
-                    for got, want in zip(logprobs_of(answer), reference[index % len(bodies)], strict=True)
+                    for got, want in zip(
+                        logprobs_of(answer), reference[index % len(bodies)], strict=True
+                    )
                     for a, b in zip(got, want, strict=True)
                 )
                 return {"status": status, "seconds": seconds, "refused": refused, "wrong": wrong}
@@ -198,13 +210,22 @@ def main() -> None:
             }
             levels.append(level)
             print(json.dumps(level))
-        print(f"server alive after the load: {server.poll() is None}; idle peak RSS {idle_rss:.0f} MiB")
-        results = {"levels": levels, "server_alive": server.poll() is None, "idle_peak_rss_mib": idle_rss}
+        print(
+            f"server alive after the load: {server.poll() is None}; idle peak RSS {idle_rss:.0f} "
+            "MiB"
+        )
+        results = {
+            "levels": levels,
+            "server_alive": server.poll() is None,
+            "idle_peak_rss_mib": idle_rss,
+        }
     finally:
         server.kill()
         server.wait()
         if "results" in locals():
-            write_result(args.out, "bench/serve_load.py", vars(args) | {"model": str(model)}, results)
+            write_result(
+                args.out, "bench/serve_load.py", vars(args) | {"model": str(model)}, results
+            )
 
 
 def sampling(port: int, levels: list[int], rows: int, tokens: int) -> dict:
@@ -248,7 +269,10 @@ def sampling(port: int, levels: list[int], rows: int, tokens: int) -> dict:
     base = measured[0]["rows_per_s"]
     for level in measured:
         level["throughput_vs_first"] = level["rows_per_s"] / base
-        print(f"{level['clients']} clients: {level['throughput_vs_first']:.2f}x the rows/s of {levels[0]}")
+        print(
+            f"{level['clients']} clients: {level['throughput_vs_first']:.2f}x the rows/s of "
+            f"{levels[0]}"
+        )
     return {"sampling": measured}
 
 
@@ -281,7 +305,9 @@ def hostile(port: int, bodies: list[bytes], seconds: float, rows: int) -> dict:
         }
     ).encode()
     idle = latencies(port, bodies, min(seconds, 20))
-    held = threading.Thread(target=post, args=(port, body), daemon=True)  # the server is killed under it
+    held = threading.Thread(
+        target=post, args=(port, body), daemon=True
+    )  # the server is killed under it
     held.start()
     time.sleep(2.0)  # the hostile request is past its prefill, decoding
     busy = latencies(port, bodies, seconds)
@@ -290,7 +316,11 @@ def hostile(port: int, bodies: list[bytes], seconds: float, rows: int) -> dict:
         "hostile_request": {"rows": rows, "max_tokens": max_tokens, "context": context},
         "hostile_still_decoding_after": still_decoding,
         "idle": {"requests": len(idle), "p50_s": statistics.median(idle), "max_s": max(idle)},
-        "during_hostile": {"requests": len(busy), "p50_s": statistics.median(busy), "max_s": max(busy)},
+        "during_hostile": {
+            "requests": len(busy),
+            "p50_s": statistics.median(busy),
+            "max_s": max(busy),
+        },
     }
 
 
@@ -298,7 +328,13 @@ def seeded_body(row: int, tokens: int = 16) -> bytes:
     """A seeded sampling request of one row (as opd's teacher client sends them)."""
     prompt = [1, 9690, 42 + row % 50]
     return json.dumps(
-        {"model": "teacher", "prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "seed": 1000 + row}
+        {
+            "model": "teacher",
+            "prompt": prompt,
+            "max_tokens": tokens,
+            "temperature": 1.0,
+            "seed": 1000 + row,
+        }
     ).encode()
 
 
@@ -314,7 +350,9 @@ MALFORMED = [
 def send_once(port: int, body: bytes) -> tuple[int | None, dict | None, str | None]:
     """(status, JSON answer, Retry-After) of one request; status None: no answer."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
@@ -344,16 +382,24 @@ def slow_client(port: int, timeout_s: float = 2.0) -> bool:
             return True  # dropped
         connection.settimeout(30)
         try:
-            return connection.recv(1) in (b"", b"H") and time.monotonic() - started < 4 * timeout_s + 10
+            return (
+                connection.recv(1) in (b"", b"H")
+                and time.monotonic() - started < 4 * timeout_s + 10
+            )
         except OSError:
             return True
 
 
-def mixed(port: int, pid: int, bodies: list[bytes], reference: list, seconds: float, clients: int) -> dict:
-    """Random interleavings of scoring, seeded sampling, malformed and slow requests for ``seconds``."""
+def mixed(
+    port: int, pid: int, bodies: list[bytes], reference: list, seconds: float, clients: int
+) -> dict:
+    """Random interleavings of scoring, seeded sampling, malformed and slow requests for
+    ``seconds``."""
     alone = [send_once(port, seeded_body(row))[1]["choices"][0]["token_ids"] for row in range(8)]
     kinds = ("score", "sample", "malformed", "slow")
-    counts = {kind: dict.fromkeys(("tried", "right", "refused", "wrong", "lost"), 0) for kind in kinds}
+    counts = {
+        kind: dict.fromkeys(("tried", "right", "refused", "wrong", "lost"), 0) for kind in kinds
+    }
     lock, deadline = threading.Lock(), time.monotonic() + seconds
     memory: list[tuple[float, float]] = []
 
@@ -368,7 +414,9 @@ def mixed(port: int, pid: int, bodies: list[bytes], reference: list, seconds: fl
             count(kind, "right" if slow_client(port) else "lost")
             return
         index = rng.randrange(len(bodies) if kind == "score" else 8)
-        body = {"score": bodies[index], "sample": seeded_body(index)}.get(kind) or rng.choice(MALFORMED)
+        body = {"score": bodies[index], "sample": seeded_body(index)}.get(kind) or rng.choice(
+            MALFORMED
+        )
         while True:
             status, answer, retry_after = send_once(port, body)
             if status not in (429, 503):
@@ -402,7 +450,9 @@ def mixed(port: int, pid: int, bodies: list[bytes], reference: list, seconds: fl
     def watch() -> None:
         started = time.monotonic()
         while time.monotonic() < deadline:
-            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            fields = dict(
+                line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            )
             memory.append((time.monotonic() - started, int(fields["VmRSS"].split()[0]) / 1024))
             time.sleep(5)
 

@@ -24,7 +24,9 @@ from pathlib import Path
 from provenance import write_result
 
 
-def one_run(staleness: int, source: str, seed: int, steps: int, teacher, eval_prompts, models) -> dict:
+def one_run(
+    staleness: int, source: str, seed: int, steps: int, teacher, eval_prompts, models
+) -> dict:
     from opd.config import config_from_dict, config_to_dict
     from opd.demo.run import demo_config, measure
     from opd.trainer.loop import train
@@ -67,7 +69,9 @@ def main() -> None:
     parser.add_argument(
         "--advantage-logprobs", nargs="*", default=["behaviour"], choices=["behaviour", "current"]
     )
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
 
     from opd.data.builtin_tasks import generate_task_prompts
@@ -90,18 +94,30 @@ def main() -> None:
         eval_prompts = generate_task_prompts(f"{TASK}@test", seed=seed, count=NUM_EVAL_PROMPTS)
         for staleness, source in settings if seed % 2 == 0 else settings[::-1]:
             run = one_run(
-                staleness, source, seed, args.steps, teacher, eval_prompts, (teacher_dir, student_dir)
+                staleness,
+                source,
+                seed,
+                args.steps,
+                teacher,
+                eval_prompts,
+                (teacher_dir, student_dir),
             )
             runs.append(run)
             print(
-                f"seed {seed} max_staleness {staleness} {source}: accuracy {run['final']['accuracy']:.3f} "
-                f"teacher KL {run['final']['teacher_kl']:.3f}  {run['seconds_per_step']:.3f} s/step",
+                f"seed {seed} max_staleness {staleness} {source}: accuracy "
+                f"{run['final']['accuracy']:.3f} teacher KL {run['final']['teacher_kl']:.3f}  "
+                f"{run['seconds_per_step']:.3f} s/step",
                 flush=True,
             )
-    print(f"\n{'max_staleness':>13} {'log-probs':>10} {'accuracy':>17} {'teacher KL':>17} {'s/step':>7}")
+    print(
+        f"\n{'max_staleness':>13} {'log-probs':>10} {'accuracy':>17} {'teacher KL':>17} "
+        f"{'s/step':>7}"
+    )
     summary = {}
     for staleness, source in settings:
-        mine = [r for r in runs if (r["max_staleness"], r["advantage_logprobs"]) == (staleness, source)]
+        mine = [
+            r for r in runs if (r["max_staleness"], r["advantage_logprobs"]) == (staleness, source)
+        ]
         accuracy = [r["final"]["accuracy"] for r in mine]
         kl = [r["final"]["teacher_kl"] for r in mine]
         seconds = statistics.median(r["seconds_per_step"] for r in mine)
@@ -113,8 +129,8 @@ def main() -> None:
             "seconds_per_step_median": seconds,
         }
         print(
-            f"{staleness:>13} {source:>10} {statistics.mean(accuracy):>9.3f} ± {spread(accuracy):.3f} "
-            f"{statistics.mean(kl):>9.3f} ± {spread(kl):.3f} {seconds:>7.3f}"
+            f"{staleness:>13} {source:>10} {statistics.mean(accuracy):>9.3f} ± "
+            f"{spread(accuracy):.3f} {statistics.mean(kl):>9.3f} ± {spread(kl):.3f} {seconds:>7.3f}"
         )
     write_result(args.out, "bench/staleness.py", vars(args), {"runs": runs, "summary": summary})
 

@@ -41,11 +41,14 @@ TOOLS = {
     "opd-sampled-padded": "opd sampled_reverse_kl, one padded micro-batch (opd before packing)",
     "opd-jsd-bf16s": "opd jsd, rollouts from a bfloat16 copy (student.sampling_dtype)",
     "opd-sampled-bf16s": "opd sampled_reverse_kl, rollouts from a bfloat16 copy",
-    "opd-jsd-f32s": "opd jsd, rollouts from a float32 copy (LoRA merged into it: identical float32 work)",
+    "opd-jsd-f32s": "opd jsd, rollouts from a float32 copy (LoRA merged into it: identical float32 "
+    "work)",
     "opd-sampled-f32s": "opd sampled_reverse_kl, rollouts from a float32 copy (LoRA merged)",
-    "opd-jsd-mixed": "opd jsd at trl-bf16's precision: bfloat16 sampling copy, teacher and autocast update",
+    "opd-jsd-mixed": "opd jsd at trl-bf16's precision: bfloat16 sampling copy, teacher and "
+    "autocast update",
     "opd-sampled-mixed": "opd sampled_reverse_kl at trl-bf16's precision (as opd-jsd-mixed)",
-    "opd-jsd-vllm": "opd jsd, rollouts by the in-process vLLM engine (student.sampler: vllm), float32",
+    "opd-jsd-vllm": "opd jsd, rollouts by the in-process vLLM engine (student.sampler: vllm), "
+    "float32",
     "opd-sampled-vllm": "opd sampled_reverse_kl, rollouts by vLLM (LoRA: merged weights pushed)",
     "opd-sampled-vllmad": "opd sampled_reverse_kl, rollouts by vLLM (LoRA: adapter hot-loaded)",
 }
@@ -61,7 +64,9 @@ PHASES = ("sample", "teacher", "train")  # opd's own time/* metrics, printed bes
 def prompts(count: int) -> list[str]:
     from opd.data.builtin_tasks import generate_task_prompts
 
-    return [p.messages[0]["content"] for p in generate_task_prompts("reverse", seed=123, count=count)]
+    return [
+        p.messages[0]["content"] for p in generate_task_prompts("reverse", seed=123, count=count)
+    ]
 
 
 def run_trl(args, steps: int, bf16: bool, vllm: bool = False) -> dict:
@@ -96,7 +101,11 @@ def run_trl(args, steps: int, bf16: bool, vllm: bool = False) -> dict:
             max_steps=steps,
             use_cpu=args.device == "cpu",
             bf16=bf16,
-            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 1024} if vllm else {}),
+            **(
+                {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 1024}
+                if vllm
+                else {}
+            ),
         )
         trainer = DistillationTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.student),
@@ -154,7 +163,10 @@ def run_opd(
                     }
                 ],
                 "training": {
-                    "objective": {"name": objective, **({"beta": 1.0} if objective == "jsd" else {})},
+                    "objective": {
+                        "name": objective,
+                        **({"beta": 1.0} if objective == "jsd" else {}),
+                    },
                     "learning_rate": 1e-5,
                     "max_tokens": args.max_tokens,
                     "temperature": 1.0,
@@ -174,14 +186,17 @@ def run_opd(
 
 
 def child(args, tool: str, mode: str, directory: str) -> None:
-    """One (tool, mode) run in its own process: its output to `log`, its result as JSON to `result.json`."""
+    """One (tool, mode) run in its own process: its output to `log`, its result as JSON to
+    `result.json`."""
     with open(Path(directory) / "log", "w") as log:  # fds 1 and 2 stay open on it after the with
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     args.mode = mode
     steps = args.steps + 1
     if tool.startswith("trl"):
-        if tool == "trl-vllm":  # what opd's engine sets on a CPU (docs/vllm.md): TRL leaves vLLM's defaults
+        if (
+            tool == "trl-vllm"
+        ):  # what opd's engine sets on a CPU (docs/vllm.md): TRL leaves vLLM's defaults
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         result = run_trl(args, steps, bf16=tool == "trl-bf16", vllm=tool == "trl-vllm")
@@ -210,7 +225,9 @@ def measure(context: multiprocessing.context.BaseContext, args, tool: str, mode:
         result_path = Path(directory) / "result.json"
         if process.exitcode or not result_path.exists():
             log = (Path(directory) / "log").read_text()
-            raise RuntimeError(f"{tool} {mode} failed (exit code {process.exitcode}):\n{log[-3000:]}")
+            raise RuntimeError(
+                f"{tool} {mode} failed (exit code {process.exitcode}):\n{log[-3000:]}"
+            )
         return json.loads(result_path.read_text())
 
 
@@ -232,15 +249,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="the demo's tiny models (cached by `opd demo`)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the demo's tiny models (cached by `opd demo`)"
+    )
     parser.add_argument("--student")
     parser.add_argument("--teacher")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
-        "--steps", type=int, help="timed steps per run, after one warm-up step (default 4; 2 with --quick)"
+        "--steps",
+        type=int,
+        help="timed steps per run, after one warm-up step (default 4; 2 with --quick)",
     )
-    parser.add_argument("--repeats", type=int, help="runs per (tool, mode) (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--repeats", type=int, help="runs per (tool, mode) (default 3; 1 with --quick)"
+    )
     parser.add_argument("--modes", nargs="*", default=["full", "lora"], choices=["full", "lora"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
@@ -250,7 +273,9 @@ def main() -> None:
         choices=list(TOOLS),
         help="; ".join(f"{tool}: {what}" for tool, what in TOOLS.items()) + " (trl is always run)",
     )
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 4)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -264,14 +289,16 @@ def main() -> None:
         parser.error("give --student and --teacher, or --quick")
     print(
         f"student {args.student}, teacher {args.teacher}; {args.prompts} prompts x 1 completion, "
-        f"<= {args.max_tokens} tokens, {args.steps} timed steps x {args.repeats} repeats, {args.device}"
+        f"<= {args.max_tokens} tokens, {args.steps} timed steps x {args.repeats} repeats, "
+        f"{args.device}"
     )
     tools = ["trl"] + [tool for tool in args.tools if tool != "trl"]
     os.environ["TQDM_DISABLE"] = "1"  # inherited by the runs: no progress bars in the table
     context = process_context(args.quick)
     versus_bf16 = "trl-bf16" in tools  # the mixed-precision rows' own baseline, as a second ratio
     print(
-        f"{'mode':>5} {'tool':>17} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} {'vs TRL':>7}"
+        f"{'mode':>5} {'tool':>17} {'s/step':>8} {'vs TRL':>7} {'tokens/s':>9} {'peak MiB':>9} "
+        f"{'vs TRL':>7}"
         + (f" {'vs TRL bf16':>11}" if versus_bf16 else "")
         + f"  {' / '.join(PHASES)} (opd, median s)"
     )
@@ -285,7 +312,9 @@ def main() -> None:
                     continue
                 try:
                     runs[tool].append(measure(context, args, tool, mode))
-                except RuntimeError as error:  # a peer that cannot run here is a finding, not the end
+                except (
+                    RuntimeError
+                ) as error:  # a peer that cannot run here is a finding, not the end
                     if tool == "trl":
                         raise
                     failures[tool] = str(error).strip().splitlines()[-1]
@@ -301,7 +330,12 @@ def main() -> None:
                 phase: statistics.median(s for r in results for s in r["phases"][phase])
                 for phase in (PHASES if results[0]["phases"] else ())
             }
-            summary[tool] = (seconds, statistics.median(r["peak_mib"] for r in results), tokens, phases)
+            summary[tool] = (
+                seconds,
+                statistics.median(r["peak_mib"] for r in results),
+                tokens,
+                phases,
+            )
         for tool, (seconds, peak, tokens, phases) in summary.items():
             rate = f"{statistics.mean(tokens) / seconds:9.0f}" if tokens else f"{'n/a':>9}"
             print(

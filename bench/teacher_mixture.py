@@ -51,14 +51,18 @@ def teacher_section(method: str, teachers: dict[str, Path]) -> tuple[dict, dict[
         return {"model": str(teachers["short"])}, {}
     if method == "products-teacher":
         return {"model": str(teachers["products"])}, {}
-    if method == "routing":  # the top-level teacher is required, and unused: every family has its own
+    if (
+        method == "routing"
+    ):  # the top-level teacher is required, and unused: every family has its own
         own = {family: {"model": str(teachers[family])} for family in FAMILIES}
         return {"model": str(teachers["short"])}, own
     members = [{"model": str(teachers[family]), "weight": 0.5} for family in FAMILIES]
     return {"mixture": members}, {}
 
 
-def run_data(log_path: Path, student: Path, teachers: dict[str, Path], method: str, seed: int, args) -> dict:
+def run_data(
+    log_path: Path, student: Path, teachers: dict[str, Path], method: str, seed: int, args
+) -> dict:
     """A user's config of one run: both families' prompts, the method's teachers, opd's defaults."""
     specs = yaml.safe_load(SWEEP.read_text())["tasks"]
     top, own = teacher_section(method, teachers)
@@ -84,7 +88,10 @@ def run_data(log_path: Path, student: Path, teachers: dict[str, Path], method: s
         "eval_every": args.eval_every,
         "student": {"model": str(student)},
         "datasets": datasets,
-        "training": {"max_steps": args.steps, "max_tokens": max(specs[f]["max_tokens"] for f in FAMILIES)},
+        "training": {
+            "max_steps": args.steps,
+            "max_tokens": max(specs[f]["max_tokens"] for f in FAMILIES),
+        },
         "teacher": top,
     }
     return data
@@ -95,7 +102,9 @@ def curve(metrics: list[dict]) -> list[dict]:
     points = []
     for row in metrics:
         if all(f"test/{family}/accuracy" in row for family in FAMILIES):
-            point = {"step": row["step"]} | {family: row[f"test/{family}/accuracy"] for family in FAMILIES}
+            point = {"step": row["step"]} | {
+                family: row[f"test/{family}/accuracy"] for family in FAMILIES
+            }
             point["mean"] = statistics.fmean(point[family] for family in FAMILIES)
             points.append(point)
     return points
@@ -112,7 +121,9 @@ def teacher_accuracies(student: Path, teachers: dict[str, Path], args) -> dict:
         directory.mkdir(parents=True, exist_ok=True)
         data = run_data(directory, model, teachers, "sums-teacher", 0, args)
         data["student"]["lora_rank"] = 0
-        (directory / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config_from_dict(data))))
+        (directory / "config.yaml").write_text(
+            yaml.safe_dump(config_to_dict(config_from_dict(data)))
+        )
         record = evaluate_run(directory, base=True)
         found[name] = {family: record[f"test/{family}/accuracy"] for family in FAMILIES}
         shutil.rmtree(directory, ignore_errors=True)
@@ -135,7 +146,9 @@ def report(results: list[dict], teachers: dict | None) -> str:
     steps = sorted({p["step"] for r in results for p in r["curve"]})
     lines += [
         "Mean of the two families' held-out accuracy (share of right answers, 48 prompts each).\n",
-        "| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " | sums at end | products at end |",
+        "| method | seeds | "
+        + " | ".join(f"step {s}" for s in steps)
+        + " | sums at end | products at end |",
         "|---|---|" + "---|" * (len(steps) + 2),
     ]
     for method in METHODS:
@@ -148,9 +161,17 @@ def report(results: list[dict], teachers: dict | None) -> str:
             return f"{statistics.fmean(values):.1%}" if len(values) == len(runs) else "-"
 
         seeds = ",".join(str(r["seed"]) for r in sorted(runs, key=lambda r: r["seed"]))
-        cells = [mean_at(s) for s in steps] + [mean_at(steps[-1], "short"), mean_at(steps[-1], "products")]
+        cells = [mean_at(s) for s in steps] + [
+            mean_at(steps[-1], "short"),
+            mean_at(steps[-1], "products"),
+        ]
         lines.append(f"| {method} | {seeds} | " + " | ".join(cells) + " |")
-    lines += ["", "Each run:", "", "| method | seed | " + " | ".join(f"step {s}" for s in steps) + " |"]
+    lines += [
+        "",
+        "Each run:",
+        "",
+        "| method | seed | " + " | ".join(f"step {s}" for s in steps) + " |",
+    ]
     lines.append("|---|---|" + "---|" * len(steps))
     for run in sorted(results, key=lambda r: (METHODS.index(r["method"]), r["seed"])):
         by_step = {p["step"]: p["mean"] for p in run["curve"]}
@@ -178,7 +199,9 @@ def main() -> None:
 
         student, specs = converted_dir(), yaml.safe_load(SWEEP.read_text())["tasks"]
         build = SimpleNamespace(seed=0, eval_every=10, steps=40)
-        teachers = {family: prepare_teacher(family, specs[family], student, build)[0] for family in FAMILIES}
+        teachers = {
+            family: prepare_teacher(family, specs[family], student, build)[0] for family in FAMILIES
+        }
         if not teachers_file.exists():
             measured = teacher_accuracies(student, teachers, args)
             teachers_file.write_text(
@@ -190,7 +213,9 @@ def main() -> None:
                 if result_file.exists():
                     continue
                 directory = cache_root() / "runs" / f"teacher-mixture-{os.getpid()}"
-                config = config_from_dict(run_data(directory, student, teachers, method, seed, args))
+                config = config_from_dict(
+                    run_data(directory, student, teachers, method, seed, args)
+                )
                 started = time.perf_counter()
                 metrics = train(config, progress=True).metrics
                 shutil.rmtree(directory, ignore_errors=True)

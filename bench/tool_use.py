@@ -14,8 +14,9 @@ held-out success rate (greedy episodes, exact answers) is measured before and af
 The figure: the share of the teacher-student gap closed.
 
     python bench/tool_use.py --seeds 0 1 2 --steps 200 --out docs/results/tool_use.json
-    python bench/tool_use.py --teacher remote --out docs/results/tool_use_remote.json  # through opd serve
-    python bench/tool_use.py --teacher bpe --out docs/results/tool_use_bpe.json  # another tokenizer
+    python bench/tool_use.py --teacher remote --out docs/results/tool_use_remote.json  # through opd
+    serve python bench/tool_use.py --teacher bpe --out docs/results/tool_use_bpe.json  # another
+    tokenizer
 
 ``--teacher remote`` serves the same teacher with ``opd serve`` (loopback) and distils through
 it; ``--teacher bpe`` trains a teacher of the same size on a BPE tokenizer learned on the task's
@@ -128,14 +129,16 @@ def reading_rate(model_dir: Path, prompts: list[Prompt]) -> float:
         greedy=True,
     )
     copied = [
-        tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip() == reading.completion
+        tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip()
+        == reading.completion
         for completion, reading in zip(completions, readings, strict=True)
     ]
     return sum(copied) / len(copied)
 
 
 def bpe_tokenizer():
-    """A BPE tokenizer learned on the task's text and the tool calls (every printable character kept)."""
+    """A BPE tokenizer learned on the task's text and the tool calls (every printable character
+    kept)."""
     texts = []
     for prompt in generate_task_prompts("arithmetic", seed=0, count=4000):
         texts += [
@@ -174,7 +177,10 @@ def build(name: str, spec: demo.DemoModelSpec, tokenizer, prompts: list[Prompt],
         seed=seed,
     )
     seconds = time.perf_counter() - started
-    print(f"built {name}: {len(losses)} supervised steps in {seconds:.0f}s, last loss {losses[-1]:.3f}")
+    print(
+        f"built {name}: {len(losses)} supervised steps in {seconds:.0f}s, last loss "
+        f"{losses[-1]:.3f}"
+    )
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
@@ -260,8 +266,8 @@ def main() -> None:
         "--compare-answer",
         nargs="+",
         metavar=("EXPRESSION", "TEXT"),
-        help="only print, after the right call of EXPRESSION and its result, how the BPE teacher and"
-        " its character-level twin read each TEXT as the answer: the likeliest next character",
+        help="only print, after the right call of EXPRESSION and its result, how the BPE teacher "
+        "and its character-level twin read each TEXT as the answer: the likeliest next character",
     )
     args = parser.parse_args()
     if args.teacher_reads:
@@ -277,7 +283,9 @@ def main() -> None:
     student_reads = reading_rate(student, generate_task_prompts("arithmetic", seed=7, count=100))
     print(f"the student copies the calculator's result after {student_reads:.0%} of right calls")
     if args.teacher == "bpe":
-        teacher_dir = build("teacher-bpe", TEACHER, bpe_tokenizer(), tool_turns(train_prompts), seed=0)
+        teacher_dir = build(
+            "teacher-bpe", TEACHER, bpe_tokenizer(), tool_turns(train_prompts), seed=0
+        )
         teacher = {"model": str(teacher_dir), "cross_tokenizer": True}
     else:
         teacher_dir = build("teacher", TEACHER, char, tool_turns(train_prompts), seed=0)
@@ -299,7 +307,8 @@ def main() -> None:
         for seed in args.seeds:
             log_path = Path(tempfile.mkdtemp(prefix="opd-tool-use-"))
             config = apply_overrides(
-                run_config(log_path, student, teacher, args.steps, seed, args.eval_prompts), args.set
+                run_config(log_path, student, teacher, args.steps, seed, args.eval_prompts),
+                args.set,
             )
             resolved = config_from_dict(config)
             run = train(resolved, progress=False)
@@ -336,8 +345,13 @@ def main() -> None:
             server.kill()
     for row in results:
         gap = teacher_success - row["success_before"]
-        row["gap_closed"] = (row["success_after"] - row["success_before"]) / gap if gap > 0 else None
-    print(f"teacher success {teacher_success:.3f}; gap closed per seed: {[r['gap_closed'] for r in results]}")
+        row["gap_closed"] = (
+            (row["success_after"] - row["success_before"]) / gap if gap > 0 else None
+        )
+    print(
+        f"teacher success {teacher_success:.3f}; gap closed per seed: "
+        f"{[r['gap_closed'] for r in results]}"
+    )
     write_result(
         args.out,
         "tool_use",
@@ -355,7 +369,14 @@ def main() -> None:
         config=config_to_dict(
             config_from_dict(
                 apply_overrides(
-                    run_config(Path("<tmp>"), student, teacher, args.steps, args.seeds[0], args.eval_prompts),
+                    run_config(
+                        Path("<tmp>"),
+                        student,
+                        teacher,
+                        args.steps,
+                        args.seeds[0],
+                        args.eval_prompts,
+                    ),
                     args.set,
                 )
             )
@@ -373,14 +394,15 @@ def print_teacher_reading(texts: list[str]) -> None:
         reading = teacher.read(messages, text)
         per_char = reading.per_character
         print(
-            f"{text!r}: {sum(per_char) / len(per_char):.2f} nats per character; "
-            f"the teacher's tokens {reading.teacher_tokens}"
+            f"{text!r}: {sum(per_char) / len(per_char):.2f} nats per character; the teacher's "
+            f"tokens {reading.teacher_tokens}"
         )
 
 
 def print_answer_readings(expression_text: str, texts: list[str]) -> None:
     """Where the two cached teachers part on an answer turn: after each prefix of the text, each
-    one's likeliest next character (``<end>``: the end of turn) and the KL between their readings."""
+    one's likeliest next character (``<end>``: the end of turn) and the KL between their
+    readings."""
     result = calculate(expression_text)
     question = Prompt(({"role": "user", "content": f"compute {expression_text}"},), answer=result)
     messages = tool_turns([question])[1].messages
@@ -411,7 +433,9 @@ def teacher_success_rate(teacher_dir: Path, teacher: dict, eval_prompts: int) ->
     from opd.sampling.hf_generate import HFGenerateSampler
 
     config = config_from_dict(
-        run_config(Path(tempfile.mkdtemp()), teacher_dir, {"model": str(teacher_dir)}, 1, 0, eval_prompts)
+        run_config(
+            Path(tempfile.mkdtemp()), teacher_dir, {"model": str(teacher_dir)}, 1, 0, eval_prompts
+        )
     )
     tokenizer = load_tokenizer(str(teacher_dir), "teacher")
     renderer = ChatRenderer(tokenizer)

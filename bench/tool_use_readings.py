@@ -68,7 +68,8 @@ class Teacher:
         built = self.format.build(messages, ids)
         (piece,) = built.turns
         answer = self.model.score(
-            TeacherInput.from_sequences([built.token_ids], [built.score_mask], 0), TeacherRequest(topk=TOPK)
+            TeacherInput.from_sequences([built.token_ids], [built.score_mask], 0),
+            TeacherRequest(topk=TOPK),
         )
         span = slice(piece.start, piece.start + piece.length)
         pieces = [self.format.token_text(token) for token in built.token_ids[span]]
@@ -77,9 +78,13 @@ class Teacher:
             answer.topk_logprobs_BTK[0, span].tolist(),
         )
         if not self.cross_tokenizer:  # the teacher's positions are the student's characters
-            rows = [dict(zip(i, lp, strict=True)) for i, lp in zip(topk_ids, topk_logprobs, strict=True)]
+            rows = [
+                dict(zip(i, lp, strict=True)) for i, lp in zip(topk_ids, topk_logprobs, strict=True)
+            ]
             return Reading(ids, rows, answer.logprobs_BT[0, span].tolist(), pieces)
-        topk = [list(zip(i, lp, strict=True)) for i, lp in zip(topk_ids, topk_logprobs, strict=True)]
+        topk = [
+            list(zip(i, lp, strict=True)) for i, lp in zip(topk_ids, topk_logprobs, strict=True)
+        ]
         logprobs = answer.logprobs_BT[0, span].tolist()
         view = self.format.student_view(built, piece, logprobs, [0.0] * len(ids), topk)
         rows = self.format.student_next_tokens(built, piece, logprobs, topk, ids, view, TOPK)
@@ -90,7 +95,9 @@ def kl(reference: dict[int, float], other: dict[int, float]) -> float:
     """KL(reference || other) over the reference's likely characters; a character the other
     gives no mass is charged as 30 nats (about e^-30)."""
     return sum(
-        math.exp(lp) * (lp - max(other.get(i, -30.0), -30.0)) for i, lp in reference.items() if lp > -20
+        math.exp(lp) * (lp - max(other.get(i, -30.0), -30.0))
+        for i, lp in reference.items()
+        if lp > -20
     )
 
 
@@ -116,9 +123,13 @@ def disagreement(
             pad_token_id=0,
         )
         turn = out[0, len(prompt_ids) :].tolist()
-        text = char.char.decode(turn[: turn.index(STUDENT_STOP_ID)] if STUDENT_STOP_ID in turn else turn)
+        text = char.char.decode(
+            turn[: turn.index(STUDENT_STOP_ID)] if STUDENT_STOP_ID in turn else turn
+        )
         by_bpe, by_char = bpe.read(messages, text), char.read(messages, text)
-        gaps = [kl(c, b) for c, b in zip(by_char.next_characters, by_bpe.next_characters, strict=True)]
+        gaps = [
+            kl(c, b) for c, b in zip(by_char.next_characters, by_bpe.next_characters, strict=True)
+        ]
         entry = found.setdefault(kind, {"turns": 0, "right": 0, "gaps": []})
         entry["turns"] += 1
         entry["right"] += text == right

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 def distillation_config(output_dir: str, **settings):
     """A ``DistillationConfig`` in float32 without recomputation (TRL defaults to bf16 autocast and
-    gradient checkpointing; opd runs neither), with logging and saving off; ``settings`` add the rest
-    or override those two."""
+    gradient checkpointing; opd runs neither), with logging and saving off; ``settings`` add the
+    rest or override those two."""
     from trl import DistillationConfig
 
     return DistillationConfig(

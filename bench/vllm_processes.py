@@ -6,8 +6,8 @@ Each layout trains SmolLM2-135M-Instruct (full fine-tune under FSDP2 when there 
 with ``opd train`` (``--nproc 2`` for two), reasoning-gym ``chain_sum`` prompts and a teacher that
 disagrees (the same model with noise of 0.05 its weights' std). Per layout: the median over steps
 2.. of rank 0's ``time/total``, ``time/sample`` and ``time/weight_sync`` (the sync's share of the
-step), the largest ``|kl_sample_train|``, and the peak resident memory of the whole job (the sum over
-its processes, sampled every 0.1 s from /proc) and of its largest process.
+step), the largest ``|kl_sample_train|``, and the peak resident memory of the whole job (the sum
+over its processes, sampled every 0.1 s from /proc) and of its largest process.
 
     python bench/smollm2.py      # once: the converted model
     python bench/vllm_processes.py --out docs/results/vllm_processes.json
@@ -136,7 +136,9 @@ def run(name: str, student: Path, teacher: Path, args) -> tuple[dict, dict]:
         if job.returncode != 0:
             raise SystemExit(f"{name} failed:\n{stderr[-3000:]}")
         rows = [json.loads(line) for line in (Path(directory) / "run" / "metrics.jsonl").open()]
-    timed = [r for r in rows if "time/total" in r][1:]  # the first step pays the first sync and warm-up
+    timed = [r for r in rows if "time/total" in r][
+        1:
+    ]  # the first step pays the first sync and warm-up
     step = statistics.median(r["time/total"] for r in timed)
     sync = statistics.median(r.get("time/weight_sync", 0.0) for r in timed)
     result = {
@@ -144,7 +146,9 @@ def run(name: str, student: Path, teacher: Path, args) -> tuple[dict, dict]:
         "sample_s": statistics.median(r["time/sample"] for r in timed),
         "weight_sync_s": sync,
         "weight_sync_share": sync / step,
-        "max_abs_kl_sample_train": max(abs(r["kl_sample_train"]) for r in rows if "kl_sample_train" in r),
+        "max_abs_kl_sample_train": max(
+            abs(r["kl_sample_train"]) for r in rows if "kl_sample_train" in r
+        ),
         "peak_total_gib": memory.total / 2**30,
         "peak_largest_process_gib": memory.largest / 2**30,
         "wall_s": wall,
@@ -164,7 +168,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads-per-process", type=int, default=1)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     student = converted_dir()
     teacher = perturbed_teacher(student, 0.05)

@@ -12,7 +12,8 @@ reasoning-gym ``chain_sum``.
     python bench/smollm2.py      # once: the converted model
     python bench/vllm_sync.py --out docs/results/vllm_sync.json
     # on a GPU: colocated, bfloat16, the engine asleep during the update
-    python bench/vllm_sync.py --device cuda --dtype bfloat16 --sampler-options '{"enable_sleep_mode": true}'
+    python bench/vllm_sync.py --device cuda --dtype bfloat16 --sampler-options
+    '{"enable_sleep_mode": true}'
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ RUNS = {
 
 
 def perturbed_teacher(model_dir: Path, noise: float) -> Path:
-    """``model_dir`` with Gaussian noise of ``noise`` times each weight's std added, cached beside it."""
+    """``model_dir`` with Gaussian noise of ``noise`` times each weight's std added, cached beside
+    it."""
     target = model_dir.with_name(f"{model_dir.name}-perturbed-{noise}")
     if (target / "config.json").exists():
         return target
@@ -45,7 +47,9 @@ def perturbed_teacher(model_dir: Path, noise: float) -> Path:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * parameter.std() * noise)
+            parameter.add_(
+                torch.randn(parameter.shape, generator=generator) * parameter.std() * noise
+            )
     staging = target.with_name(target.name + ".tmp")
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(staging)
@@ -80,7 +84,12 @@ def run(name: str, student: Path, teacher: Path, args) -> tuple[list[dict], dict
                 {
                     "name": "chain_sum",
                     "source": "reasoning_gym:chain_sum",
-                    "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+                    "task_config": {
+                        "min_terms": 2,
+                        "max_terms": 2,
+                        "min_digits": 1,
+                        "max_digits": 1,
+                    },
                     "groups_per_batch": args.prompts,
                     "group_size": args.group_size,
                 }
@@ -93,8 +102,17 @@ def run(name: str, student: Path, teacher: Path, args) -> tuple[list[dict], dict
         }
         resolved = config_from_dict(config)
         metrics = train(resolved, progress=False).metrics
-    keys = ("kl_sample_train", "post_kl", "teacher_kl", "time/weight_sync", "time/sample", "time/total")
-    return [{"step": m["step"], **{k: m[k] for k in keys}} for m in metrics], config_to_dict(resolved)
+    keys = (
+        "kl_sample_train",
+        "post_kl",
+        "teacher_kl",
+        "time/weight_sync",
+        "time/sample",
+        "time/total",
+    )
+    return [{"step": m["step"], **{k: m[k] for k in keys}} for m in metrics], config_to_dict(
+        resolved
+    )
 
 
 def main() -> None:
@@ -105,7 +123,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--noise", type=float, default=0.05, help="the teacher's perturbation (x weight std)")
+    parser.add_argument(
+        "--noise", type=float, default=0.05, help="the teacher's perturbation (x weight std)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--device", default="cpu")
@@ -113,19 +133,23 @@ def main() -> None:
     parser.add_argument(
         "--sampler-options", type=json.loads, default={}, help="student.sampler_options as JSON"
     )
-    parser.add_argument("--out", type=Path, help="also write the results here as JSON, with their provenance")
+    parser.add_argument(
+        "--out", type=Path, help="also write the results here as JSON, with their provenance"
+    )
     args = parser.parse_args()
     student = converted_dir()
     teacher = perturbed_teacher(student, args.noise)
     results, configs = {}, {}
     print(
-        f"{'run':>13} {'max |kl_sample_train|':>22} {'min post_kl':>12} "
-        f"{'sync s':>7} {'sample s':>9} {'step s':>7}"
+        f"{'run':>13} {'max |kl_sample_train|':>22} {'min post_kl':>12} {'sync s':>7} "
+        f"{'sample s':>9} {'step s':>7}"
     )
     for name in args.runs:
         rows, configs[name] = run(name, student, teacher, args)
         results[name] = rows
-        timed = rows[1:]  # the first step builds nothing, but pays the first sync of the whole model
+        timed = rows[
+            1:
+        ]  # the first step builds nothing, but pays the first sync of the whole model
         print(
             f"{name:>13} {max(abs(r['kl_sample_train']) for r in rows):22.2e} "
             f"{min(r['post_kl'] for r in rows):12.2e} "

@@ -18,7 +18,11 @@ warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
 # ``ci``: the same generated examples on every run, so that CI is reproducible; ``campaign``:
 # fresh random examples, many more of them (HYPOTHESIS_PROFILE=campaign, OPD_FUZZ_EXAMPLES=N)
 settings.register_profile(
-    "ci", max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci",
+    max_examples=40,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
     "campaign",
@@ -105,10 +109,16 @@ def demo_models(tmp_path_factory):
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [
-        {"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah", "fed")
+        {"prompt": f"reverse {w}", "answer": w[::-1]}
+        for w in ("abc", "hgf", "dcea", "bbad", "gah", "fed")
     ]
     lines.append(
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "reverse ab"}]}
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "reverse ab"},
+            ]
+        }
     )
     lines.append({"messages": [{"role": "user", "content": "reverse cab"}], "answer": "bac"})
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
@@ -116,7 +126,8 @@ def prompts_file(tmp_path):
 
 
 def trained_and_loading(base_config: dict, tmp_path):
-    """Train ``base_config`` (2 steps), then a config for a new run that loads its last checkpoint."""
+    """Train ``base_config`` (2 steps), then a config for a new run that loads its last
+    checkpoint."""
     from opd.config import config_from_dict
     from opd.trainer.loop import train
 
@@ -137,7 +148,9 @@ def base_config(model_dirs, prompts_file, tmp_path):
         "seed": 0,
         "student": {"model": str(model_dirs["student"]), "lora_rank": 0},
         "teacher": {"model": str(model_dirs["teacher"])},
-        "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}],
+        "datasets": [
+            {"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}
+        ],
         "training": {
             "objective": "sampled_reverse_kl",
             "learning_rate": 1e-3,
@@ -157,7 +170,13 @@ def answered(base_config, tmp_path) -> dict:
     path = tmp_path / "answered.jsonl"
     path.write_text(
         "".join(
-            json.dumps({"prompt": f"reverse {w}", "answer": w[::-1], "metadata": {"hint": {"first": w[-1]}}})
+            json.dumps(
+                {
+                    "prompt": f"reverse {w}",
+                    "answer": w[::-1],
+                    "metadata": {"hint": {"first": w[-1]}},
+                }
+            )
             + "\n"
             for w in ANSWERED_WORDS
         )

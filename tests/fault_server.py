@@ -49,9 +49,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         choices = []
         for index, ids in enumerate(body["prompt"]):
-            entries = [None] + [{str(t): {"logprob": -1.0 - (t % 7) / 10, "rank": 1}} for t in ids[1:]]
+            entries = [None] + [
+                {str(t): {"logprob": -1.0 - (t % 7) / 10, "rank": 1}} for t in ids[1:]
+            ]
             if MODE == "replicas" and number % 2 == 1:
-                entries = [None] + [{str(t): {"logprob": -2.0 - (t % 5) / 10, "rank": 1}} for t in ids[1:]]
+                entries = [None] + [
+                    {str(t): {"logprob": -2.0 - (t % 5) / 10, "rank": 1}} for t in ids[1:]
+                ]
             if MODE == "few":
                 entries = entries[:-1]
             if MODE == "wrong_ids":

@@ -35,19 +35,41 @@ SMOLLM2 = {
     "eos_token_id": 2,
 }
 CONFIGS = {
-    "Qwen/Qwen3-8B": QWEN3 | {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                              "num_attention_heads": 32, "num_key_value_heads": 8,
-                              "tie_word_embeddings": False},
-    "Qwen/Qwen3-1.7B": QWEN3 | {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
-                                "num_attention_heads": 16, "num_key_value_heads": 8,
-                                "tie_word_embeddings": True},
-    "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2 | {"hidden_size": 576, "intermediate_size": 1536,
-                                                     "num_hidden_layers": 30, "num_attention_heads": 9,
-                                                     "num_key_value_heads": 3},
-    "HuggingFaceTB/SmolLM2-360M-Instruct": SMOLLM2 | {"hidden_size": 960, "intermediate_size": 2560,
-                                                     "num_hidden_layers": 32, "num_attention_heads": 15,
-                                                     "num_key_value_heads": 5},
-}  # fmt: skip
+    "Qwen/Qwen3-8B": QWEN3
+    | {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen3-1.7B": QWEN3
+    | {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2
+    | {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
+    "HuggingFaceTB/SmolLM2-360M-Instruct": SMOLLM2
+    | {
+        "hidden_size": 960,
+        "intermediate_size": 2560,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 15,
+        "num_key_value_heads": 5,
+    },
+}
 
 
 def parameters(repo: str) -> int:

@@ -1,4 +1,5 @@
-"""Environments the tests name by import path (``multi_turn_envs:ReplyOnce``), as a user's own would be."""
+"""Environments the tests name by import path (``multi_turn_envs:ReplyOnce``), as a user's own would
+be."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ class ReplyOnceEpisode(Episode):
         self.turns += 1
         if self.turns == 1:
             return Step(messages=({"role": "user", "content": self.reply},), reward=0.0)
-        return Step(done=True, reward=float(len(reply) % 2), metrics={"second_len": float(len(reply))})
+        return Step(
+            done=True, reward=float(len(reply) % 2), metrics={"second_len": float(len(reply))}
+        )
 
 
 @dataclass(frozen=True)
 class ReplyOnce(Environment):
-    """Answers the first turn with ``reply``, then ends the episode: every finished episode has two turns."""
+    """Answers the first turn with ``reply``, then ends the episode: every finished episode has two
+    turns."""
 
     reply: str = "go on"
 
@@ -51,7 +55,8 @@ class WordRewardEpisode(Episode):
 
 @dataclass(frozen=True)
 class WordReward(Environment):
-    """Ends every episode with a reward that is a word, not a number: the run must stop and name it."""
+    """Ends every episode with a reward that is a word, not a number: the run must stop and name
+    it."""
 
     def start(self, prompt, grader) -> WordRewardEpisode:
         return WordRewardEpisode()
@@ -111,7 +116,8 @@ class QuarterThenHalfEpisode(Episode):
 
 @dataclass(frozen=True)
 class QuarterThenHalf(Environment):
-    """Rewards the first turn 0.25 and the second 0.5, then ends: a finished episode's reward is 0.75."""
+    """Rewards the first turn 0.25 and the second 0.5, then ends: a finished episode's reward is
+    0.75."""
 
     def start(self, prompt, grader) -> QuarterThenHalfEpisode:
         return QuarterThenHalfEpisode()

@@ -23,7 +23,9 @@ def kl_rows(p_log_NV: torch.Tensor, q_log_NV: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * (p_log_NV - q_log_NV), torch.zeros_like(p)).sum(-1)
 
 
-def generalized_jsd(student_log_NV: torch.Tensor, teacher_log_NV: torch.Tensor, beta: float) -> torch.Tensor:
+def generalized_jsd(
+    student_log_NV: torch.Tensor, teacher_log_NV: torch.Tensor, beta: float
+) -> torch.Tensor:
     """GKD's generalized Jensen-Shannon divergence per row (TRL semantics).
 
     ``M = (1 - beta) S + beta T``; ``JSD = beta KL(T || M) + (1 - beta) KL(S || M)``. The
@@ -37,11 +39,15 @@ def generalized_jsd(student_log_NV: torch.Tensor, teacher_log_NV: torch.Tensor, 
     mixture_log = torch.logsumexp(
         torch.stack([student_log_NV + math.log(1.0 - beta), teacher_log_NV + math.log(beta)]), dim=0
     )
-    return beta * kl_rows(teacher_log_NV, mixture_log) + (1.0 - beta) * kl_rows(student_log_NV, mixture_log)
+    return beta * kl_rows(teacher_log_NV, mixture_log) + (1.0 - beta) * kl_rows(
+        student_log_NV, mixture_log
+    )
 
 
 def topk_forward_kl(
-    student_log_NV: torch.Tensor, teacher_topk_ids_NK: torch.Tensor, teacher_topk_log_NK: torch.Tensor
+    student_log_NV: torch.Tensor,
+    teacher_topk_ids_NK: torch.Tensor,
+    teacher_topk_log_NK: torch.Tensor,
 ) -> torch.Tensor:
     """Forward KL(T || S) over the teacher's top-k tokens plus one bucket for the rest.
 
@@ -50,7 +56,9 @@ def topk_forward_kl(
     what an inference server can afford to send.
     """
     student_topk = student_log_NV.gather(-1, teacher_topk_ids_NK)
-    outside = torch.ones_like(student_log_NV, dtype=torch.bool).scatter(-1, teacher_topk_ids_NK, False)
+    outside = torch.ones_like(student_log_NV, dtype=torch.bool).scatter(
+        -1, teacher_topk_ids_NK, False
+    )
     student_tail = torch.logsumexp(student_log_NV.masked_fill(~outside, float("-inf")), dim=-1)
     student_tail = student_tail.clamp(min=math.log(TAIL_FLOOR))  # k = V leaves no tail
     teacher_tail = tail_logprob(teacher_topk_log_NK)

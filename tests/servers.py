@@ -14,7 +14,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_until_up(port: int, process: subprocess.Popen, path: str = "/health", timeout_s: float = 60) -> None:
+def wait_until_up(
+    port: int, process: subprocess.Popen, path: str = "/health", timeout_s: float = 60
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -52,7 +54,8 @@ def start_opd_serve(model_dir, port, *extra, wait: bool = True):
 
 
 def through_server(config: dict, port: int, log_path) -> dict:
-    """``config`` with its local teacher replaced by the same model behind ``opd serve`` on ``port``."""
+    """``config`` with its local teacher replaced by the same model behind ``opd serve`` on
+    ``port``."""
     return dict(
         config,
         log_path=str(log_path),

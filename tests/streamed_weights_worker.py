@@ -38,7 +38,9 @@ def main(out: str, lora_rank: int) -> None:
         found[label] = {
             "names": sorted(name for name, _ in streamed),
             "count": len(streamed),
-            "max_difference": max(float((tensor - whole[name]).abs().max()) for name, tensor in streamed),
+            "max_difference": max(
+                float((tensor - whole[name]).abs().max()) for name, tensor in streamed
+            ),
         }
     if dist.get_rank() == 0:
         with open(out, "w") as handle:

@@ -20,7 +20,8 @@ def test_a_batch_collected_ahead_comes_from_the_weights_before_the_previous_upda
     assert [r["staleness_mean"] for r in rows] == [0, 1, 1, 1]
     assert all(r["time/wait_for_batch"] >= 0 and r["time/weight_sync"] >= 0 for r in rows)
     fresh = Trainer(
-        config_from_dict(dict(base_config, log_path=base_config["log_path"] + "-fresh")), progress=False
+        config_from_dict(dict(base_config, log_path=base_config["log_path"] + "-fresh")),
+        progress=False,
     )
     expected = fresh.learner.kl_metrics(fresh.collect(1))["teacher_kl"]
     assert rows[1]["teacher_kl"] == pytest.approx(expected, abs=1e-6)
@@ -31,11 +32,17 @@ def test_a_batch_collected_ahead_comes_from_the_weights_before_the_previous_upda
     )  # the update moved step 1's samples: the check above is not trivial
 
 
-def test_collection_ahead_is_reproducible_and_resumes_from_the_checkpoint_weights(base_config, tmp_path):
+def test_collection_ahead_is_reproducible_and_resumes_from_the_checkpoint_weights(
+    base_config, tmp_path
+):
     config = ahead_config(base_config, 2, steps=5)
     first = train(config_from_dict(config), progress=False).metrics
-    again = train(config_from_dict(dict(config, log_path=str(tmp_path / "again"))), progress=False).metrics
-    assert [(r["teacher_kl"], r["loss"]) for r in first] == [(r["teacher_kl"], r["loss"]) for r in again]
+    again = train(
+        config_from_dict(dict(config, log_path=str(tmp_path / "again"))), progress=False
+    ).metrics
+    assert [(r["teacher_kl"], r["loss"]) for r in first] == [
+        (r["teacher_kl"], r["loss"]) for r in again
+    ]
     assert [r["staleness_mean"] for r in first] == [0, 1, 2, 2, 2]
 
     resumed_config = dict(config, log_path=str(tmp_path / "resumed"))

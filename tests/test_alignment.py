@@ -37,7 +37,9 @@ def test_a_teacher_tokens_logprob_is_read_per_character_by_hand():
     # or writes "abc" (0.05): 0.525 of the 0.65. Ending after "c": 0.9 of the 0.95 going on
     first = [("a", 0.1), ("ax", 0.1), ("abd", 0.1), ("abc", 0.05), ("b", 0.1)]
     alternatives = [[(text, math.log(p)) for text, p in first], [("cd", math.log(0.05))]]
-    chars, end = character_logprobs("abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], alternatives)
+    chars, end = character_logprobs(
+        "abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], alternatives
+    )
     assert chars == pytest.approx([math.log(0.85), math.log(0.65 / 0.85), math.log(0.525 / 0.65)])
     assert end == pytest.approx(math.log(0.9 / 0.95))
     # a student reading "a" + "bc" gets each token's characters summed
@@ -74,7 +76,9 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
         for p in generate_task_prompts("reverse", seed=7, count=3000)
     ]
     trainer = trainers.BpeTrainer(
-        vocab_size=160, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=list("abcdefgh \nuseristanv")
+        vocab_size=160,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=list("abcdefgh \nuseristanv"),
     )
     backend.train_from_iterator(words + ["user\nassistant\n"] * 50, trainer)
     tokenizer = PreTrainedTokenizerFast(
@@ -91,7 +95,9 @@ def train_task_model(tokenizer, directory):
     """The demo teacher's recipe (size, 300 supervised steps) with another tokenizer or format."""
     model = build_model(TEACHER_SPEC, tokenizer, seed=0)
     prompts = generate_task_prompts("reverse", seed=1000)
-    supervised_finetune(model, ChatRenderer(tokenizer), prompts, steps=300, batch_size=64, learning_rate=1e-3)
+    supervised_finetune(
+        model, ChatRenderer(tokenizer), prompts, steps=300, batch_size=64, learning_rate=1e-3
+    )
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -112,7 +118,9 @@ def rollout_and_scores(config):
 
 
 def test_same_tokenizer_through_the_cross_tokenizer_path_is_exact(demo_models, tmp_path):
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0
+    )
     _, batch, direct = rollout_and_scores(config)
     config["teacher"]["cross_tokenizer"] = True
     _, batch_again, crossed = rollout_and_scores(config)
@@ -169,7 +177,9 @@ def test_teacher_template_lowers_the_kl_of_a_teacher_that_knows_only_its_format(
     demo_models, plain_format_teacher, tmp_path, template
 ):
     """The student (the strong ChatML demo teacher) answers well; the teacher only reads 'Q:/A:'."""
-    config = demo_config(str(tmp_path / "run"), demo_models["teacher"], str(plain_format_teacher), 1, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["teacher"], str(plain_format_teacher), 1, 0
+    )
     _, batch, foreign = rollout_and_scores(config)
     config["teacher"]["chat_template"] = template
     _, batch_again, own = rollout_and_scores(config)
@@ -180,10 +190,14 @@ def test_teacher_template_lowers_the_kl_of_a_teacher_that_knows_only_its_format(
     assert kl_own < 0.5 * kl_foreign, (kl_own, kl_foreign)
 
 
-def test_training_a_bpe_student_from_a_char_level_teacher_lowers_the_kl(demo_models, bpe_model, tmp_path):
+def test_training_a_bpe_student_from_a_char_level_teacher_lowers_the_kl(
+    demo_models, bpe_model, tmp_path
+):
     """The issue's example: a character-level teacher (the demo's) and a BPE student."""
     config = demo_config(str(tmp_path / "run"), str(bpe_model), demo_models["teacher"], 60, 0)
-    config["training"]["learning_rate"] = 3e-4  # the setting docs/teachers.md reports, not the demo's
+    config["training"]["learning_rate"] = (
+        3e-4  # the setting docs/teachers.md reports, not the demo's
+    )
     with pytest.raises(Exception, match="cross_tokenizer: true"):
         Trainer(config_from_dict(config), progress=False)
     config["teacher"]["cross_tokenizer"] = True
@@ -201,7 +215,9 @@ def test_training_a_bpe_student_from_a_char_level_teacher_lowers_the_kl(demo_mod
 def test_text_the_teacher_cannot_encode_is_penalised_not_free():
     teacher_tokenizer = bpe_tokenizer()
     student_tokenizer = build_char_tokenizer()
-    fmt = TeacherFormat(ChatRenderer(teacher_tokenizer), student_tokenizer, [2], cross_tokenizer=True)
+    fmt = TeacherFormat(
+        ChatRenderer(teacher_tokenizer), student_tokenizer, [2], cross_tokenizer=True
+    )
     ids = student_tokenizer("abXa", add_special_tokens=False)["input_ids"] + [2]
     built = fmt.build(({"role": "user", "content": "reverse aba"},), ids)
     (piece,) = built.turns
@@ -218,7 +234,8 @@ def test_cross_tokenizer_refuses_full_distribution_objectives(base_config):
     base_config["training"]["objective"] = "jsd"
     with pytest.raises(
         ConfigError,
-        match=r"teacher\.cross_tokenizer: on the student's samples it serves objective sampled_reverse_kl or "
+        match=r"teacher\.cross_tokenizer: on the student's samples it serves objective "
+        r"sampled_reverse_kl or "
         r"k3",
     ):
         config_from_dict(base_config)
@@ -231,7 +248,9 @@ def test_a_bpe_teacher_writes_its_own_text_in_the_students_tokens(demo_models, b
     config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_model), 1, 0)
     config["teacher"]["cross_tokenizer"] = True
     config["training"] |= {"data_source": "mixed", "lmbda": 0.0}
-    with pytest.raises(ConfigError, match=r"set training\.off_policy_objective to one that works off-policy"):
+    with pytest.raises(
+        ConfigError, match=r"set training\.off_policy_objective to one that works off-policy"
+    ):
         config_from_dict(config)
     config["training"]["off_policy_objective"] = "topk_forward_kl"
     with pytest.raises(
@@ -251,12 +270,16 @@ def test_a_bpe_teacher_writes_its_own_text_in_the_students_tokens(demo_models, b
     sampler = HFGenerateSampler(model, teacher_tokenizer, stop_token_ids=[stop])
     seeds = [row_seed(step_seed(0, 0), row) for row in range(len(batch.sequences))]
     ended = 0
-    for row, (sequence, record) in enumerate(zip(batch.sequences, batch.prompt_records, strict=True)):
+    for row, (sequence, record) in enumerate(
+        zip(batch.sequences, batch.prompt_records, strict=True)
+    ):
         prompt = teacher_tokenizer.apply_chat_template(
             list(record.messages), add_generation_prompt=True, tokenize=False
         )
         prompt_ids = teacher_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        (written,) = sampler.sample([prompt_ids], temperature=1.0, max_tokens=MAX_TOKENS, seed=[seeds[row]])
+        (written,) = sampler.sample(
+            [prompt_ids], temperature=1.0, max_tokens=MAX_TOKENS, seed=[seeds[row]]
+        )
         ends_turn = written.token_ids[-1:] == [stop]
         text = teacher_tokenizer.decode(written.token_ids[:-1] if ends_turn else written.token_ids)
         expected = student_tokenizer(text, add_special_tokens=False)["input_ids"] + [2] * ends_turn
@@ -273,13 +296,19 @@ def test_a_bpe_teacher_writes_its_own_text_in_the_students_tokens(demo_models, b
 def test_a_teacher_turn_cut_at_the_students_budget_is_unfinished():
     teacher_tokenizer, student_tokenizer = bpe_tokenizer(), build_char_tokenizer()
     stop = teacher_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    fmt = TeacherFormat(ChatRenderer(teacher_tokenizer), student_tokenizer, [2], cross_tokenizer=True)
+    fmt = TeacherFormat(
+        ChatRenderer(teacher_tokenizer), student_tokenizer, [2], cross_tokenizer=True
+    )
     writer = TeacherWriter(None, fmt, student_tokenizer, [2])
     body = teacher_tokenizer("cba dd", add_special_tokens=False)["input_ids"]
-    whole = writer.in_student_ids(Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 7)
+    whole = writer.in_student_ids(
+        Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 7
+    )
     chars = student_tokenizer("cba dd", add_special_tokens=False)["input_ids"]
     assert (whole.token_ids, whole.finished, whole.logprobs) == ([*chars, 2], True, [0.0] * 7)
-    cut = writer.in_student_ids(Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 5)
+    cut = writer.in_student_ids(
+        Completion([*body, stop], [-0.5] * (len(body) + 1), finished=True), 5
+    )
     assert (cut.token_ids, cut.finished) == (chars[:5], False)
 
 
@@ -302,10 +331,17 @@ def test_rows_of_two_teachers_are_written_one_call_per_teacher_in_row_order():
         [first, second, second, first], prompts, [()] * 4, SamplingParams(1.0, 8), seeds, [None] * 4
     )
     assert calls == [(100, [[1], [4]], [11, 14]), (200, [[2, 2], [3]], [12, 13])]
-    assert [c.token_ids for c in written] == [[100, 1, 11], [200, 2, 2, 12], [200, 3, 13], [100, 4, 14]]
+    assert [c.token_ids for c in written] == [
+        [100, 1, 11],
+        [200, 2, 2, 12],
+        [200, 3, 13],
+        [100, 4, 14],
+    ]
 
 
-def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(demo_models, bpe_model, tmp_path):
+def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(
+    demo_models, bpe_model, tmp_path
+):
     """Its top-k rows, in the student's ids, hold at most all the mass and mostly list the sampled
     character; a step learns from them."""
     config = demo_config(str(tmp_path / "run"), demo_models["student"], str(bpe_model), 1, 0)
@@ -328,7 +364,9 @@ def test_a_same_tokenizer_teacher_read_as_another_gives_its_own_top_k(demo_model
     """The demo's character teacher through the cross-tokenizer path: each row is its own likely
     tokens (and the sampled one), special tokens other than its end of turn left out, as shares
     of their mass, the top 6."""
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0
+    )
     config["teacher"].update(cross_tokenizer=True, character_topk=8)
     config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 6}
     trainer = Trainer(config_from_dict(config), progress=False)
@@ -343,12 +381,23 @@ def test_a_same_tokenizer_teacher_read_as_another_gives_its_own_top_k(demo_model
     for row, position in mask.nonzero().tolist():
         ids, logprobs = direct.topk_ids_BTK[row, position], direct.topk_logprobs_BTK[row, position]
         likely = dict(zip(ids.tolist(), logprobs.tolist(), strict=True))
-        likely.setdefault(int(batch.input_ids_BT[row, position]), float(direct.logprobs_BT[row, position]))
+        likely.setdefault(
+            int(batch.input_ids_BT[row, position]), float(direct.logprobs_BT[row, position])
+        )
         masses = {i: math.exp(lp) for i, lp in likely.items() if i not in unwritten}
         total = sum(masses.values())
-        expected = dict(sorted(((i, m / total) for i, m in masses.items()), key=lambda pair: -pair[1])[:6])
-        ids, logprobs = crossed.topk_ids_BTK[row, position], crossed.topk_logprobs_BTK[row, position]
-        got = {i: math.exp(lp) for i, lp in zip(ids.tolist(), logprobs.tolist(), strict=True) if lp > -1000}
+        expected = dict(
+            sorted(((i, m / total) for i, m in masses.items()), key=lambda pair: -pair[1])[:6]
+        )
+        ids, logprobs = (
+            crossed.topk_ids_BTK[row, position],
+            crossed.topk_logprobs_BTK[row, position],
+        )
+        got = {
+            i: math.exp(lp)
+            for i, lp in zip(ids.tolist(), logprobs.tolist(), strict=True)
+            if lp > -1000
+        }
         assert got == pytest.approx(expected, abs=1e-5), (row, position)
         checked += 1
     assert checked > 100

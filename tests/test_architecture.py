@@ -1,4 +1,4 @@
-"""The house stays readable: no module over 400 lines, and every module and package of opd sits in
+"""The house stays readable: no module over 350 lines, and every module and package of opd sits in
 a layer of the import contract (``pyproject.toml``), so ``lint-imports`` covers new ones too."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "src" / "opd"
-MOST_LINES = 400
+MOST_LINES = 350
 
 
-def test_no_module_is_over_400_lines():
+def test_no_module_is_over_350_lines():
     sizes = {
         str(path.relative_to(SOURCE)): len(path.read_text(encoding="utf-8").splitlines())
         for path in SOURCE.rglob("*.py")
@@ -20,7 +20,9 @@ def test_no_module_is_over_400_lines():
 
 
 def test_every_top_level_module_and_package_is_in_the_layers_contract():
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"
+    ]
     layers = next(c for c in contracts if c["name"].startswith("Data flows one way"))["layers"]
     named = {part.strip() for layer in layers for part in layer.split("|")}
     present = {

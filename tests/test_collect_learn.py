@@ -40,17 +40,23 @@ def test_a_batch_collected_earlier_is_learned_as_it_was_collected(base_config):
     assert metrics["step"] == 1
 
 
-@pytest.mark.parametrize("request_", [TeacherRequest(), TeacherRequest(topk=4), TeacherRequest(hidden=True)])
+@pytest.mark.parametrize(
+    "request_", [TeacherRequest(), TeacherRequest(topk=4), TeacherRequest(hidden=True)]
+)
 def test_teacher_scores_of_a_padded_batch_equal_each_row_scored_alone(base_config, request_):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     rollouts, _ = trainer.collector.sample_batch(0)
     teacher = trainer.teachers.per_dataset[0]
-    inputs = TeacherInput(rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool())
+    inputs = TeacherInput(
+        rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool()
+    )
     together = teacher.score(inputs, request_)
     for row in range(inputs.input_ids_BT.shape[0]):
         alone = teacher.score(inputs.select(torch.tensor([row])), request_)
         width = alone.logprobs_BT.shape[1]
-        torch.testing.assert_close(together.logprobs_BT[row, :width], alone.logprobs_BT[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            together.logprobs_BT[row, :width], alone.logprobs_BT[0], atol=1e-5, rtol=0
+        )
         assert not together.logprobs_BT[row, width:].any()
         mask = rollouts.mask_BT[row : row + 1].bool()
         rows_together, rows_alone = (
@@ -64,12 +70,17 @@ def test_teacher_scores_of_a_padded_batch_equal_each_row_scored_alone(base_confi
             )
         if request_.hidden:
             torch.testing.assert_close(
-                rows_together.heads[0].hidden_ND, rows_alone.heads[0].hidden_ND, atol=1e-5, rtol=1e-5
+                rows_together.heads[0].hidden_ND,
+                rows_alone.heads[0].hidden_ND,
+                atol=1e-5,
+                rtol=1e-5,
             )
             assert together.head is teacher.lm_head
 
 
-def test_two_teachers_answer_into_one_batch_as_each_would_alone(base_config, model_dirs, prompts_file):
+def test_two_teachers_answer_into_one_batch_as_each_would_alone(
+    base_config, model_dirs, prompts_file
+):
     base_config["datasets"].append(
         {
             "name": "self",
@@ -83,12 +94,16 @@ def test_two_teachers_answer_into_one_batch_as_each_would_alone(base_config, mod
     trainer = Trainer(config_from_dict(base_config), progress=False)
     rollouts, _ = trainer.collector.sample_batch(0)
     scores = trainer.teachers.score(rollouts)
-    inputs = TeacherInput(rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool())
+    inputs = TeacherInput(
+        rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool()
+    )
     for dataset_index, teacher in enumerate(trainer.teachers.per_dataset):
         rows = (rollouts.dataset_index_B == dataset_index).nonzero().flatten()
         alone = teacher.score(inputs.select(rows), TeacherRequest(topk=3))
         width = alone.logprobs_BT.shape[1]
-        torch.testing.assert_close(scores.logprobs_BT[rows, :width], alone.logprobs_BT, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            scores.logprobs_BT[rows, :width], alone.logprobs_BT, atol=1e-5, rtol=0
+        )
         assert torch.equal(scores.topk_ids_BTK[rows, :width], alone.topk_ids_BTK)
 
 
@@ -121,7 +136,9 @@ def test_normalized_advantages_are_what_a_step_learns_from(base_config, monkeypa
     trainer = Trainer(config_from_dict(base_config), progress=False)
     received = []
     update = learn.policy_update
-    monkeypatch.setattr(learn, "policy_update", lambda *a, **k: received.append(a[6]) or update(*a, **k))
+    monkeypatch.setattr(
+        learn, "policy_update", lambda *a, **k: received.append(a[6]) or update(*a, **k)
+    )
     batch = trainer.collect(0)
     metrics = trainer.learn(batch)
     selected = batch.rollouts.mask_BT.bool()
@@ -160,7 +177,9 @@ def test_advantage_clip_bounds_the_advantages_a_step_learns_from(base_config):
         ({"max_staleness": 2, "advantage_logprobs": "behaviour"}, "behaviour"),
     ],
 )
-def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(base_config, settings, source):
+def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(
+    base_config, settings, source
+):
     """A stale sampler: the batch's recorded log-probs are 0.3 nats off the student's. ``current``
     builds the reverse-KL advantage from the student's own log-probs (one forward before the
     update), ``behaviour`` from the recorded ones; the logged teacher KL stays the sampled one."""
@@ -174,9 +193,13 @@ def test_the_advantages_are_built_from_the_behaviour_or_the_current_log_probs(ba
     batch.rollouts.sampled_logprobs_BT[selected] += 0.3
     metrics = trainer.learn(batch)
     teacher = batch.teacher.logprobs_BT[selected]
-    student = current[selected] if source == "current" else batch.rollouts.sampled_logprobs_BT[selected]
+    student = (
+        current[selected] if source == "current" else batch.rollouts.sampled_logprobs_BT[selected]
+    )
     assert metrics["advantage/mean"] == pytest.approx(-float((student - teacher).mean()), rel=1e-5)
     assert metrics["teacher_kl"] == pytest.approx(
         float((batch.rollouts.sampled_logprobs_BT[selected] - teacher).mean()), rel=1e-5
     )
-    assert metrics["kl_sample_train"] == pytest.approx(0.3, abs=1e-3)  # the ratio stays on the behaviour
+    assert metrics["kl_sample_train"] == pytest.approx(
+        0.3, abs=1e-3
+    )  # the ratio stays on the behaviour

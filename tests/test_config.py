@@ -50,7 +50,8 @@ def test_unknown_key_is_named_with_a_suggestion():
     data = issue_example()
     data["training"]["learnig_rate"] = 1.0
     with pytest.raises(
-        ConfigError, match=r"training\.learnig_rate: unknown key; did you mean 'training\.learning_rate'"
+        ConfigError,
+        match=r"training\.learnig_rate: unknown key; did you mean 'training\.learning_rate'",
     ):
         config_from_dict(data)
 
@@ -58,7 +59,8 @@ def test_unknown_key_is_named_with_a_suggestion():
 def test_unknown_nested_dataset_key():
     data = dict(MINIMAL, datasets=[{"name": "a", "source": "p", "group_sise": 2}])
     with pytest.raises(
-        ConfigError, match=r"datasets\[0\]\.group_sise: unknown key; did you mean 'datasets\[0\]\.group_size'"
+        ConfigError,
+        match=r"datasets\[0\]\.group_sise: unknown key; did you mean 'datasets\[0\]\.group_size'",
     ):
         config_from_dict(data)
 
@@ -67,7 +69,10 @@ def test_unknown_nested_dataset_key():
     ("override", "message"),
     [
         ("training.learning_rate=fast", r"training\.learning_rate: expected float"),
-        ("training.loss_fn=ppo2", r"training\.loss_fn: 'ppo2' is not one of .* \(did you mean 'ppo'\?\)"),
+        (
+            "training.loss_fn=ppo2",
+            r"training\.loss_fn: 'ppo2' is not one of .* \(did you mean 'ppo'\?\)",
+        ),
         ("datasets.0.group_size=0", r"datasets\[0\]\.group_size: must be >= 1, got 0"),
         ("datasets.0.groups_per_batch=-1", r"datasets\[0\]\.groups_per_batch: must be >= 1"),
         ("training.temperature=0", r"training\.temperature: must be > 0"),
@@ -79,7 +84,10 @@ def test_unknown_nested_dataset_key():
         ),
         ("training.max_steps=2.5", r"training\.max_steps: .*integer"),
         ("student.lora_rank=-4", r"student\.lora_rank: must be >= 0"),
-        ("training.objective=jsdd", r"training\.objective: 'jsdd' is not one of .* \(did you mean 'jsd'\?\)"),
+        (
+            "training.objective=jsdd",
+            r"training\.objective: 'jsdd' is not one of .* \(did you mean 'jsd'\?\)",
+        ),
         (
             "training.objective={name: k3, kl_direction: up}",
             r"training\.objective\.kl_direction: 'up' is not one of \['reverse', 'forward'\]",
@@ -89,8 +97,14 @@ def test_unknown_nested_dataset_key():
             r"training\.objective\.beta: must be in \[0, 1\], got 1\.5",
         ),
         ("training.lmbda=-0.1", r"training\.lmbda: must be in \[0, 1\]"),
-        ("training.objective={name: topk_forward_kl, topk: 0}", r"training\.objective\.topk: must be > 0"),
-        ("training.objective=nll", r"training\.data_source: 'student' includes student samples.*'nll'"),
+        (
+            "training.objective={name: topk_forward_kl, topk: 0}",
+            r"training\.objective\.topk: must be > 0",
+        ),
+        (
+            "training.objective=nll",
+            r"training\.data_source: 'student' includes student samples.*'nll'",
+        ),
     ],
 )
 def test_bad_values_are_named(override, message):
@@ -136,7 +150,10 @@ def test_an_unset_batch_shape_is_16_prompts_of_one_sample_or_4_of_4_with_a_rewar
     plain = config_from_dict(MINIMAL).datasets[0]
     assert (plain.groups_per_batch, plain.group_size) == (16, 1)
     rewarded = config_from_dict(MINIMAL, ["training.reward_coef=1"]).datasets[0]
-    assert (rewarded.groups_per_batch, rewarded.group_size) == (4, 4)  # a group to centre each reward
+    assert (rewarded.groups_per_batch, rewarded.group_size) == (
+        4,
+        4,
+    )  # a group to centre each reward
     wide = config_from_dict(MINIMAL, ["datasets.0.group_size=8"]).datasets[0]
     assert (wide.groups_per_batch, wide.group_size) == (2, 8)  # still 16 samples a step
     few = config_from_dict(MINIMAL, ["datasets.0.groups_per_batch=3"]).datasets[0]
@@ -150,9 +167,12 @@ def test_an_unset_batch_shape_is_16_prompts_of_one_sample_or_4_of_4_with_a_rewar
 
 def test_the_reverse_kl_is_refused_on_batches_the_student_did_not_sample():
     with pytest.raises(
-        ConfigError, match=r"training\.data_source: 'teacher' .* training\.objective 'sampled_reverse_kl'"
+        ConfigError,
+        match=r"training\.data_source: 'teacher' .* training\.objective 'sampled_reverse_kl'",
     ):
-        config_from_dict(MINIMAL, ["training.objective=sampled_reverse_kl", "training.data_source=teacher"])
+        config_from_dict(
+            MINIMAL, ["training.objective=sampled_reverse_kl", "training.data_source=teacher"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -160,17 +180,20 @@ def test_the_reverse_kl_is_refused_on_batches_the_student_did_not_sample():
     [
         (
             ["training.off_policy_objective=nll"],
-            r"training\.off_policy_objective: applies to the teacher's steps of data_source: mixed; with "
+            r"training\.off_policy_objective: applies to the teacher's steps of data_source: "
+            r"mixed; with "
             r"'student'",
         ),
         (
             ["training.data_source=mixed", "training.off_policy_objective=sampled_reverse_kl"],
-            r"training\.off_policy_objective 'sampled_reverse_kl' is a policy gradient on the student's own "
+            r"training\.off_policy_objective 'sampled_reverse_kl' is a policy gradient on the "
+            r"student's own "
             r"samples; set training\.off_policy_objective to one that works off-policy",
         ),
         (
             ["training.data_source=mixed", "training.objective=nll"],
-            r"training\.objective 'nll' on them would fit .* or name it in training\.off_policy_objective",
+            r"training\.objective 'nll' on them would fit .* or name it in "
+            r"training\.off_policy_objective",
         ),
     ],
 )
@@ -189,15 +212,22 @@ def test_mixed_runs_one_objective_on_each_source_and_records_both():
         ],
     )
     training = config.training
-    assert [training.objective_for(s).name for s in ("student", "teacher")] == ["sampled_reverse_kl", "nll"]
+    assert [training.objective_for(s).name for s in ("student", "teacher")] == [
+        "sampled_reverse_kl",
+        "nll",
+    ]
     again = config_from_dict(config_to_dict(config))
     assert again.training.off_policy_objective == training.off_policy_objective
     assert config_from_dict(MINIMAL).training.objective_for("teacher").name == "topk_forward_kl"
     crossed = config_from_dict(
         MINIMAL, ["teacher.cross_tokenizer=true", "training.data_source=mixed"]
     ).training
-    # nothing set: the reverse KL on the student's steps, the teacher's text learnt by its likelihood
-    assert [crossed.objective_for(s).name for s in ("student", "teacher")] == ["sampled_reverse_kl", "nll"]
+    # nothing set: the reverse KL on the student's steps, the teacher's text learnt by its
+    # likelihood
+    assert [crossed.objective_for(s).name for s in ("student", "teacher")] == [
+        "sampled_reverse_kl",
+        "nll",
+    ]
 
 
 def test_an_unset_objective_is_the_topk_forward_kl_where_it_can_serve():
@@ -217,10 +247,16 @@ def test_an_unset_objective_is_the_topk_forward_kl_where_it_can_serve():
         ["teacher.cross_tokenizer=true"],  # its defaults were measured with the reverse KL
         ["training.loss_fn=ppo"],  # a policy-gradient setting asks for the policy gradient
         ["training.kl_penalty_coef=0.5"],
-        ["teacher.backend=sglang", "teacher.base_url=http://127.0.0.1:30000", "training.temperature=0.7"],
+        [
+            "teacher.backend=sglang",
+            "teacher.base_url=http://127.0.0.1:30000",
+            "training.temperature=0.7",
+        ],
     ],
 )
-def test_an_unset_objective_is_the_reverse_kl_where_the_top_k_cannot_serve_or_was_not_measured(overrides):
+def test_an_unset_objective_is_the_reverse_kl_where_the_top_k_cannot_serve_or_was_not_measured(
+    overrides,
+):
     objective = config_from_dict(MINIMAL, overrides).training.objective
     assert objective.name == "sampled_reverse_kl"
     named = config_from_dict(MINIMAL, [*overrides, "training.objective=sampled_reverse_kl"])
@@ -228,7 +264,11 @@ def test_an_unset_objective_is_the_reverse_kl_where_the_top_k_cannot_serve_or_wa
 
 
 def test_override_does_not_mutate_the_input():
-    data = {"student": {"model": "s"}, "teacher": {"model": "t"}, "datasets": [{"name": "a", "source": "p"}]}
+    data = {
+        "student": {"model": "s"},
+        "teacher": {"model": "t"},
+        "datasets": [{"name": "a", "source": "p"}],
+    }
     config_from_dict(data, ["student.lora_rank=0"])
     assert "lora_rank" not in data["student"]
 
@@ -256,28 +296,41 @@ def test_load_config_names_the_file(tmp_path):
 
 
 def test_cli_start_up_leaves_the_trainer_unimported():
-    """`opd --help` and config errors need no trainer: peft and the loop load on first use of opd.train."""
+    """`opd --help` and config errors need no trainer: peft and the loop load on first use of
+    opd.train."""
     code = (
-        "import sys, opd.cli, opd; "
-        "print('peft' in sys.modules, 'opd.trainer.loop' in sys.modules); "
-        "from opd.trainer.loop import train; print(opd.train is train)"
+        "import sys, opd.cli, opd; print('peft' in sys.modules, 'opd.trainer.loop' in "
+        "sys.modules); from opd.trainer.loop import train; print(opd.train is train)"
     )
-    output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    output = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    )
     assert output.stdout.split() == ["False", "False", "True"]
 
 
 @pytest.mark.parametrize(
     ("recorded", "message"),
     [
-        ("training: {learning_rate: fast}\n", r"config\.yaml: training\.learning_rate: expected a number"),
-        ("training: {objective: {name: nope}}\n", r"config\.yaml: training\.objective: 'nope' is not one of"),
+        (
+            "training: {learning_rate: fast}\n",
+            r"config\.yaml: training\.learning_rate: expected a number",
+        ),
+        (
+            "training: {objective: {name: nope}}\n",
+            r"config\.yaml: training\.objective: 'nope' is not one of",
+        ),
         ("training: [unclosed\n", r"config\.yaml: the run to resume has an unreadable config"),
     ],
 )
-def test_a_run_to_resume_whose_record_is_broken_is_refused_naming_the_file(tmp_path, recorded, message):
+def test_a_run_to_resume_whose_record_is_broken_is_refused_naming_the_file(
+    tmp_path, recorded, message
+):
     (tmp_path / "config.yaml").write_text(recorded)
     with pytest.raises(ConfigError, match=message):
         config_from_dict(dict(MINIMAL, log_path=str(tmp_path)))
     named = ["training.learning_rate=1e-4", "training.objective=sampled_reverse_kl"]
     if "unreadable" not in message:
-        assert config_from_dict(dict(MINIMAL, log_path=str(tmp_path)), named).training.learning_rate == 1e-4
+        assert (
+            config_from_dict(dict(MINIMAL, log_path=str(tmp_path)), named).training.learning_rate
+            == 1e-4
+        )

@@ -20,7 +20,9 @@ REFERENCE = Path(__file__).parents[1] / "docs" / "config.md"
 
 
 def test_the_reference_is_current():
-    assert REFERENCE.read_text() == render(), "regenerate: python -m opd.config_reference > docs/config.md"
+    assert REFERENCE.read_text() == render(), (
+        "regenerate: python -m opd.config_reference > docs/config.md"
+    )
 
 
 def test_every_key_is_documented_where_it_is_declared():
@@ -37,15 +39,21 @@ def test_every_key_is_documented_where_it_is_declared():
 def test_every_key_of_a_resolved_config_is_in_the_reference(base_config):
     text = REFERENCE.read_text()
     resolved = config_to_dict(config_from_dict(base_config))
-    keys = [f"`{key}`" for key in resolved if key not in ("student", "teacher", "datasets", "training")]
+    keys = [
+        f"`{key}`" for key in resolved if key not in ("student", "teacher", "datasets", "training")
+    ]
     keys += [
-        f"`{section}.{key}`" for section in ("student", "teacher", "training") for key in resolved[section]
+        f"`{section}.{key}`"
+        for section in ("student", "teacher", "training")
+        for key in resolved[section]
     ]
     keys += [f"`datasets[].{key}`" for key in resolved["datasets"][0]]
     assert [key for key in keys if key not in text] == []
 
 
-def test_opd_config_prints_every_default_and_reads_back_as_the_same_config(base_config, tmp_path, capsys):
+def test_opd_config_prints_every_default_and_reads_back_as_the_same_config(
+    base_config, tmp_path, capsys
+):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(base_config))
     assert main(["config", str(path), "training.max_steps=7"]) == 0

@@ -29,7 +29,10 @@ def test_plain_and_chat_prompts(prompts_file):
         ('{"prompt": "ok"', "malformed JSON"),
         ('{"prompt": "   "}', "empty prompt"),
         ('{"question": "x"}', "needs a 'prompt' string or a 'messages' list"),
-        ('{"messages": [{"role": "robot", "content": "x"}]}', r"messages\[0\]\.role must be one of"),
+        (
+            '{"messages": [{"role": "robot", "content": "x"}]}',
+            r"messages\[0\]\.role must be one of",
+        ),
         ('["prompt"]', "expected a JSON object"),
     ],
 )
@@ -63,7 +66,8 @@ def test_base_model_without_template_falls_back_to_plain_format():
     assert text == "User: 2+2?\n\nAssistant:"
     assert renderer.stop_strings == ["\n\nUser:"]
     custom = ChatRenderer(
-        build_char_tokenizer(chat_template=None), chat_template="Q: {{ messages[0]['content'] }}\nA:"
+        build_char_tokenizer(chat_template=None),
+        chat_template="Q: {{ messages[0]['content'] }}\nA:",
     )
     assert custom.render_text([{"role": "user", "content": "x"}]) == "Q: x\nA:"
 
@@ -87,7 +91,11 @@ def test_every_pass_reshuffles_and_any_step_can_be_asked_first():
     prompts = [Prompt(messages=({"role": "user", "content": f"p{i}"},)) for i in range(10)]
     batches = CompositeBatches([prompts], [4], ["p"], seed=3)
     passes = [
-        [item.prompt.messages[0]["content"] for s in (2 * k, 2 * k + 1) for item in batches.batch(s)]
+        [
+            item.prompt.messages[0]["content"]
+            for s in (2 * k, 2 * k + 1)
+            for item in batches.batch(s)
+        ]
         for k in range(4)
     ]
     for seen in passes:
@@ -119,9 +127,9 @@ def test_builtin_tasks_and_grader():
 
 
 THINKING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
-    "<think>\n\n</think>\n\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor "
+    "%}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking "
+    "%}<think>\n\n</think>\n\n{% endif %}"
 )
 """Qwen3's way: the template thinks unless ``enable_thinking`` is false."""
 

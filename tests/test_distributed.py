@@ -59,7 +59,12 @@ def run_config(models: Path, log_path: Path, **training) -> dict:
         "seed": 0,
         "save_every": 1,
         "eval_every": 2,
-        "student": {"model": str(models / "student"), "lora_rank": 0, "device": DEVICE, "dtype": DTYPE},
+        "student": {
+            "model": str(models / "student"),
+            "lora_rank": 0,
+            "device": DEVICE,
+            "dtype": DTYPE,
+        },
         "teacher": {"model": str(models / "teacher"), "device": DEVICE, "dtype": DTYPE},
         "datasets": [
             {
@@ -141,7 +146,11 @@ def two_nodes(config_path: Path, *overrides: str) -> None:
     from tests.servers import free_port
 
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
-    launch += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=opd-two-nodes"]
+    launch += [
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--rdzv_id=opd-two-nodes",
+    ]
     train_command = ["-m", "opd", "train", str(config_path), *overrides, "--no-progress"]
     jobs = [
         subprocess.Popen(
@@ -158,14 +167,19 @@ def two_nodes(config_path: Path, *overrides: str) -> None:
         assert job.returncode == 0, stderr[-3000:]
 
 
-def assert_same_metrics(rows: list[dict], reference: list[dict], tolerance: float = TOLERANCE) -> None:
+def assert_same_metrics(
+    rows: list[dict], reference: list[dict], tolerance: float = TOLERANCE
+) -> None:
     """Every metric of every row (held-out evaluations too) but times, within ``tolerance``."""
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
     for row, expected in zip(rows, reference, strict=True):
         compared = {key for key in expected if not key.startswith(("time/", "progress/"))}
         assert compared <= set(row), sorted(compared - set(row))
         for key in compared:
-            assert row[key] == pytest.approx(expected[key], abs=tolerance, rel=tolerance), (row["step"], key)
+            assert row[key] == pytest.approx(expected[key], abs=tolerance, rel=tolerance), (
+                row["step"],
+                key,
+            )
     assert any("test/rev/accuracy" in row for row in rows)
 
 
@@ -191,7 +205,15 @@ processes play different numbers of turns, so they sample in lock step."""
 
 
 @pytest.mark.parametrize(
-    ("parallel", "lora_rank", "max_staleness", "objective", "normalize", "packed_bins", "multi_turn"),
+    (
+        "parallel",
+        "lora_rank",
+        "max_staleness",
+        "objective",
+        "normalize",
+        "packed_bins",
+        "multi_turn",
+    ),
     [
         # each process holds half the batch; the advantages' mean and spread are the whole batch's.
         # (Not with LoRA here: there one adapter entry's second-step gradient is 4e-9, under AdamW's
@@ -207,7 +229,15 @@ processes play different numbers of turns, so they sample in lock step."""
     ],
 )
 def test_two_processes_make_the_update_one_process_makes(
-    models, tmp_path, parallel, lora_rank, max_staleness, objective, normalize, packed_bins, multi_turn
+    models,
+    tmp_path,
+    parallel,
+    lora_rank,
+    max_staleness,
+    objective,
+    normalize,
+    packed_bins,
+    multi_turn,
 ):
     overrides = [
         f"student.lora_rank={lora_rank}",
@@ -219,7 +249,9 @@ def test_two_processes_make_the_update_one_process_makes(
     single = write(run_config(models, tmp_path / "one"), tmp_path / "one.yaml")
     one_process(single, *overrides, *(["training.packing=false"] if packed_bins else []))
     double = write(run_config(models, tmp_path / "two"), tmp_path / "two.yaml")
-    two_processes(double, *overrides, f"training.parallel={parallel}", *(PACKED_BINS if packed_bins else []))
+    two_processes(
+        double, *overrides, f"training.parallel={parallel}", *(PACKED_BINS if packed_bins else [])
+    )
 
     reference, rows = (
         read_jsonl(tmp_path / "one" / "metrics.jsonl"),
@@ -227,7 +259,9 @@ def test_two_processes_make_the_update_one_process_makes(
     )
     assert_same_metrics(rows, reference)
     if multi_turn:
-        assert max(row.get("episode/turns", 0) for row in rows) > 1  # some episodes took a second turn
+        assert (
+            max(row.get("episode/turns", 0) for row in rows) > 1
+        )  # some episodes took a second turn
     if max_staleness:
         assert [r["staleness_mean"] for r in rows if "staleness_mean" in r] == [0, 1, 1]
     last = list_checkpoints(tmp_path / "two")[-1]
@@ -249,11 +283,14 @@ def test_two_processes_make_the_update_one_process_makes(
     assert moved > 100 * TOLERANCE  # training moved the weights: the equality above is not trivial
 
 
-def test_two_processes_centre_each_groups_rewards_as_one_process_does(models, tmp_path, monkeypatch):
+def test_two_processes_centre_each_groups_rewards_as_one_process_does(
+    models, tmp_path, monkeypatch
+):
     """Rewards from a user's environment (episodes whose final reward differs within a group), with
     the teacher's term: each group lies whole on one process, so its mean is the same."""
     monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+        "PYTHONPATH",
+        os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     )
     overrides = [
         f"student.model={models / 'quick_student'}",
@@ -277,7 +314,8 @@ def test_two_processes_centre_each_groups_rewards_as_one_process_does(models, tm
         final_weights(tmp_path / "two", tmp_path / "out2"),
     )
     # a group's centred rewards are +x and -x on rows that share most of their gradient: summed in
-    # another order, the near-cancelling sums round apart by ~1e-5 of an Adam step (1.3e-6 without rewards)
+    # another order, the near-cancelling sums round apart by ~1e-5 of an Adam step (1.3e-6 without
+    # rewards)
     tolerance = 5 * TOLERANCE
     assert max(float((got[name] - expected[name]).abs().max()) for name in expected) < tolerance
     moved = max(
@@ -294,18 +332,26 @@ def test_a_graded_and_an_ungraded_dataset_share_two_processes(models, tmp_path):
     plain.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in WORDS))
     config = run_config(models, tmp_path / "one")
     graded = config["datasets"][0] | {"groups_per_batch": 2}
-    config["datasets"] = [graded, graded | {"name": "plain", "source": str(plain), "eval_source": None}]
-    config["training"]["num_substeps"] = 1  # one process holds the graded groups, the other the rest
+    config["datasets"] = [
+        graded,
+        graded | {"name": "plain", "source": str(plain), "eval_source": None},
+    ]
+    config["training"]["num_substeps"] = (
+        1  # one process holds the graded groups, the other the rest
+    )
     one_process(write(config, tmp_path / "one.yaml"))
     two_processes(
-        write(config | {"log_path": str(tmp_path / "two")}, tmp_path / "two.yaml"), "training.parallel=ddp"
+        write(config | {"log_path": str(tmp_path / "two")}, tmp_path / "two.yaml"),
+        "training.parallel=ddp",
     )
     reference, rows = (
         read_jsonl(tmp_path / "one" / "metrics.jsonl"),
         read_jsonl(tmp_path / "two" / "metrics.jsonl"),
     )
     assert_same_metrics(rows, reference)
-    assert all("reward/rev" in row and "reward/plain" not in row for row in reference if "loss" in row)
+    assert all(
+        "reward/rev" in row and "reward/plain" not in row for row in reference if "loss" in row
+    )
 
 
 def initial_weights(
@@ -318,7 +364,9 @@ def initial_weights(
 
 
 def test_a_sharded_checkpoint_resumes_on_one_process_and_back(models, tmp_path):
-    reference = write(run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml")
+    reference = write(
+        run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml"
+    )
     one_process(reference)
     moving = write(run_config(models, tmp_path / "moving"), tmp_path / "moving.yaml")
     two_processes(moving, "training.max_steps=2")
@@ -353,10 +401,13 @@ def test_a_rank_killed_mid_run_stops_the_job_and_the_same_command_resumes_it(mod
     the uninterrupted run did (the synchronous loop's kill and resume: tests/test_resume.py)."""
     ahead = {"max_staleness": 1}
     reference = write(
-        run_config(models, tmp_path / "reference", max_steps=6, **ahead), tmp_path / "reference.yaml"
+        run_config(models, tmp_path / "reference", max_steps=6, **ahead),
+        tmp_path / "reference.yaml",
     )
     two_processes(reference)
-    killed = write(run_config(models, tmp_path / "killed", max_steps=6, **ahead), tmp_path / "killed.yaml")
+    killed = write(
+        run_config(models, tmp_path / "killed", max_steps=6, **ahead), tmp_path / "killed.yaml"
+    )
     metrics = tmp_path / "killed" / "metrics.jsonl"
     job = start_job(killed)
     wait_for_rows(job, metrics, 3)
@@ -372,14 +423,20 @@ def test_a_rank_killed_mid_run_stops_the_job_and_the_same_command_resumes_it(mod
     two_processes(killed)
     reference_rows = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
     rows = read_jsonl(metrics)
-    assert [r["step"] for r in rows] == list(range(7))  # none lost, none twice (6: the final evaluation)
+    assert [r["step"] for r in rows] == list(
+        range(7)
+    )  # none lost, none twice (6: the final evaluation)
     assert_same_metrics(rows, reference_rows, tolerance=1e-6)
 
 
-def test_sigterm_stops_every_process_after_one_step_with_a_checkpoint_and_the_run_resumes(models, tmp_path):
+def test_sigterm_stops_every_process_after_one_step_with_a_checkpoint_and_the_run_resumes(
+    models, tmp_path
+):
     """SIGTERM to ``opd train --nproc 2`` (as a scheduler sends it): forwarded to torchrun, which
     forwards it to each worker; every worker finishes the same step and the checkpoint is taken."""
-    reference = write(run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml")
+    reference = write(
+        run_config(models, tmp_path / "reference", max_steps=6), tmp_path / "reference.yaml"
+    )
     one_process(reference, "training.parallel=none")
     config = run_config(models, tmp_path / "run", max_steps=6) | {"save_every": 0}
     path = write(config, tmp_path / "run.yaml")
@@ -391,7 +448,9 @@ def test_sigterm_stops_every_process_after_one_step_with_a_checkpoint_and_the_ru
     assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     done = len([r for r in read_jsonl(metrics) if "loss" in r])
     assert 2 <= done < 6
-    assert stderr.count(f"opd: stopped by SIGTERM after step {done} of 6") == 2  # each process, one step
+    assert (
+        stderr.count(f"opd: stopped by SIGTERM after step {done} of 6") == 2
+    )  # each process, one step
     assert "opd: stopped by SIGTERM (torchrun exit status" in stderr
     assert [r.step for r in list_checkpoints(tmp_path / "run")] == [done]
     two_processes(path)
@@ -426,7 +485,10 @@ def test_settings_that_do_not_fit_the_processes_are_refused_before_any_start(
     [
         ({}, True),
         ({"training": {"objective": "topk_forward_kl"}}, True),
-        ({"training": {"objective": "jsd"}}, False),  # reads the teacher's lm head outside its forward
+        (
+            {"training": {"objective": "jsd"}},
+            False,
+        ),  # reads the teacher's lm head outside its forward
         ({"training": {"max_staleness": 1}}, False),  # the worker thread scores
         ({"training": {"data_source": "mixed", "objective": "jsd"}}, False),  # the teacher samples
         ({"teacher": {"backend": "openai", "base_url": "http://127.0.0.1:1/v1"}}, False),
@@ -458,7 +520,10 @@ def test_two_nodes_on_loopback_make_the_run_one_node_with_two_processes_makes(mo
     two_nodes(nodes, "training.parallel=fsdp")
     # one world of two (fsdp refuses one process), each node's shard saved once
     (last,) = list_checkpoints(tmp_path / "two-nodes")[-1:]
-    assert sorted(p.name for p in (last.path / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (last.path / "state").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     assert_same_metrics(
         read_jsonl(tmp_path / "two-nodes" / "metrics.jsonl"),
         read_jsonl(tmp_path / "one-node" / "metrics.jsonl"),

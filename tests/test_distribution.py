@@ -16,15 +16,21 @@ TEACHER = torch.log(torch.tensor([[0.9, 0.1]]))
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_gkd_check_value(beta):
     """Student [.1, .9], teacher [.9, .1]: forward = reverse = 0.8 ln 9 (NOTES section 2)."""
-    assert generalized_jsd(STUDENT, TEACHER, beta).item() == pytest.approx(0.8 * math.log(9), rel=1e-6)
+    assert generalized_jsd(STUDENT, TEACHER, beta).item() == pytest.approx(
+        0.8 * math.log(9), rel=1e-6
+    )
 
 
 def test_endpoints_equal_torch_kl_div():
     torch.manual_seed(0)
     student = torch.log_softmax(torch.randn(6, 11), -1)
     teacher = torch.log_softmax(torch.randn(6, 11), -1)
-    forward = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)  # KL(teacher || student)
-    reverse = F.kl_div(teacher, student, log_target=True, reduction="none").sum(-1)  # KL(student || teacher)
+    forward = F.kl_div(student, teacher, log_target=True, reduction="none").sum(
+        -1
+    )  # KL(teacher || student)
+    reverse = F.kl_div(teacher, student, log_target=True, reduction="none").sum(
+        -1
+    )  # KL(student || teacher)
     torch.testing.assert_close(generalized_jsd(student, teacher, 0.0), forward)
     torch.testing.assert_close(generalized_jsd(student, teacher, 1.0), reverse)
 
@@ -42,7 +48,9 @@ def test_interior_beta_matches_the_mixture_formula_by_hand():
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_identical_distributions_give_zero(beta):
     logp = torch.log_softmax(torch.randn(4, 9), -1)
-    torch.testing.assert_close(generalized_jsd(logp, logp.clone(), beta), torch.zeros(4), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        generalized_jsd(logp, logp.clone(), beta), torch.zeros(4), atol=1e-6, rtol=0
+    )
     top = logp.topk(3, -1)
     torch.testing.assert_close(
         topk_forward_kl(logp, top.indices, top.values), torch.zeros(4), atol=1e-6, rtol=0
@@ -54,7 +62,9 @@ def test_topk_forward_kl_by_hand():
     teacher = torch.tensor([[0.1, 0.6, 0.1, 0.2]])
     top = teacher.log().topk(2, -1)  # tokens 1 (0.6) and 3 (0.2); tail mass 0.2 vs student 0.7
     expected = 0.6 * math.log(0.6 / 0.2) + 0.2 * math.log(0.2 / 0.1) + 0.2 * math.log(0.2 / 0.7)
-    assert topk_forward_kl(student, top.indices, top.values).item() == pytest.approx(expected, rel=1e-5)
+    assert topk_forward_kl(student, top.indices, top.values).item() == pytest.approx(
+        expected, rel=1e-5
+    )
     everything = teacher.log().topk(4, -1)
     full = F.kl_div(student, teacher.log(), log_target=True, reduction="sum")
     assert topk_forward_kl(student, everything.indices, everything.values).item() == pytest.approx(

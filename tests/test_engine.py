@@ -14,7 +14,9 @@ PARAMS = SamplingParams(temperature=1.0, max_tokens=8)
 def engine_and_prompts(base_config, **student):
     base_config["student"].update(student)
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    prompts = [trainer.renderer.prompt_ids([{"role": "user", "content": q}]) for q in ("abc", "gfed")] * 3
+    prompts = [
+        trainer.renderer.prompt_ids([{"role": "user", "content": q}]) for q in ("abc", "gfed")
+    ] * 3
     return trainer, prompts
 
 
@@ -33,7 +35,8 @@ def test_a_seed_fixes_the_rollout_and_leaves_the_global_generator_alone(base_con
 
 
 def test_a_rows_draws_depend_on_its_seed_only_not_on_its_batch_mates(base_config):
-    """What lets N processes sample one process's batch: each shares out rows, keeping their seeds."""
+    """What lets N processes sample one process's batch: each shares out rows, keeping their
+    seeds."""
     trainer, prompts = engine_and_prompts(base_config)
     trainer.engine.sync(trainer.policy)
     seeds = row_seeds(11, len(prompts))
@@ -58,7 +61,9 @@ def test_completions_carry_the_version_synced_and_their_behaviour_logprobs(base_
     assert {c.policy_version for c in completions} == {1}
     batch = build_rollout_batch(prompts, completions, [0] * len(prompts), trainer.engine.pad_id)
     with torch.no_grad(), trainer.engine.copy.rollout() as copied:
-        recomputed, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+        recomputed, _ = sequence_logprobs(
+            copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+        )
     mask = batch.mask_BT.bool()
     torch.testing.assert_close(recomputed[mask], batch.sampled_logprobs_BT[mask], atol=2e-2, rtol=0)
     assert batch.policy_version_B.tolist() == [1] * len(prompts)
@@ -66,7 +71,8 @@ def test_completions_carry_the_version_synced_and_their_behaviour_logprobs(base_
 
 def test_a_step_samples_the_same_whatever_came_before_it(base_config):
     """Rollouts depend on (seed, step) and the weights only: a fresh trainer given the weights of
-    one that trained a step samples that trainer's next step exactly (what an exact resume needs)."""
+    one that trained a step samples that trainer's next step exactly (what an exact resume
+    needs)."""
     trainer, _ = engine_and_prompts(base_config)
     trainer.train_step(0)
     torch.manual_seed(999)  # whatever the global generator holds

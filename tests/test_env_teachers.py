@@ -68,7 +68,9 @@ def as_episodes(config: dict) -> None:
 def test_a_multi_turn_run_through_opd_serve_reproduces_the_local_run(
     base_config, model_dirs, tmp_path, char_tokenizer
 ):
-    base_config["student"]["model"] = str(quick_model(tmp_path / "quick_student", char_tokenizer, seed=1))
+    base_config["student"]["model"] = str(
+        quick_model(tmp_path / "quick_student", char_tokenizer, seed=1)
+    )
     as_episodes(base_config)
     local = train(config_from_dict(base_config), progress=False)
     port = free_port()
@@ -87,7 +89,9 @@ def test_a_multi_turn_run_through_opd_serve_reproduces_the_local_run(
             assert a["teacher_kl/turn_2"] == pytest.approx(b["teacher_kl/turn_2"], abs=1e-5)
 
 
-def test_a_served_teacher_plays_the_same_episodes_as_in_process(base_config, tmp_path, char_tokenizer):
+def test_a_served_teacher_plays_the_same_episodes_as_in_process(
+    base_config, tmp_path, char_tokenizer
+):
     """``mixed`` from the teacher's episodes (lmbda 0): the teacher behind ``opd serve`` plays each
     turn on its server, and the run's episodes and figures are those of the teacher in process."""
     quick = quick_model(tmp_path / "quick_teacher", char_tokenizer, seed=2)

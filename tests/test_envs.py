@@ -54,7 +54,9 @@ def test_the_calculator_episode_answers_tool_calls_then_grades_the_final_answer(
     episode = Calculator().start(prompt, exact_match)
     first = episode.step("<calc>4821+9377</calc>")
     assert not first.done and first.messages == ({"role": "tool", "content": "14198"},)
-    assert episode.step(" 14198 ") == type(first)(done=True, reward=1.0, metrics={"tool_calls": 1.0})
+    assert episode.step(" 14198 ") == type(first)(
+        done=True, reward=1.0, metrics={"tool_calls": 1.0}
+    )
     wrong = Calculator(result_role="user").start(prompt, exact_match)
     assert wrong.step("14199").reward == 0.0
 
@@ -64,7 +66,10 @@ def test_retry_says_wrong_until_right():
     episode = Retry(hint=True).start(prompt, exact_match)
     first = episode.step("abc")
     assert not first.done and first.reward is None  # the grade comes once, at the end
-    assert first.messages[0]["content"] == "That is not right. Try again. (your answer scored 0.00 of 1)"
+    assert (
+        first.messages[0]["content"]
+        == "That is not right. Try again. (your answer scored 0.00 of 1)"
+    )
     last = episode.step("cba")
     assert last.done and last.reward == 1.0 and last.metrics == {"attempts": 2.0, "first_try": 0.0}
 
@@ -85,17 +90,24 @@ def test_reply_tokens_are_what_the_template_renders_between_the_turns(char_token
 
 
 def scripted(turns: list[list[str]], tokenizer, logprob: float = -0.5):
-    """A turn sampler that writes ``turns[k][row]`` at turn k (the test's input, ending each with the
-    end of turn), recording what it was asked."""
+    """A turn sampler that writes ``turns[k][row]`` at turn k (the test's input, ending each with
+    the end of turn), recording what it was asked."""
     asked = []
 
     def sample(rows, prompts, conversations, seeds, max_tokens):
-        asked.append((list(rows), [len(p) for p in prompts], list(seeds), max_tokens, conversations))
+        asked.append(
+            (list(rows), [len(p) for p in prompts], list(seeds), max_tokens, conversations)
+        )
         completions = []
         for row in rows:
             ids = tokenizer(turns[len(asked) - 1][row], add_special_tokens=False)["input_ids"] + [2]
             completions.append(
-                Completion(ids[:max_tokens], [logprob] * min(len(ids), max_tokens), len(ids) <= max_tokens, 7)
+                Completion(
+                    ids[:max_tokens],
+                    [logprob] * min(len(ids), max_tokens),
+                    len(ids) <= max_tokens,
+                    7,
+                )
             )
         return completions
 
@@ -104,7 +116,8 @@ def scripted(turns: list[list[str]], tokenizer, logprob: float = -0.5):
 
 def test_a_two_turn_episode_by_hand(char_tokenizer):
     """Turn 1 calls the tool, the environment's reply follows, turn 2 answers: the mask is 1 on
-    the two turns only, the reverse KL (so the advantage) is 0 on the reply whatever the teacher says."""
+    the two turns only, the reverse KL (so the advantage) is 0 on the reply whatever the teacher
+    says."""
     renderer = ChatRenderer(char_tokenizer)
     prompt = Prompt(({"role": "user", "content": "compute 1+2"},), answer="3")
     sample, asked = scripted([["<calc>1+2</calc>", "9"], ["3"]], char_tokenizer)
@@ -139,7 +152,9 @@ def test_a_two_turn_episode_by_hand(char_tokenizer):
     expected[1, start : start + 2] = 1
     assert torch.equal(batch.mask_BT, expected)
     teacher = torch.full_like(batch.mask_BT, -2.0)
-    teacher[0, start + turn1 : start + turn1 + reply] = -50.0  # a teacher appalled by the tool's reply
+    teacher[
+        0, start + turn1 : start + turn1 + reply
+    ] = -50.0  # a teacher appalled by the tool's reply
     kl = reverse_kl_per_token(batch.sampled_logprobs_BT, teacher, batch.mask_BT)
     assert torch.equal(kl, expected * 1.5)  # -0.5 - (-2.0) on the student's tokens, 0 elsewhere
 
@@ -158,7 +173,11 @@ def test_episode_limits_cut_and_mark_it(char_tokenizer):
         [0],
         20,
     )
-    assert (len(out_of_turns.trajectory.turns), out_of_turns.trajectory.ended, out_of_turns.finished) == (
+    assert (
+        len(out_of_turns.trajectory.turns),
+        out_of_turns.trajectory.ended,
+        out_of_turns.finished,
+    ) == (
         2,
         "turns",
         False,
@@ -173,11 +192,17 @@ def test_episode_limits_cut_and_mark_it(char_tokenizer):
         20,
     )
     # a call of 15 tokens, the reply (21), then the second call cut to the 9 tokens left
-    assert (out_of_tokens.trajectory.ended, len(out_of_tokens.token_ids), asked[-1][3]) == ("tokens", 45, 9)
+    assert (out_of_tokens.trajectory.ended, len(out_of_tokens.token_ids), asked[-1][3]) == (
+        "tokens",
+        45,
+        9,
+    )
     assert out_of_tokens.trajectory.turns[-1] == (36, 45) and not out_of_tokens.finished
 
 
-def test_an_episodes_reward_is_the_sum_of_its_steps_and_a_cut_one_gets_its_last_word(char_tokenizer):
+def test_an_episodes_reward_is_the_sum_of_its_steps_and_a_cut_one_gets_its_last_word(
+    char_tokenizer,
+):
     """The reference's total reward: each step's reward added up (0.25 then 0.5 is 0.75); an episode
     cut short keeps what it was given plus its ``cut`` reward: retry's last answer's grade, once."""
     renderer = ChatRenderer(char_tokenizer)
@@ -225,7 +250,9 @@ def episode_models(tmp_path_factory, char_tokenizer):
     return root
 
 
-def episode_config(models, prompts_file, tmp_path, objective="sampled_reverse_kl", env=None) -> dict:
+def episode_config(
+    models, prompts_file, tmp_path, objective="sampled_reverse_kl", env=None
+) -> dict:
     return {
         "log_path": str(tmp_path / "run"),
         "seed": 0,
@@ -237,10 +264,16 @@ def episode_config(models, prompts_file, tmp_path, objective="sampled_reverse_kl
                 "source": str(prompts_file),
                 "groups_per_batch": 4,
                 "group_size": 2,
-                "env": env or {"name": "multi_turn_envs:ReplyOnce", "max_turns": 3, "max_episode_tokens": 64},
+                "env": env
+                or {"name": "multi_turn_envs:ReplyOnce", "max_turns": 3, "max_episode_tokens": 64},
             }
         ],
-        "training": {"objective": objective, "learning_rate": 1e-2, "max_tokens": 6, "max_steps": 1},
+        "training": {
+            "objective": objective,
+            "learning_rate": 1e-2,
+            "max_tokens": 6,
+            "max_steps": 1,
+        },
     }
 
 
@@ -258,7 +291,8 @@ def test_the_teachers_scores_of_environment_tokens_never_move_the_update(
     episode_models, prompts_file, tmp_path, objective
 ):
     trainer = Trainer(
-        config_from_dict(episode_config(episode_models, prompts_file, tmp_path, objective)), progress=False
+        config_from_dict(episode_config(episode_models, prompts_file, tmp_path, objective)),
+        progress=False,
     )
     start = copy.deepcopy(trainer.policy.model.state_dict())
     batch = trainer.collect(0)
@@ -323,7 +357,8 @@ def test_episodes_streamed_turn_by_turn_are_the_episodes_played_in_lock_step(
     episode_models, prompts_file, tmp_path, max_tokens, episode_tokens
 ):
     """Each row's next turn submitted when its environment answered, rows finishing in another
-    order than the batch's: the same turns, seeds and limits as every row waiting for the slowest."""
+    order than the batch's: the same turns, seeds and limits as every row waiting for the
+    slowest."""
     config = episode_config(episode_models, prompts_file, tmp_path)
     config["training"]["max_tokens"] = max_tokens
     config["datasets"][0]["env"]["max_episode_tokens"] = episode_tokens
@@ -336,9 +371,13 @@ def test_episodes_streamed_turn_by_turn_are_the_episodes_played_in_lock_step(
     assert got.trajectories == expected.trajectories
     assert torch.equal(got.input_ids_BT, expected.input_ids_BT)
     assert torch.equal(got.mask_BT, expected.mask_BT)
-    torch.testing.assert_close(got.sampled_logprobs_BT, expected.sampled_logprobs_BT, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        got.sampled_logprobs_BT, expected.sampled_logprobs_BT, atol=1e-5, rtol=0
+    )
     ends = {(len(t.turns), t.ended) for t in got.trajectories}
-    assert len(ends) > 1, ends  # episodes of different lengths or ends: the interleaving was exercised
+    assert len(ends) > 1, (
+        ends
+    )  # episodes of different lengths or ends: the interleaving was exercised
 
 
 def test_a_multi_turn_run_logs_its_episodes(episode_models, prompts_file, tmp_path):
@@ -363,15 +402,18 @@ def test_an_environment_rewarding_a_quarter_then_a_half_logs_three_quarters(
     config["training"]["max_tokens"] = 40  # room for the quick-stopping student to end each turn
     (step,) = train(config_from_dict(config), progress=False).metrics
     assert step["episode/cut"] == 0.0 and step["episode/turns"] == 2.0
-    assert step["episode/reward"] == pytest.approx(0.75) and step["reward/mean"] == pytest.approx(0.75)
+    assert step["episode/reward"] == pytest.approx(0.75) and step["reward/mean"] == pytest.approx(
+        0.75
+    )
 
 
 def test_a_teacher_with_its_own_template_reads_the_episode_in_it(char_tokenizer):
     """The same tokenizer, another template: the teacher's tokens are its template's rendering of
-    the whole conversation, the student's turns (ends of turn the teacher's) scored, the reply not."""
+    the whole conversation, the student's turns (ends of turn the teacher's) scored, the reply
+    not."""
     template = (
-        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endfor %}"
-        "{% if add_generation_prompt %}[assistant] {% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endfor %}{% if "
+        "add_generation_prompt %}[assistant] {% endif %}"
     )
     teacher_tokenizer = copy.deepcopy(char_tokenizer)
     renderer = ChatRenderer(teacher_tokenizer, template)
@@ -415,7 +457,8 @@ def test_an_import_path_that_does_not_load_names_the_module_and_the_error(base_c
     base_config["datasets"][0]["env"] = {"name": "no_such_pkg.envs:MyEnv"}
     with pytest.raises(
         ConfigError,
-        match=r"cannot import module 'no_such_pkg\.envs' for 'no_such_pkg\.envs:MyEnv': ModuleNotFoundError",
+        match=r"cannot import module 'no_such_pkg\.envs' for 'no_such_pkg\.envs:MyEnv': "
+        r"ModuleNotFoundError",
     ):
         config_from_dict(base_config)
     base_config["datasets"][0]["env"] = {"name": "multi_turn_envs:Missing"}
@@ -423,12 +466,14 @@ def test_an_import_path_that_does_not_load_names_the_module_and_the_error(base_c
         config_from_dict(base_config)
     base_config["datasets"][0]["env"] = {"name": "calculator", "result_role": "system"}
     with pytest.raises(
-        ConfigError, match=r"datasets\[0\]\.env\.result_role: 'system' is not one of \['tool', 'user'\]"
+        ConfigError,
+        match=r"datasets\[0\]\.env\.result_role: 'system' is not one of \['tool', 'user'\]",
     ):
         config_from_dict(base_config)
     base_config["datasets"][0]["env"] = {"name": "calculator", "max_turn": 3}
     with pytest.raises(
-        ConfigError, match=r"datasets\[0\]\.env\.max_turn: not an option of environment 'calculator'"
+        ConfigError,
+        match=r"datasets\[0\]\.env\.max_turn: not an option of environment 'calculator'",
     ):
         config_from_dict(base_config)
 
@@ -441,7 +486,8 @@ def test_an_environment_that_answers_with_no_messages_stops_the_run_naming_it(
     )
     with pytest.raises(
         EpisodeError,
-        match=r"datasets\[0\] \(rev\): the environment's answer to turn 1 is str 'the tool says 42', "
+        match=r"datasets\[0\] \(rev\): the environment's answer to turn 1 is str 'the tool says "
+        r"42', "
         r"not an opd.envs.base.Step",
     ):
         train(config_from_dict(config), progress=False)
@@ -456,7 +502,9 @@ def test_an_environment_that_answers_with_no_messages_stops_the_run_naming_it(
 
 def test_retry_without_answers_is_refused_before_any_work(base_config, tmp_path):
     base_config["datasets"][0] |= {"env": {"name": "retry"}, "grader": "none"}
-    with pytest.raises(ConfigError, match=r"datasets\[0\]\.env: environment 'retry' cannot start an episode"):
+    with pytest.raises(
+        ConfigError, match=r"datasets\[0\]\.env: environment 'retry' cannot start an episode"
+    ):
         Trainer(config_from_dict(base_config), progress=False)
     assert not (tmp_path / "run").exists()
 
@@ -467,10 +515,17 @@ def test_an_environment_with_step_workers_answers_episodes_at_once_and_plays_the
 ):
     """``env.step_workers: 4``: a waiting tool's answers overlap, 4 at most (none with the default),
     in lock step and streamed, and the episodes are those played one answer at a time."""
-    env = {"name": "multi_turn_envs:SlowReply", "max_turns": 3, "max_episode_tokens": 64, "delay": 0.2}
+    env = {
+        "name": "multi_turn_envs:SlowReply",
+        "max_turns": 3,
+        "max_episode_tokens": 64,
+        "delay": 0.2,
+    }
     played, most = {}, {}
     for workers in (1, 4):
-        config = episode_config(episode_models, prompts_file, tmp_path, env=dict(env, step_workers=workers))
+        config = episode_config(
+            episode_models, prompts_file, tmp_path, env=dict(env, step_workers=workers)
+        )
         trainer = Trainer(config_from_dict(config), progress=False)
         if streamed:
             trainer.engine = Streaming(trainer.engine)
@@ -499,6 +554,7 @@ def test_an_environment_that_fails_in_its_thread_stops_the_play_with_its_error(c
 def test_step_workers_must_be_a_whole_number_from_1(base_config, workers):
     base_config["datasets"][0]["env"] = {"name": "calculator", "step_workers": workers}
     with pytest.raises(
-        ConfigError, match=rf"datasets\[0\]\.env\.step_workers: must be an integer >= 1, got {workers!r}"
+        ConfigError,
+        match=rf"datasets\[0\]\.env\.step_workers: must be an integer >= 1, got {workers!r}",
     ):
         config_from_dict(base_config)

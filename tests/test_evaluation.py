@@ -6,7 +6,13 @@ import pytest
 
 from opd.cli import main
 from opd.config import config_from_dict
-from opd.data.graders import exact_match, grader_for, last_number, last_number_match, reasoning_gym_score
+from opd.data.graders import (
+    exact_match,
+    grader_for,
+    last_number,
+    last_number_match,
+    reasoning_gym_score,
+)
 from opd.data.prompts import DataError, Prompt
 from opd.data.sources import load_prompts
 from opd.trainer.loop import Trainer, train
@@ -78,7 +84,11 @@ def test_reasoning_gym_entries_from_jsonl_and_answer_tags(tmp_path):
 
     entry = reasoning_gym.create_dataset("chain_sum", size=1, seed=3, min_terms=3, max_terms=3)[0]
     path = tmp_path / "worked.jsonl"
-    record = {"prompt": entry["question"] + " Show your steps.", "answer": entry["answer"], "metadata": entry}
+    record = {
+        "prompt": entry["question"] + " Show your steps.",
+        "answer": entry["answer"],
+        "metadata": entry,
+    }
     path.write_text(json.dumps(record) + "\n")
     (loaded,) = load_prompts(str(path))
     assert loaded.metadata == json.loads(json.dumps(entry))
@@ -97,7 +107,9 @@ def test_reasoning_gym_entries_from_jsonl_and_answer_tags(tmp_path):
 def test_periodic_and_final_evaluation_with_post_kl(demo_models, tmp_path):
     from opd.demo.run import demo_config
 
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 4, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 4, 0
+    )
     config |= {"eval_every": 2, "compute_post_kl": True}
     config["datasets"][0]["eval_num_prompts"] = 16
     result = train(config_from_dict(config), progress=False)
@@ -106,7 +118,10 @@ def test_periodic_and_final_evaluation_with_post_kl(demo_models, tmp_path):
     assert evaluated == [0, 2, 4]  # before steps 0 and 2, and after the last
     for row in rows:
         if "test/reverse/accuracy" in row:
-            assert 0.0 <= row["test/reverse/accuracy"] <= 1.0 and 0.0 <= row["test/reverse/pass@1"] <= 1.0
+            assert (
+                0.0 <= row["test/reverse/accuracy"] <= 1.0
+                and 0.0 <= row["test/reverse/pass@1"] <= 1.0
+            )
             assert row["test/reverse/teacher_kl"] > 0 and row["time/eval"] > 0
     assert all(row["post_kl"] > 0 for row in rows if "loss" in row)
 
@@ -138,6 +153,8 @@ def test_accuracy_counts_answers_fully_right_and_score_the_partial_credit(base_c
         metrics = trainer.evaluate()
         assert metrics["test/rev/accuracy"] == accuracy and metrics["test/rev/pass@1"] == accuracy
         assert metrics["test/rev/score"] == pytest.approx(grade)
-    (entry,) = load_prompts("reasoning_gym:chain_sum", seed=0, count=1, task_config={"max_terms": 2})
+    (entry,) = load_prompts(
+        "reasoning_gym:chain_sum", seed=0, count=1, task_config={"max_terms": 2}
+    )
     near_miss = reasoning_gym_score(f"{entry.answer} apples", entry)
     assert 0 < near_miss < 1  # scored above 0: not a right answer

@@ -22,7 +22,9 @@ def test_export_round_trips(base_config, tmp_path, model_dirs, lora_rank, merge)
     base_config["training"]["learning_rate"] = 1e-2
     result = train(config_from_dict(base_config), progress=False)
     out = tmp_path / "exported"
-    assert main(["export", str(tmp_path / "run"), str(out), *(["--merge-lora"] if merge else [])]) == 0
+    assert (
+        main(["export", str(tmp_path / "run"), str(out), *(["--merge-lora"] if merge else [])]) == 0
+    )
     exported = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(logits(exported), logits(result.student), atol=1e-5, rtol=1e-5)
     untrained = AutoModelForCausalLM.from_pretrained(model_dirs["student"])

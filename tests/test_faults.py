@@ -47,7 +47,9 @@ def reference_run(config_path: Path, tmp_path: Path):
     config = yaml.safe_load(config_path.read_text())
     config["log_path"] = str(tmp_path / "reference")
     train(config_from_dict(config), progress=False)
-    return read_jsonl(tmp_path / "reference" / "metrics.jsonl"), final_weights(tmp_path / "reference")
+    return read_jsonl(tmp_path / "reference" / "metrics.jsonl"), final_weights(
+        tmp_path / "reference"
+    )
 
 
 def final_weights(log_path: Path) -> dict[str, torch.Tensor]:
@@ -69,7 +71,9 @@ def rows_written(log_path: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
-def wait_for_rows(process: subprocess.Popen, log_path: Path, rows: int, timeout_s: float = 120) -> None:
+def wait_for_rows(
+    process: subprocess.Popen, log_path: Path, rows: int, timeout_s: float = 120
+) -> None:
     deadline = time.monotonic() + timeout_s
     while rows_written(log_path) < rows:
         assert process.poll() is None, process.stderr.read()
@@ -110,7 +114,9 @@ def disturbed(base_config: dict, tmp_path: Path, disturb) -> tuple[Path, Path, o
     return log_path, config_path, reference, process.returncode, stderr
 
 
-def test_sigterm_finishes_the_step_checkpoints_it_and_says_where_the_run_resumes(base_config, tmp_path):
+def test_sigterm_finishes_the_step_checkpoints_it_and_says_where_the_run_resumes(
+    base_config, tmp_path
+):
     """A scheduler's SIGTERM (Ctrl-C's SIGINT takes the same path: its first one is checked by
     the second-Ctrl-C test below)."""
     log_path, config_path, reference, status, stderr = disturbed(
@@ -128,7 +134,8 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_says_where_the_run_resumes
 
 
 def test_sigkill_at_random_points_over_many_runs_loses_and_repeats_nothing(base_config, tmp_path):
-    """Killed at random moments (sampling, update, metrics write, checkpoint write), run after run."""
+    """Killed at random moments (sampling, update, metrics write, checkpoint write), run after
+    run."""
     log_path = tmp_path / "run"
     config_path = write_config(base_config, tmp_path / "run.yaml", log_path, save_every=1)
     reference = reference_run(config_path, tmp_path)
@@ -138,7 +145,9 @@ def test_sigkill_at_random_points_over_many_runs_loses_and_repeats_nothing(base_
         process = start(config_path)
         rows_before = rows_written(log_path)
         wait_for_rows(process, log_path, min(rows_before + 1, STEPS))
-        time.sleep(chance.uniform(0.0, 0.4))  # a step here takes about a tenth of a second to a second
+        time.sleep(
+            chance.uniform(0.0, 0.4)
+        )  # a step here takes about a tenth of a second to a second
         if process.poll() is not None:
             break  # it finished first: the remaining kills would land nowhere
         process.kill()
@@ -154,12 +163,16 @@ def test_sigkill_at_random_points_over_many_runs_loses_and_repeats_nothing(base_
 def small_disk(path: Path, size_kib: int):
     """A tmpfs of ``size_kib`` at ``path`` (needs root); yields a function that enlarges it."""
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)])
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)]
+    )
     if mounted.returncode:
         yield None
         return
     try:
-        yield lambda kib: subprocess.run(["mount", "-o", f"remount,size={kib}k", str(path)], check=True)
+        yield lambda kib: subprocess.run(
+            ["mount", "-o", f"remount,size={kib}k", str(path)], check=True
+        )
     finally:
         subprocess.run(["umount", "-l", str(path)])
 
@@ -167,14 +180,16 @@ def small_disk(path: Path, size_kib: int):
 def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_clearly_and_a_rerun_resumes(
     base_config, tmp_path
 ):
-    """On a small tmpfs (as root) the fourth checkpoint does not fit; elsewhere a per-file size limit
-    (RLIMIT_FSIZE, any user) makes the first one fail. Either way the same promises hold."""
+    """On a small tmpfs (as root) the fourth checkpoint does not fit; elsewhere a per-file size
+    limit (RLIMIT_FSIZE, any user) makes the first one fail. Either way the same promises hold."""
     with small_disk(tmp_path / "disk", 1200) as enlarge:
         log_path = tmp_path / "disk" / "run"
         config_path = write_config(base_config, tmp_path / "run.yaml", log_path, save_every=1)
         reference = reference_run(config_path, tmp_path)
         if enlarge is None:
-            limit = 150 * 1024  # the weights (about 100 KB) fit, the optimizer state (about 220 KB) does not
+            limit = (
+                150 * 1024
+            )  # the weights (about 100 KB) fit, the optimizer state (about 220 KB) does not
 
             def limited() -> None:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
@@ -195,7 +210,9 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_the_run_clearly_and_a_rerun
             if kept
             else "no checkpoint" in stderr
         )
-        assert not list((log_path / "checkpoints").glob(".tmp-*"))  # the failed save took its space back
+        assert not list(
+            (log_path / "checkpoints").glob(".tmp-*")
+        )  # the failed save took its space back
         if enlarge is not None:
             enlarge(20 * 1024)
         finish(config_path)
@@ -240,14 +257,18 @@ def remote_config(base_config: dict, tmp_path: Path, port: int, name: str) -> di
 def test_flaky_late_and_reordered_teachers_cost_retries_not_the_run(base_config, tmp_path):
     port, honest = fault_server("ok")
     try:
-        expected = train(config_from_dict(remote_config(base_config, tmp_path, port, "ok")), progress=False)
+        expected = train(
+            config_from_dict(remote_config(base_config, tmp_path, port, "ok")), progress=False
+        )
     finally:
         honest.kill()
         honest.wait()
     for mode in ("flaky", "late", "reorder"):
         port, server = fault_server(mode)
         try:
-            got = train(config_from_dict(remote_config(base_config, tmp_path, port, mode)), progress=False)
+            got = train(
+                config_from_dict(remote_config(base_config, tmp_path, port, mode)), progress=False
+            )
         finally:
             server.kill()
             server.wait()
@@ -300,6 +321,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_how_to_resume(base_config, tmp_p
         server.wait()
     assert process.returncode == 130, stderr
     assert "SIGINT received: finishing the current step" in stderr
-    assert "opd: interrupted. Run the same command again to resume from the last checkpoint." in stderr
+    assert (
+        "opd: interrupted. Run the same command again to resume from the last checkpoint." in stderr
+    )
     assert "Traceback" not in stderr
     assert list_checkpoints(tmp_path / "run") == []

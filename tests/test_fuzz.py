@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from opd.config import config_from_dict, config_to_dict, load_config
 from opd.data.prompts import load_jsonl_prompts
 from opd.errors import ConfigError, DataError, RemoteTeacherError
+from opd.serve.fields import RequestError
 from opd.serve.model import ScoringModel
-from opd.serve.wire import RequestError, completions_response, generate_response
+from opd.serve.wire import completions_response, generate_response
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.remote import RemoteTeacher
 from tests.conftest import tiny_llama
@@ -34,10 +35,25 @@ from tests.conftest import tiny_llama
 
 odd_text = st.one_of(
     st.text(max_size=12),
-    st.sampled_from(["", " ", "\x00", "é", "ü\u200b", "🦙", "\ud7ff", "a" * 5000, "1e400", "nan", "-0", "~"]),
+    st.sampled_from(
+        ["", " ", "\x00", "é", "ü\u200b", "🦙", "\ud7ff", "a" * 5000, "1e400", "nan", "-0", "~"]
+    ),
 )
 special_numbers = st.sampled_from(
-    [float("nan"), float("inf"), -float("inf"), 0, -1, 0.0, -0.0, 1e-320, 1e308, 2**63, -(2**63), 10**400]
+    [
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        0,
+        -1,
+        0.0,
+        -0.0,
+        1e-320,
+        1e308,
+        2**63,
+        -(2**63),
+        10**400,
+    ]
 )
 scalars = st.one_of(
     special_numbers,
@@ -132,7 +148,8 @@ def test_any_value_in_any_field_is_accepted_or_refused_by_name(path, value):
     except ConfigError as error:
         named = [str(p) for p in path if isinstance(p, str)]
         message = str(error)
-        # the message names the field (or, for a value that breaks a rule between fields, one of its sections)
+        # the message names the field (or, for a value that breaks a rule between fields, one of its
+        # sections)
         assert any(name in message for name in named) or "datasets" in message, (path, message)
     check_config_outcome(data)
 
@@ -153,7 +170,10 @@ def value_at(data, path: tuple):
 SECTIONS = [(), *(p for p in PATHS if isinstance(value_at(FULL, p), dict))]
 
 
-@given(st.sampled_from(SECTIONS), st.text(alphabet=string.ascii_lowercase + "_", min_size=1, max_size=12))
+@given(
+    st.sampled_from(SECTIONS),
+    st.text(alphabet=string.ascii_lowercase + "_", min_size=1, max_size=12),
+)
 def test_unknown_keys_are_refused_with_their_path(path, key):
     data = json.loads(json.dumps(FULL))
     section = value_at(data, path)
@@ -193,7 +213,8 @@ def test_any_yaml_text_is_loaded_or_refused_with_the_file_name(tmp_path_factory,
                 lambda p, v: f"{'.'.join(map(str, p))}={v}",
                 st.sampled_from(PATHS),
                 st.one_of(
-                    odd_text, st.sampled_from(["[1, 2", "{a: 1}", "null", ".nan", "-.inf", "!!binary x"])
+                    odd_text,
+                    st.sampled_from(["[1, 2", "{a: 1}", "null", ".nan", "-.inf", "!!binary x"]),
                 ),
             ),
             odd_text,
@@ -223,7 +244,8 @@ def test_a_config_file_that_is_not_utf8_or_is_binary_is_refused(tmp_path):
 def test_yaml_bombs_and_python_tags_are_refused(tmp_path):
     path = tmp_path / "config.yaml"
     anchors = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}]\n"
         for i in range(8)
     )
     for text in ("x: !!python/object/apply:os.system ['true']\n", anchors, deeply_nested(5000)):
@@ -241,7 +263,9 @@ records = st.one_of(
         {
             "messages": st.one_of(
                 json_values,
-                st.lists(st.fixed_dictionaries({"role": json_values, "content": json_values}), max_size=3),
+                st.lists(
+                    st.fixed_dictionaries({"role": json_values, "content": json_values}), max_size=3
+                ),
             )
         },
         optional={"answer": json_values, "metadata": json_values, "completion": json_values},
@@ -251,7 +275,14 @@ lines = st.one_of(
     records.map(lambda r: json.dumps(r, allow_nan=True)),
     st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
     st.sampled_from(
-        ['{"prompt": "ok"', "[", deeply_nested(100_000), "\x00", '{"prompt": "\\ud800"}', "\ufeff{}"]
+        [
+            '{"prompt": "ok"',
+            "[",
+            deeply_nested(100_000),
+            "\x00",
+            '{"prompt": "\\ud800"}',
+            "\ufeff{}",
+        ]
     ),
 )
 
@@ -293,7 +324,9 @@ def scorer():
 
 
 valid_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=80)  # up to past the context
-token_lists = st.one_of(valid_ids, valid_ids, json_values, st.lists(st.integers(-3, 200), max_size=80))
+token_lists = st.one_of(
+    valid_ids, valid_ids, json_values, st.lists(st.integers(-3, 200), max_size=80)
+)
 completion_bodies = st.one_of(
     json_values,
     st.fixed_dictionaries(
@@ -323,11 +356,16 @@ generate_bodies = st.one_of(
 
 @given(
     st.one_of(
-        completion_bodies.map(lambda b: ("completions", b)), generate_bodies.map(lambda b: ("generate", b))
+        completion_bodies.map(lambda b: ("completions", b)),
+        generate_bodies.map(lambda b: ("generate", b)),
     )
 )
-@example(("generate", {"input_ids": [0], "return_logprob": True, "logprob_start_len": None}))  # TypeError
-@example(("completions", {"prompt": [[5] * 80], "prompt_logprobs": 1}))  # past the context: IndexError
+@example(
+    ("generate", {"input_ids": [0], "return_logprob": True, "logprob_start_len": None})
+)  # TypeError
+@example(
+    ("completions", {"prompt": [[5] * 80], "prompt_logprobs": 1})
+)  # past the context: IndexError
 @example(("generate", {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": True}))
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_any_request_body_is_answered_or_refused_with_a_4xx(scorer, request_body):
@@ -387,14 +425,19 @@ def fuzzed_client(backend: str, answers: list) -> RemoteTeacher:
 
 
 def client_input() -> TeacherInput:
-    return TeacherInput.from_sequences(SEQUENCES, [[False, True, True, True], [False, True, True]], 0)
+    return TeacherInput.from_sequences(
+        SEQUENCES, [[False, True, True, True], [False, True, True]], 0
+    )
 
 
 @given(
     st.sampled_from(["openai", "sglang"]),
     st.integers(0, 3),
     st.lists(st.integers(0, 50), min_size=0, max_size=6),
-    st.one_of(json_values, st.sampled_from([float("nan"), float("inf"), 0.5, -1e30, "1.0", [], {}, 10**40])),
+    st.one_of(
+        json_values,
+        st.sampled_from([float("nan"), float("inf"), 0.5, -1e30, "1.0", [], {}, 10**40]),
+    ),
     st.booleans(),
 )
 @example("openai", 2, [0, 0, 1, 1, 0, 0], 0.5, False)  # a positive log-prob was used
@@ -403,16 +446,23 @@ def client_input() -> TeacherInput:
 @example("openai", 0, [0, 1, 0], 0, False)  # two choices claiming index 0
 @example("sglang", 0, [0, 0, 1], 7, False)  # TypeError unpacking a number
 @example("sglang", 0, [0], [], False)  # AttributeError: meta_info not a mapping
-@example("sglang", 0, [0, 0, 1, 0], -3.402823466385289e38, False)  # RuntimeError: float32 overflow (campaign)
+@example(
+    "sglang", 0, [0, 0, 1, 0], -3.402823466385289e38, False
+)  # RuntimeError: float32 overflow (campaign)
 @example("sglang", 1, [0, 1, 1, 0, 1], 10**40, False)  # a top id overflowed the tensor (campaign)
-def test_any_teacher_answer_is_used_or_refused_by_the_client(backend, k, path, replacement, reorder):
+def test_any_teacher_answer_is_used_or_refused_by_the_client(
+    backend, k, path, replacement, reorder
+):
     if backend == "openai":
         answer = honest_openai(SEQUENCES, k)
         if reorder:
             answer["choices"].reverse()  # out of order: indices say where each belongs
         answers = [mutate(answer, path, replacement)]
     else:
-        answers = [mutate(honest_sglang(SEQUENCES[0], k), path, replacement), honest_sglang(SEQUENCES[1], k)]
+        answers = [
+            mutate(honest_sglang(SEQUENCES[0], k), path, replacement),
+            honest_sglang(SEQUENCES[1], k),
+        ]
     client = fuzzed_client(backend, answers)
     try:
         scores = client.score(client_input(), TeacherRequest(topk=k))
@@ -462,7 +512,9 @@ sampling_bodies = st.fixed_dictionaries(
 
 
 @given(sampling_bodies)
-@example({"prompt": [5] * 60, "max_tokens": 10})  # past the 64-token context: 400 naming both numbers
+@example(
+    {"prompt": [5] * 60, "max_tokens": 10}
+)  # past the 64-token context: 400 naming both numbers
 @example({"prompt": [[5]] * 3, "max_tokens": 30, "ignore_eos": True, "stop_token_ids": [7]})
 @example({"prompt": [0], "stop": "\x08"})  # ValueError in generate: no token writes it (campaign)
 @example({"prompt": [0], "skip_special_tokens": []})  # TypeError in decode (campaign)
@@ -487,11 +539,14 @@ def test_any_sampling_request_is_answered_within_its_bounds_or_refused_with_a_4x
 
 @given(
     st.one_of(
-        odd_text, st.sampled_from(["/update_weights", "/health", "/v1/models", "//health", "/health/"])
+        odd_text,
+        st.sampled_from(["/update_weights", "/health", "/v1/models", "//health", "/health/"]),
     ),
     st.dictionaries(
         st.sampled_from([b"authorization", b"Authorization", b"x-api-key", b"cookie"]),
-        st.one_of(st.binary(max_size=40), st.sampled_from([b"Bearer k3y", b"bearer k3y", b"Bearer  k3y"])),
+        st.one_of(
+            st.binary(max_size=40), st.sampled_from([b"Bearer k3y", b"bearer k3y", b"Bearer  k3y"])
+        ),
         max_size=3,
     ),
     st.sampled_from(["GET", "POST", "PUT", "OPTIONS", "DELETE"]),
@@ -517,10 +572,13 @@ def test_a_keyed_rollout_server_lets_through_only_its_key_or_health(path, header
 
 @given(
     st.lists(
-        st.one_of(odd_text, json_values, st.sampled_from(["..", "/", "w/../../x", "w/a\x00b"])), max_size=5
+        st.one_of(odd_text, json_values, st.sampled_from(["..", "/", "w/../../x", "w/a\x00b"])),
+        max_size=5,
     )
 )
-def test_any_list_of_weight_files_is_refused_unless_every_one_lies_in_the_directory(tmp_path_factory, files):
+def test_any_list_of_weight_files_is_refused_unless_every_one_lies_in_the_directory(
+    tmp_path_factory, files
+):
     from opd.sampling.rollout_guard import files_outside
 
     root = tmp_path_factory.getbasetemp().resolve() / "weights"
@@ -531,7 +589,12 @@ def test_any_list_of_weight_files_is_refused_unless_every_one_lies_in_the_direct
             assert isinstance(entry, str) and (Path(os.path.realpath(entry))).is_relative_to(root)
 
 
-UNSAFE_TO_IMPORT = {"this", "antigravity", "__hello__", "__phello__"}  # print or open a browser on import
+UNSAFE_TO_IMPORT = {
+    "this",
+    "antigravity",
+    "__hello__",
+    "__phello__",
+}  # print or open a browser on import
 
 
 @given(odd_text.filter(lambda name: name.split(":")[0].split(".")[0] not in UNSAFE_TO_IMPORT))
@@ -589,7 +652,9 @@ def with_value(prefix: str, name: str, value) -> dict:
             node["lmbda"] = {"start": 0.0, "end": 1.0, "steps": 4}
             node = node["lmbda"]
         else:
-            if not isinstance(node.get(part), dict):  # a section FULL leaves off (rollout_correction)
+            if not isinstance(
+                node.get(part), dict
+            ):  # a section FULL leaves off (rollout_correction)
                 node[part] = {}
             node = node[part]
     node[name] = value

@@ -67,14 +67,17 @@ def test_values_and_gradients_match_autograd_through_the_naive_formula(beta, chu
     torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(selected, student_log.gather(-1, ids[:, None]).squeeze(-1).detach())
     torch.testing.assert_close(entropy, -(student_log.exp() * student_log).sum(-1).detach())
-    for fused, expected in zip(fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True):
+    for fused, expected in zip(
+        fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True
+    ):
         torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
     assert head.weight.grad[V:].abs().max() == 0  # the padded rows take no gradient
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_frozen_head_and_bfloat16_teacher(beta):
-    """A LoRA student's frozen head gets no gradient; a bfloat16 teacher is scored in its own dtype."""
+    """A LoRA student's frozen head gets no gradient; a bfloat16 teacher is scored in its own
+    dtype."""
     torch.manual_seed(3)
     hidden = torch.randn(N, D, requires_grad=True)
     head = torch.nn.Linear(D, V, bias=False).requires_grad_(False)
@@ -106,7 +109,9 @@ def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all
     teacher_head = torch.nn.Linear(TEACHER_D, V, bias=False)
     calls, added = [], []
     rebuild, add = HeadGradients.logits, HeadGradients.add
-    monkeypatch.setattr(HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a))
+    monkeypatch.setattr(
+        HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a)
+    )
     monkeypatch.setattr(HeadGradients, "add", lambda self, *a: added.append(a[0]) or add(self, *a))
     loss, _, _ = chunked_jsd(
         hidden,
@@ -120,7 +125,9 @@ def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all
     loss.sum().backward(retain_graph=True)
     assert len(calls) == recomputed
     starts = list(range(0, N, chunk_size))
-    assert added == starts[-1:] + starts[:-1]  # the kept chunk first: its buffer is freed before any rebuild
+    assert (
+        added == starts[-1:] + starts[:-1]
+    )  # the kept chunk first: its buffer is freed before any rebuild
     loss.sum().backward()
     assert len(calls) == recomputed + -(-N // chunk_size)
     hidden_grad_twice = hidden.grad.clone()
@@ -163,7 +170,12 @@ def test_mismatched_rows_and_vocabularies_are_refused():
     head, teacher_head = torch.nn.Linear(D, V), torch.nn.Linear(TEACHER_D, V + 2)
     with pytest.raises(ValueError, match="same rows"):
         chunked_jsd(
-            torch.randn(3, D), head, torch.zeros(3, dtype=torch.long), torch.randn(2, TEACHER_D), head, 0.0
+            torch.randn(3, D),
+            head,
+            torch.zeros(3, dtype=torch.long),
+            torch.randn(2, TEACHER_D),
+            head,
+            0.0,
         )
     with pytest.raises(ValueError, match="same vocabulary"):
         chunked_jsd(
@@ -197,7 +209,9 @@ def test_several_teacher_heads_read_as_their_weighted_sum_per_row(beta, chunk_si
         HeadRows(first_hidden, first_head, LogitTransform(), first_weight),
         HeadRows(second_hidden, second_head, second_transform, 1.0 - first_weight),
     ]
-    loss, _, _ = chunked_jsd_mixed(hidden, head, ids, teachers, beta, chunk_size=chunk_size, vocab_size=V)
+    loss, _, _ = chunked_jsd_mixed(
+        hidden, head, ids, teachers, beta, chunk_size=chunk_size, vocab_size=V
+    )
     (loss * upstream).sum().backward()
     fused_grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
     hidden.grad = None
@@ -206,12 +220,16 @@ def test_several_teacher_heads_read_as_their_weighted_sum_per_row(beta, chunk_si
     student_log = torch.log_softmax((hidden @ head.weight[:V].T) + head.bias[:V], -1)
     with torch.no_grad():
         first = torch.softmax(first_hidden @ first_head.weight[:V].T, -1)
-        second = torch.softmax((second_hidden @ second_head.weight[:V].T + second_head.bias[:V]) / 0.8, -1)
+        second = torch.softmax(
+            (second_hidden @ second_head.weight[:V].T + second_head.bias[:V]) / 0.8, -1
+        )
         teacher_log = (first_weight[:, None] * first + (1 - first_weight[:, None]) * second).log()
     reference = generalized_jsd(student_log, teacher_log, beta)
     (reference * upstream).sum().backward()
     torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
-    for fused, expected in zip(fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True):
+    for fused, expected in zip(
+        fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True
+    ):
         torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
 
 

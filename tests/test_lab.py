@@ -50,9 +50,13 @@ def test_every_method_trains_and_is_evaluated(lab_result):
         assert [point["step"] for point in run["curve"]] == [0, 3, 6], run["method"]
         assert len(run["steps"]) == 6
         assert run["curve"][0]["accuracy"] < teacher  # the student starts below its teacher
-        assert run["config"]["student"]["model"] == "lab-v2-tiny/chain/student"  # no path of this machine
+        assert (
+            run["config"]["student"]["model"] == "lab-v2-tiny/chain/student"
+        )  # no path of this machine
     starts = {run["curve"][0]["accuracy"] for run in runs}
-    assert len(starts) == 1  # one student, one held-out set, greedy: the same start for every method
+    assert (
+        len(starts) == 1
+    )  # one student, one held-out set, greedy: the same start for every method
     assert "FLOPs to 60% of the teacher" in printed
 
 
@@ -60,7 +64,9 @@ def test_the_flops_are_the_phases_each_method_pays_for(lab_result):
     record, _ = lab_result
     for run in record["results"]:
         student, teacher = PHASES[run["method"]]
-        per_token = 2 * (student * run["parameters"]["student"] + teacher * run["parameters"]["teacher"])
+        per_token = 2 * (
+            student * run["parameters"]["student"] + teacher * run["parameters"]["teacher"]
+        )
         expected = 0.0
         for point, step in zip(run["curve"][1:], run["steps"][2::3], strict=True):
             assert step["step"] == point["step"] - 1

@@ -30,7 +30,9 @@ def test_tensorboard_and_mlflow_receive_every_step(base_config, tmp_path):
 )
 def test_missing_logger_package_is_refused_before_training(base_config, tmp_path):
     config = dict(base_config, loggers=["wandb"], wandb_project="p")
-    with pytest.raises(ConfigError, match=r"loggers: 'wandb' needs the wandb package.*pip install wandb"):
+    with pytest.raises(
+        ConfigError, match=r"loggers: 'wandb' needs the wandb package.*pip install wandb"
+    ):
         Trainer(config_from_dict(config), progress=False)
     assert not (tmp_path / "run").exists()
 
@@ -46,7 +48,10 @@ def test_secrets_in_the_environment_never_reach_run_files(base_config, tmp_path,
     secret = "sk-test-0123456789abcdef"
     for name in ("WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "HF_TOKEN", "OPENAI_API_KEY"):
         monkeypatch.setenv(name, secret)
-    train(config_from_dict(dict(base_config, loggers=["tensorboard", "mlflow"], trace=True)), progress=False)
+    train(
+        config_from_dict(dict(base_config, loggers=["tensorboard", "mlflow"], trace=True)),
+        progress=False,
+    )
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path

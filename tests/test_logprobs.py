@@ -45,9 +45,15 @@ def test_values_and_gradients_match_naive(chunk_size, transform, with_bias):
     ids = torch.randint(0, v, (n,))
     upstream = torch.randn(n)
 
-    logp, entropy = selected_token_logprobs(hidden, head, ids, chunk_size=chunk_size, transform=transform)
+    logp, entropy = selected_token_logprobs(
+        hidden, head, ids, chunk_size=chunk_size, transform=transform
+    )
     (logp * upstream).sum().backward()
-    grads = (hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone() if with_bias else None)
+    grads = (
+        hidden.grad.clone(),
+        head.weight.grad.clone(),
+        head.bias.grad.clone() if with_bias else None,
+    )
 
     hidden.grad = None
     head.zero_grad()
@@ -96,7 +102,9 @@ def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all
     ids = torch.randint(0, 23, (n,))
     calls, added = [], []
     rebuild, add = HeadGradients.logits, HeadGradients.add
-    monkeypatch.setattr(HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a))
+    monkeypatch.setattr(
+        HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a)
+    )
     monkeypatch.setattr(HeadGradients, "add", lambda self, *a: added.append(a[0]) or add(self, *a))
     logp, _ = selected_token_logprobs(
         hidden, head, ids, chunk_size=chunk_size, transform=transform, with_entropy=with_entropy
@@ -137,7 +145,8 @@ def test_shape_errors_name_both_shapes():
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_sequence_logprobs_with_padding_match_model_logits(tie):
-    """Right-padded batch, tied or untied embeddings: values and parameter gradients equal the naive path."""
+    """Right-padded batch, tied or untied embeddings: values and parameter gradients equal the naive
+    path."""
     model = tiny_llama(40, tie=tie, seed=3).train()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]])
     attention = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
@@ -193,4 +202,6 @@ def test_autocast_runs_the_body_in_bfloat16_and_the_head_in_float32():
     gap = (logp - full_precision.detach())[score.bool()].abs()
     assert 1e-4 < gap.max() < 0.1, gap
     logp.sum().backward()
-    assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in model.parameters())
+    assert all(
+        p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in model.parameters()
+    )

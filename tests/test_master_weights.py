@@ -25,7 +25,9 @@ def grads(count: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) * 1e-2 for _ in range(count)]
 
 
-def steps(optimizer: torch.optim.Optimizer, parameter: torch.Tensor, given: list[torch.Tensor]) -> None:
+def steps(
+    optimizer: torch.optim.Optimizer, parameter: torch.Tensor, given: list[torch.Tensor]
+) -> None:
     for grad in given:
         parameter.grad = grad.to(parameter.dtype)
         optimizer.step()
@@ -40,7 +42,11 @@ def test_the_master_copy_follows_torchs_adamw_in_float32_and_the_weights_are_its
     optimizer = adamw([half], **SETTINGS)
     assert isinstance(optimizer, MasterWeightAdamW)
     steps(optimizer, half, [g.bfloat16().float() for g in given])
-    steps(torch.optim.AdamW([full], foreach=False, **SETTINGS), full, [g.bfloat16().float() for g in given])
+    steps(
+        torch.optim.AdamW([full], foreach=False, **SETTINGS),
+        full,
+        [g.bfloat16().float() for g in given],
+    )
     master = optimizer.state[half]["master"]
     assert master.dtype == torch.float32 and optimizer.state[half]["exp_avg"].dtype == torch.float32
     assert torch.equal(master, full.detach())
@@ -53,7 +59,10 @@ def test_the_master_copy_follows_torchs_adamw_in_float32_and_the_weights_are_its
 
 
 def test_float32_parameters_beside_half_ones_are_updated_as_adamw_updates_them():
-    a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    a, b = (
+        torch.nn.Parameter(torch.ones(8)),
+        torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16)),
+    )
     reference = torch.nn.Parameter(torch.ones(8))
     optimizer = adamw([a, b], **SETTINGS)
     plain = torch.optim.AdamW([reference], **(SETTINGS | {"fused": True}))
@@ -98,10 +107,14 @@ def test_fsdp2_shards_of_a_bfloat16_model_update_as_one_process(tmp_path):
         assert found[name]["dtype"] == "torch.bfloat16"
         master = torch.tensor(found[name]["master"])
         assert master == pytest.approx(optimizer.state[parameter]["master"], abs=1e-7), name
-        assert torch.equal(torch.tensor(found[name]["parameter"]).bfloat16(), master.bfloat16()), name
+        assert torch.equal(torch.tensor(found[name]["parameter"]).bfloat16(), master.bfloat16()), (
+            name
+        )
 
 
-def test_a_bfloat16_student_trains_through_master_weights_and_resumes_exactly(base_config, tmp_path):
+def test_a_bfloat16_student_trains_through_master_weights_and_resumes_exactly(
+    base_config, tmp_path
+):
     """Two steps, then the run extended to four, equal four steps at once: the checkpoint kept the
     float32 master weights (a resume from the bfloat16 weights alone would part at step 3)."""
     base_config["student"].update(dtype="bfloat16", device="cpu")
@@ -115,7 +128,9 @@ def test_a_bfloat16_student_trains_through_master_weights_and_resumes_exactly(ba
             trainer = Trainer(config_from_dict(config), progress=False)
             assert isinstance(trainer.optimizer, MasterWeightAdamW)
             rows += trainer.run().metrics
-        return rows, {name: p.detach().clone() for name, p in trainer.policy.model.named_parameters()}
+        return rows, {
+            name: p.detach().clone() for name, p in trainer.policy.model.named_parameters()
+        }
 
     whole_rows, whole = run("whole", 4)
     split_rows, split = run("split", 2, 4)

@@ -74,7 +74,9 @@ def test_it_is_a_grader_a_config_can_name(base_config):
     assert config.datasets[0].grader == "math_verify"
 
 
-def test_without_the_package_the_config_is_refused_with_the_install_command(base_config, monkeypatch):
+def test_without_the_package_the_config_is_refused_with_the_install_command(
+    base_config, monkeypatch
+):
     monkeypatch.setattr(graders, "math_verify_available", lambda: False)
     monkeypatch.setattr("opd.config.datasets.math_verify_available", lambda: False)
     with pytest.raises(

@@ -26,7 +26,10 @@ def write(config: dict, path: Path) -> Path:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("student.device=gpu", "student.device: 'gpu' is not a device; use auto, cpu, cuda, cuda:N or mps"),
+        (
+            "student.device=gpu",
+            "student.device: 'gpu' is not a device; use auto, cpu, cuda, cuda:N or mps",
+        ),
         ("teacher.device=cuda0", "teacher.device: 'cuda0' is not a device"),
         (
             "teacher={model: t, backend: openai, base_url: 'localhost:8000/v1'}",
@@ -62,8 +65,8 @@ def test_a_yaml_slip_is_named_by_file_line_and_column(tmp_path, capsys):
     path.write_text("student:\n  model: x\n  lora_rank: [1\nteacher: {model: y}\n")
     assert main(["train", str(path)]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"opd: error: {path}:4:8: not valid YAML: expected ',' or ']', but got ':' "
-        "(while parsing a flow sequence opened at line 3, column 14)"
+        f"opd: error: {path}:4:8: not valid YAML: expected ',' or ']', but got ':' (while parsing "
+        "a flow sequence opened at line 3, column 14)"
     )
 
 
@@ -75,7 +78,9 @@ def hub_cached(model_dir: Path, cache: Path, repo: str) -> None:
     (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
 
 
-def train_offline(config: Path, cache: Path, hub: str, *overrides: str) -> subprocess.CompletedProcess:
+def train_offline(
+    config: Path, cache: Path, hub: str, *overrides: str
+) -> subprocess.CompletedProcess:
     """``opd train`` where the hub's address ``hub`` takes no connection."""
     env = os.environ | {
         "HF_ENDPOINT": hub,
@@ -106,9 +111,9 @@ def test_a_hub_id_without_the_hub_loads_from_the_cache_and_fails_with_the_fix_wh
     )
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines()[-1] == (
-        "opd: error: student.model: 'someone/elsewhere' is not a local path, this machine cannot reach "
-        f"the Hugging Face hub ({hub}), and it is not in the Hugging Face cache. Give a local directory "
-        "(download it where there is network: huggingface-cli download someone/elsewhere --local-dir "
-        "DIR), or with it cached set HF_HUB_OFFLINE=1"
+        "opd: error: student.model: 'someone/elsewhere' is not a local path, this machine cannot "
+        f"reach the Hugging Face hub ({hub}), and it is not in the Hugging Face cache. Give a "
+        "local directory (download it where there is network: huggingface-cli download "
+        "someone/elsewhere --local-dir DIR), or with it cached set HF_HUB_OFFLINE=1"
     )
     assert "Traceback" not in missing.stderr

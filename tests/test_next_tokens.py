@@ -53,7 +53,9 @@ def hand_reading() -> TeacherReading:
     """ "abc" as the teacher's "ab" (p 0.5) then "c" (p 0.9), then its end of turn (id 99, p 0.8),
     as in test_alignment's hand example; its other likely tokens: at "ab", "a" 0.1, "ax" 0.1, "abd"
     0.1, "abc" 0.05, "b" 0.1; at "c", "cd" 0.05; at the end of turn, "x" 0.1."""
-    first = candidates([("ab", 0.5), ("a", 0.1), ("ax", 0.1), ("abd", 0.1), ("abc", 0.05), ("b", 0.1)])
+    first = candidates(
+        [("ab", 0.5), ("a", 0.1), ("ax", 0.1), ("abd", 0.1), ("abc", 0.05), ("b", 0.1)]
+    )
     second = candidates([("c", 0.9), ("cd", 0.05)])
     end = [Candidate(99, "<|im_end|>", math.log(0.8), ends_turn=True), *candidates([("x", 0.1)])]
     steps = [
@@ -74,7 +76,9 @@ def test_the_next_characters_by_hand():
     # after "ab": "abd" and "abc" go on, or "ab" (0.5) and then "c" or "cd"
     assert masses(reading.ways(2)) == pytest.approx({"c": 0.05 + 0.5 * 0.95, "d": 0.1})
     # after "abc": "ab", "c" (0.45) and then the end of turn or "x", or "ab" and "cd"
-    assert masses(reading.ways(3)) == pytest.approx({"<stop>": 0.45 * 0.8, "x": 0.45 * 0.1, "d": 0.5 * 0.05})
+    assert masses(reading.ways(3)) == pytest.approx(
+        {"<stop>": 0.45 * 0.8, "x": 0.45 * 0.1, "d": 0.5 * 0.05}
+    )
     # the student's top-k: shares of the mass the ways place (0.43 here), the top 2 of them
     assert topk(reading.ways(3), 2) == pytest.approx({"<stop>": 0.36 / 0.43, "x": 0.045 / 0.43})
     assert topk(reading.ways(1)) == pytest.approx({"b": 0.65 / 0.75, "x": 0.1 / 0.75})
@@ -104,7 +108,9 @@ def test_a_student_token_gets_the_mass_of_every_way_it_starts():
     ways = TeacherReading(word, [TeacherStep(0, len(word), math.log(0.5), likely)]).ways(0)
     ids, logprobs = student_topk(ways, StudentVocabulary(tokenizer, 0), 4)
     got = {i: math.exp(lp) for i, lp in zip(ids, logprobs, strict=True) if lp > PAD_LOGPROB}
-    assert got == pytest.approx({word_id: 0.6 / 0.8, letter_id: 0.2 / 0.8})  # the snowman places nothing
+    assert got == pytest.approx(
+        {word_id: 0.6 / 0.8, letter_id: 0.2 / 0.8}
+    )  # the snowman places nothing
     assert len(set(ids)) == 4  # padded with distinct ids of no mass
 
 
@@ -121,7 +127,9 @@ def naive_next_characters(fmt, text, offsets, body, teacher, topk, at) -> dict[i
         for other, logprob in [(token, teacher[p])] + [(i, lp) for i, lp in topk[p] if i != token]:
             if other == token and end <= at:
                 continue
-            if other in fmt.renderer.stop_token_ids:  # the end of turn goes on from where it is sent
+            if (
+                other in fmt.renderer.stop_token_ids
+            ):  # the end of turn goes on from where it is sent
                 if at == start:
                     found[STOP] = found.get(STOP, 0.0) + reach * math.exp(logprob)
                 continue
@@ -152,7 +160,10 @@ def test_the_next_characters_of_random_text_follow_the_definition():
         width = piece.length
         topk, own_logprobs = [], []
         for _ in range(width):
-            logits = torch.randn(vocab, generator=torch.Generator().manual_seed(rng.randrange(10**6))) * 3
+            logits = (
+                torch.randn(vocab, generator=torch.Generator().manual_seed(rng.randrange(10**6)))
+                * 3
+            )
             logprobs = torch.log_softmax(logits, -1)
             top = logprobs.topk(12)
             topk.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
@@ -163,8 +174,14 @@ def test_the_next_characters_of_random_text_follow_the_definition():
         rows = fmt.student_next_tokens(built, piece, teacher, topk, ids, view, 32)
         assert len(rows) == len(ids)
         for j, (row_ids, row_logprobs) in enumerate(rows):
-            assert len(set(row_ids)) == 32 and sum(math.exp(lp) for lp in row_logprobs) == pytest.approx(1)
-            got = {i: math.exp(lp) for i, lp in zip(row_ids, row_logprobs, strict=True) if lp > PAD_LOGPROB}
+            assert len(set(row_ids)) == 32 and sum(
+                math.exp(lp) for lp in row_logprobs
+            ) == pytest.approx(1)
+            got = {
+                i: math.exp(lp)
+                for i, lp in zip(row_ids, row_logprobs, strict=True)
+                if lp > PAD_LOGPROB
+            }
             naive = naive_next_characters(fmt, text, piece.teacher_offsets, body, teacher, topk, j)
             assert got == pytest.approx(naive, abs=1e-6), (trial, text, j)
 
@@ -172,21 +189,27 @@ def test_the_next_characters_of_random_text_follow_the_definition():
 def test_with_one_position_back_the_reading_is_the_per_character_split():
     first = [("a", 0.1), ("ax", 0.1), ("abd", 0.1), ("abc", 0.05), ("b", 0.1)]
     alternatives = [[(t, math.log(p)) for t, p in first], [("cd", math.log(0.05))]]
-    chars, _ = character_logprobs("abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], alternatives)
+    chars, _ = character_logprobs(
+        "abc", [(0, 2), (2, 3)], [math.log(0.5), math.log(0.9)], alternatives
+    )
     reading = hand_reading()
     going_on = [1.0] + [masses(reading.ways(at))[char] for at, char in enumerate("abc")]
     # a character's log-prob: the mass going on with it over the mass going on with the one before
-    assert [math.log(after / before) for before, after in itertools.pairwise(going_on)] == pytest.approx(
-        chars
-    )
+    assert [
+        math.log(after / before) for before, after in itertools.pairwise(going_on)
+    ] == pytest.approx(chars)
 
 
 def test_the_top_k_with_a_cross_tokenizer_teacher_needs_its_likely_tokens(base_config):
     base_config["teacher"].update(cross_tokenizer=True, character_topk=0)
     base_config["training"]["objective"] = "topk_forward_kl"
-    with pytest.raises(ConfigError, match=r"teacher\.character_topk: training\.objective 'topk_forward_kl'"):
+    with pytest.raises(
+        ConfigError, match=r"teacher\.character_topk: training\.objective 'topk_forward_kl'"
+    ):
         config_from_dict(base_config)
     base_config["teacher"]["character_topk"] = 20
     base_config["training"]["temperature"] = 0.7
-    with pytest.raises(ConfigError, match=r"training\.temperature: a cross_tokenizer teacher's likely"):
+    with pytest.raises(
+        ConfigError, match=r"training\.temperature: a cross_tokenizer teacher's likely"
+    ):
         config_from_dict(base_config)

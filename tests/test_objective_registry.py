@@ -1,4 +1,5 @@
-"""Objectives as components: the registry, what each declares, options in the config, a new one plugged in."""
+"""Objectives as components: the registry, what each declares, options in the config, a new one
+plugged in."""
 
 import ast
 import dataclasses
@@ -71,7 +72,9 @@ def test_an_option_may_be_overridden_under_a_bare_name():
     data = dict(MINIMAL, training={"objective": "jsd"})
     config = config_from_dict(data, ["training.objective.beta=0.25"])
     assert config.training.objective.beta == 0.25
-    switched = config_from_dict(data, ["training.objective=k3", "training.objective.kl_direction=forward"])
+    switched = config_from_dict(
+        data, ["training.objective=k3", "training.objective.kl_direction=forward"]
+    )
     assert switched.training.objective == objectives()["k3"](kl_direction="forward")
 
 
@@ -92,9 +95,15 @@ def test_an_option_may_be_overridden_under_a_bare_name():
             r"training\.objective\.betta: unknown key; did you mean",
         ),
         ("training.objective={beta: 0.1}", r"training\.objective\.name: required key is missing"),
-        ("training.beta=0.5", r"training\.beta: an option of objective 'jsd', set under training\.objective"),
+        (
+            "training.beta=0.5",
+            r"training\.beta: an option of objective 'jsd', set under training\.objective",
+        ),
         ("training.topk=8", r"training\.topk: an option of objective 'topk_forward_kl'"),
-        ("training.objective=[jsd]", r"training\.objective: expected an objective's name or a mapping"),
+        (
+            "training.objective=[jsd]",
+            r"training\.objective: expected an objective's name or a mapping",
+        ),
     ],
 )
 def test_misplaced_and_unknown_options_are_named(override, message):
@@ -121,7 +130,8 @@ def test_policy_gradient_settings_are_refused_where_the_objective_has_no_advanta
 
 
 def test_no_code_outside_objectives_compares_with_an_objective_name():
-    """The seam: config, trainer and teachers ask an objective what it needs, never which one it is."""
+    """The seam: config, trainer and teachers ask an objective what it needs, never which one it
+    is."""
     names = set(objectives())
     source = Path(__file__).parents[1] / "src" / "opd"
     found = []
@@ -167,7 +177,9 @@ def test_a_new_objective_is_one_class_and_trains_by_its_name(toy_objective, base
         batch = trainer.collect(0)
         assert batch.teacher is None  # it asked for no teacher answer: none was computed
         losses[str(objective)] = trainer.learn(batch)["loss"]
-    assert losses["{'name': 'toy_scaled_nll', 'scale': 0.5}"] == pytest.approx(0.5 * losses["nll"], rel=1e-5)
+    assert losses["{'name': 'toy_scaled_nll', 'scale': 0.5}"] == pytest.approx(
+        0.5 * losses["nll"], rel=1e-5
+    )
     with pytest.raises(
         ConfigError, match=r"training\.objective\.scale: an option of objective 'toy_scaled_nll'"
     ):

@@ -17,7 +17,8 @@ EVAL_STEPS = (10_000, 10_001, 10_002, 10_003)
 
 
 def fixed_batch_divergence(trainer: Trainer, name: str, **options) -> float:
-    """A divergence per token, computed exactly, on fixed seeded batches (teacher samples repeat exactly)."""
+    """A divergence per token, computed exactly, on fixed seeded batches (teacher samples repeat
+    exactly)."""
     objective = objectives()[name](**options)
     training = trainer.config.training
     total = tokens = 0.0
@@ -43,16 +44,25 @@ EXACT_FORWARD_KL = {"name": "jsd", "beta": 0.0}
         ({"name": "k3", "kl_direction": "reverse"}, "student", {}, EXACT_FORWARD_KL),
         ({"name": "jsd", "beta": 0.5}, "student", {}, {"name": "jsd", "beta": 0.5}),
         ({"name": "jsd", "beta": 0.0}, "mixed", {"lmbda": 0.5}, EXACT_FORWARD_KL),
-        ({"name": "topk_forward_kl", "topk": 8}, "student", {}, {"name": "topk_forward_kl", "topk": 8}),
+        (
+            {"name": "topk_forward_kl", "topk": 8},
+            "student",
+            {},
+            {"name": "topk_forward_kl", "topk": 8},
+        ),
         ("nll", "teacher", {}, EXACT_FORWARD_KL),
     ],
 )
 def test_objective_lowers_the_divergence_it_targets(
     demo_models, tmp_path, objective, data_source, extra, measured
 ):
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], STEPS, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], STEPS, 0
+    )
     # the setting docs/objectives.md reports, not the demo's
-    config["training"].update(learning_rate=3e-4, objective=objective, data_source=data_source, **extra)
+    config["training"].update(
+        learning_rate=3e-4, objective=objective, data_source=data_source, **extra
+    )
     trainer = Trainer(config_from_dict(config), progress=False)
     before = fixed_batch_divergence(trainer, **measured)
     for step in range(STEPS):
@@ -62,7 +72,9 @@ def test_objective_lowers_the_divergence_it_targets(
 
 
 def test_mixed_source_uses_both_and_reports_teacher_kl_only_on_policy(demo_models, tmp_path):
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 8, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 8, 0
+    )
     config["training"].update(objective="jsd", data_source="mixed", lmbda=0.5)
     trainer = Trainer(config_from_dict(config), progress=False)
     rows = [trainer.train_step(step) for step in range(8)]
@@ -72,7 +84,9 @@ def test_mixed_source_uses_both_and_reports_teacher_kl_only_on_policy(demo_model
 
 
 def test_dataset_source_trains_on_the_given_answers(demo_models, tmp_path):
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0
+    )
     config["training"].update(objective="nll", data_source="dataset")
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, source = trainer.collector.sample_batch(0)
@@ -88,7 +102,9 @@ def test_sft_pays_for_no_teacher_forward(demo_models, tmp_path, monkeypatch):
     from opd.teachers.local import LocalTeacher
     from opd.trainer.loop import train
 
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 2, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 2, 0
+    )
     config["training"].update(objective="nll", data_source="teacher", show_examples=True)
     config["eval_every"] = 0
     scored = []
@@ -97,18 +113,24 @@ def test_sft_pays_for_no_teacher_forward(demo_models, tmp_path, monkeypatch):
         LocalTeacher, "score", lambda self, *a, **k: scored.append(1) or original(self, *a, **k)
     )
     rows = train(config_from_dict(config), progress=False).metrics
-    assert scored == [] and all("time/teacher" not in row or row["time/teacher"] < 0.01 for row in rows)
+    assert scored == [] and all(
+        "time/teacher" not in row or row["time/teacher"] < 0.01 for row in rows
+    )
     assert all(row["loss"] > 0 and "teacher_kl" not in row for row in rows)
     html = build_report(tmp_path / "run").read_text()
     assert "<td>-</td>" in html  # samples without token KL, shown plain
 
 
-@pytest.mark.parametrize(("beta", "teacher_dtype"), [(1.0, "float32"), (0.5, "float32"), (1.0, "bfloat16")])
+@pytest.mark.parametrize(
+    ("beta", "teacher_dtype"), [(1.0, "float32"), (0.5, "float32"), (1.0, "bfloat16")]
+)
 def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, beta, teacher_dtype):
     """The trainer's jsd at each sampled token equals the divergence computed from both models' full
     logits at the position that predicts it: the teacher's hidden states line up with the student's,
     in the teacher's own dtype too."""
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0
+    )
     config["training"].update(objective={"name": "jsd", "beta": beta})
     config["teacher"]["dtype"] = teacher_dtype
     trainer = Trainer(config_from_dict(config), progress=False)
@@ -126,7 +148,9 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
         )
         full = []
         for model in (trainer.student, trainer.teachers.per_dataset[0].model):
-            logits = model(batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits[..., :vocab]
+            logits = model(batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits[
+                ..., :vocab
+            ]
             full.append(torch.log_softmax(logits.float(), -1))
     rows, positions = batch.mask_BT.bool().nonzero(as_tuple=True)
     student_log, teacher_log = (log[rows, positions - 1] for log in full)
@@ -148,7 +172,9 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
 ):
     """Mixed precision changes the update's rounding, not its direction; weights, gradients and
     AdamW's moments stay float32 (LoRA's adapters too)."""
-    config = demo_config(str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0)
+    config = demo_config(
+        str(tmp_path / "run"), demo_models["student"], demo_models["teacher"], 1, 0
+    )
     config["training"].update(objective=objective, autocast="bfloat16")
     config["student"]["lora_rank"] = lora_rank
     trainer = Trainer(config_from_dict(config), progress=False)
@@ -159,7 +185,12 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
     for autocast in (None, "bfloat16"):
         training = dataclasses.replace(trainer.config.training, autocast=autocast)
         per_token, _, _ = token_losses(
-            trainer.policy, trainer.objective, batch, teacher, torch.zeros_like(batch.mask_BT), training
+            trainer.policy,
+            trainer.objective,
+            batch,
+            teacher,
+            torch.zeros_like(batch.mask_BT),
+            training,
         )
         (per_token * batch.mask_BT).sum().backward()
         gradients[autocast] = torch.cat([p.grad.flatten() for p in parameters])
@@ -174,6 +205,8 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
 
     row = trainer.train_step(0)
     assert math.isfinite(row["loss"])
-    state = [tensor for p in parameters for tensor in trainer.optimizer.state[p].values() if tensor.dim()]
+    state = [
+        tensor for p in parameters for tensor in trainer.optimizer.state[p].values() if tensor.dim()
+    ]
     assert state and {t.dtype for t in state} == {torch.float32}
     assert {p.dtype for p in parameters} == {torch.float32}

@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from opd.objectives.advantages import discounted_future_sum, kl_advantages, reverse_kl_per_token, standardized
+from opd.objectives.advantages import (
+    discounted_future_sum,
+    kl_advantages,
+    reverse_kl_per_token,
+    standardized,
+)
 from opd.objectives.policy_losses import aggregate, cispo, dro, importance_sampling, ppo
 
 
@@ -31,13 +36,15 @@ def test_kl_advantages_by_hand_and_masking():
     clipped = kl_advantages(sampled, teacher, mask, kl_penalty_coef=2.0, clip=1.5)
     torch.testing.assert_close(clipped, torch.tensor([[0.0, 1.0, -1.5, 0.0]]))
     # the clip applies after the discount: t1 = 1 + 0.5 * -2 = 0 stays, t2 = -2 -> -1.5
-    both = kl_advantages(sampled, teacher, mask, kl_penalty_coef=2.0, kl_discount_factor=0.5, clip=1.5)
+    both = kl_advantages(
+        sampled, teacher, mask, kl_penalty_coef=2.0, kl_discount_factor=0.5, clip=1.5
+    )
     torch.testing.assert_close(both, torch.tensor([[0.0, 0.0, -1.5, 0.0]]))
 
 
 def test_standardized_advantages_by_hand():
-    """Completion tokens 1, 3, 5 (mean 3, spread sqrt(8/3)) become -1.2247, 0, 1.2247; padding stays 0;
-    a batch without spread gives 0 everywhere, not a division by 0."""
+    """Completion tokens 1, 3, 5 (mean 3, spread sqrt(8/3)) become -1.2247, 0, 1.2247; padding stays
+    0; a batch without spread gives 0 everywhere, not a division by 0."""
     advantages_BT = torch.tensor([[1.0, 3.0, 7.0], [5.0, 9.0, 9.0]])
     mask_BT = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     got = standardized(advantages_BT, mask_BT, mean=3.0, std=math.sqrt(8 / 3))

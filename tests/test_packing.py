@@ -43,15 +43,27 @@ def test_bins_by_hand():
     # padded, budget 20: 2 x 9 = 18 | 2 x 7 = 14 | 3 x 7 = 21 > 20, so 3 and 2 together
     assert token_bins(lengths, 20, None, padded=True) == [[1, 5], [0, 3], [2, 4]]
     assert token_bins(lengths, 100, 2, padded=False) == [[1, 5], [0, 3], [2, 4]]  # rows capped too
-    assert token_bins(lengths, 4, None, padded=False) == [[1], [5], [3], [0], [4], [2]]  # too long: alone
-    assert token_bins(lengths, None, 4, padded=False) == [[0, 1, 2], [3, 4, 5]]  # rows: contiguous runs
+    assert token_bins(lengths, 4, None, padded=False) == [
+        [1],
+        [5],
+        [3],
+        [0],
+        [4],
+        [2],
+    ]  # too long: alone
+    assert token_bins(lengths, None, 4, padded=False) == [
+        [0, 1, 2],
+        [3, 4, 5],
+    ]  # rows: contiguous runs
     assert token_bins(lengths, None, None, padded=True) == [list(range(6))]
     rng = random.Random(0)
     many = [rng.randrange(1, 120) for _ in range(200)]
     for padded in (False, True):
         bins = token_bins(many, 300, None, padded=padded)
         assert sorted(row for members in bins for row in members) == list(range(200))
-        cost = [max(many[r] for r in b) * len(b) if padded else sum(many[r] for r in b) for b in bins]
+        cost = [
+            max(many[r] for r in b) * len(b) if padded else sum(many[r] for r in b) for b in bins
+        ]
         assert max(cost) <= 300
     # first-fit decreasing packs within 11/9 of the tokens' lower bound, plus one bin
     assert len(token_bins(many, 300, None, padded=False)) <= 11 / 9 * sum(many) / 300 + 1
@@ -82,7 +94,8 @@ def model(seed: int, **config) -> LlamaForCausalLM:
 
 
 def rollouts(seed: int = 0):
-    """Rows from 2 to 30 tokens: prompts of 1 to 8 tokens (one of a single token), completions of 1 to 22."""
+    """Rows from 2 to 30 tokens: prompts of 1 to 8 tokens (one of a single token), completions of 1
+    to 22."""
     rng = random.Random(seed)
     prompts, completions = [], []
     for prompt_length, completion_length in [
@@ -102,9 +115,12 @@ def rollouts(seed: int = 0):
 
 
 def gpt2() -> GPT2LMHeadModel:
-    """A tiny GPT-2: learned absolute positions, so packed position ids must restart per sequence."""
+    """A tiny GPT-2: learned absolute positions, so packed position ids must restart per
+    sequence."""
     torch.manual_seed(3)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -113,7 +129,9 @@ def gpt2() -> GPT2LMHeadModel:
 def test_packed_hidden_states_equal_padded_ones_for_every_scored_position(build):
     student, batch = build(), rollouts()
     assert packing_problem(student) is None
-    padded = scored_hidden_states(student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+    padded = scored_hidden_states(
+        student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+    )
     packed = scored_hidden_states(
         student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT, packed=True
     )
@@ -140,12 +158,17 @@ class RecordingOptimizer(torch.optim.Optimizer):
         self.gradients: list[list[torch.Tensor]] = []
 
     def step(self, closure=None):
-        self.gradients.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
+        self.gradients.append(
+            [p.grad.clone() for group in self.param_groups for p in group["params"]]
+        )
 
 
-def update_gradients(policy: Policy, objective, teacher: LocalTeacher, batch, batching: MicroBatching):
+def update_gradients(
+    policy: Policy, objective, teacher: LocalTeacher, batch, batching: MicroBatching
+):
     """The gradient of one optimizer step of :func:`policy_update` on ``batch``, and the student's
-    and teacher's log-probs, with the student's and teacher's forwards packed as ``batching`` says."""
+    and teacher's log-probs, with the student's and teacher's forwards packed as ``batching``
+    says."""
     training = TrainingConfig(objective=objective, max_grad_norm=None, temperature=0.8)
     policy.use_packing(batching.packed)
     teacher.module.packed = batching.packed
@@ -199,7 +222,9 @@ def test_packed_micro_batches_make_the_update_padded_ones_make(name, options, lo
 
     mask = batch.mask_BT.bool()
     assert float((padded[2] - packed[2])[mask].abs().max()) < 1e-5  # the student's log-probs
-    assert float((padded[3].logprobs_BT - packed[3].logprobs_BT)[mask].abs().max()) < 1e-5  # teacher's
+    assert (
+        float((padded[3].logprobs_BT - packed[3].logprobs_BT)[mask].abs().max()) < 1e-5
+    )  # teacher's
     assert packed[1].loss == pytest.approx(padded[1].loss, rel=1e-5, abs=1e-7)
     assert packed[1].objective_value == pytest.approx(padded[1].objective_value, rel=1e-5, abs=1e-7)
     assert len(packed[0]) == len(padded[0]) and len(padded[0]) > 0
@@ -219,9 +244,13 @@ def test_a_model_that_cannot_pack_runs_padded_and_says_why():
     assert policy.use_packing(False) is None
 
 
-def test_a_budget_that_cannot_hold_the_longest_row_is_refused_naming_both(tmp_path, model_dirs, capsys):
+def test_a_budget_that_cannot_hold_the_longest_row_is_refused_naming_both(
+    tmp_path, model_dirs, capsys
+):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "y"}) + "\n" for n in (3, 30, 8)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": "x" * n, "answer": "y"}) + "\n" for n in (3, 30, 8))
+    )
     config = {
         "log_path": str(tmp_path / "run"),
         "student": {"model": str(model_dirs["student"])},
@@ -235,7 +264,9 @@ def test_a_budget_that_cannot_hold_the_longest_row_is_refused_naming_both(tmp_pa
     error = capsys.readouterr().err
     assert "training.micro_batch_tokens: 40 tokens cannot hold the longest possible row" in error
     longest_prompt = int(error.split("the longest prompt, ")[1].split(" tokens")[0])
-    assert longest_prompt > 30  # the 30-character prompt in the chat template, one token a character
+    assert (
+        longest_prompt > 30
+    )  # the 30-character prompt in the chat template, one token a character
     assert f"{longest_prompt + 16} tokens" in error and "max_tokens 16" in error
     assert "Traceback" not in error and not (tmp_path / "run").exists()
 
@@ -273,6 +304,8 @@ def test_gradient_checkpointing_recomputes_packed_layers_per_sequence():
     teacher = LocalTeacher(model(2), vocab_size=VOCAB, pad_id=0, batch_size=3)
     batch = rollouts()
     padded = update_gradients(policy, objective, teacher, batch, MicroBatching(packed=False))
-    packed = update_gradients(policy, objective, teacher, batch, MicroBatching(tokens=40, packed=True))
+    packed = update_gradients(
+        policy, objective, teacher, batch, MicroBatching(tokens=40, packed=True)
+    )
     for got, expected in zip(packed[0], padded[0], strict=True):
         assert float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max())

@@ -30,7 +30,8 @@ class CountingForward(nn.Module):
 
 @pytest.fixture
 def new_modes():
-    """Two modes declared here, as a module of opd.policy.parallel would declare them; removed after."""
+    """Two modes declared here, as a module of opd.policy.parallel would declare them; removed
+    after."""
 
     class Counting(ParallelMode):
         name = "counting_test"
@@ -79,5 +80,7 @@ def test_a_new_mode_is_checked_and_planned_by_its_name(new_modes, base_config):
         resolve_parallel("replicas_test", 1)
     with pytest.raises(ConfigError, match="use ddp, fsdp, replicas_test or auto"):
         resolve_parallel("counting_test", 2)
-    with pytest.raises(ConfigError, match=r"training\.parallel: 'replica_test' is not one of .*did you mean"):
+    with pytest.raises(
+        ConfigError, match=r"training\.parallel: 'replica_test' is not one of .*did you mean"
+    ):
         config_from_dict(base_config, ["training.parallel=replica_test"])

@@ -1,4 +1,5 @@
-"""The policy seam: every use of the student's weights goes through one module call or one method."""
+"""The policy seam: every use of the student's weights goes through one module call or one
+method."""
 
 import os
 
@@ -50,7 +51,8 @@ def guard_head(trainer: Trainer) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "objective", ["sampled_reverse_kl", {"name": "jsd", "beta": 0.5}, {"name": "topk_forward_kl", "topk": 4}]
+    "objective",
+    ["sampled_reverse_kl", {"name": "jsd", "beta": 0.5}, {"name": "topk_forward_kl", "topk": 4}],
 )
 def test_the_update_reads_the_lm_head_only_inside_the_policys_module_call(base_config, objective):
     base_config["training"].update(objective=objective, micro_batch_size=1, num_substeps=2)
@@ -61,11 +63,14 @@ def test_the_update_reads_the_lm_head_only_inside_the_policys_module_call(base_c
     metrics = trainer.learn(batch)
     assert metrics["skipped"] == 0 and metrics["grad_norm"] > 0
     assert refused == []
-    assert trainer.policy.module.calls == len(batch.rollouts.prompt_lengths)  # one call per micro-batch
+    assert trainer.policy.module.calls == len(
+        batch.rollouts.prompt_lengths
+    )  # one call per micro-batch
 
 
 def test_an_update_through_a_real_ddp_wrapper_equals_the_plain_one(base_config, tmp_path):
-    """The one-module forward is what DDP needs: wrapped (gloo, one process), the step is the same."""
+    """The one-module forward is what DDP needs: wrapped (gloo, one process), the step is the
+    same."""
     changes = []
     for wrapped in (False, True):
         trainer = Trainer(config_from_dict(base_config), progress=False)
@@ -118,24 +123,33 @@ def test_sampler_weights_are_plain_names_with_lora_merged_and_ties_once(char_tok
     policy = lora_policy(char_tokenizer)
     weights = dict(policy.sampler_weights(torch.bfloat16))
     plain = tiny_llama(len(char_tokenizer), seed=5)
-    assert set(weights) == {name for name, _ in plain.named_parameters()}  # lm_head tied: not listed again
+    assert set(weights) == {
+        name for name, _ in plain.named_parameters()
+    }  # lm_head tied: not listed again
     assert all(w.dtype == torch.bfloat16 for w in weights.values())
     q_proj = policy.base_model.model.layers[0].self_attn.q_proj
     merged = (
-        q_proj.base_layer.weight + (q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight) * 2
+        q_proj.base_layer.weight
+        + (q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight) * 2
     )
-    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], merged.detach().to(torch.bfloat16))
+    assert torch.equal(
+        weights["model.layers.0.self_attn.q_proj.weight"], merged.detach().to(torch.bfloat16)
+    )
 
 
 def test_sampler_weights_give_a_plain_model_the_students_outputs(char_tokenizer):
     policy = lora_policy(char_tokenizer)
     plain = tiny_llama(len(char_tokenizer), seed=9)  # other weights, same shapes
-    missing, unexpected = plain.load_state_dict(dict(policy.sampler_weights(torch.float32)), strict=False)
+    missing, unexpected = plain.load_state_dict(
+        dict(policy.sampler_weights(torch.float32)), strict=False
+    )
     assert unexpected == [] and missing == ["lm_head.weight"]  # tied to the embedding
     plain.tie_weights()
     ids = torch.tensor([[1, 5, 6, 7, 8]])
     with torch.no_grad():
-        torch.testing.assert_close(plain(ids).logits, policy.model(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            plain(ids).logits, policy.model(ids).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_save_and_load_weights_round_trip(char_tokenizer, tmp_path):
@@ -153,11 +167,21 @@ def test_save_and_load_weights_round_trip(char_tokenizer, tmp_path):
     assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
 
 
-def test_a_full_model_loaded_from_a_directory_knows_its_device_dtype_and_stops(model_dirs, char_tokenizer):
+def test_a_full_model_loaded_from_a_directory_knows_its_device_dtype_and_stops(
+    model_dirs, char_tokenizer
+):
     policy = Policy.load(
         StudentConfig(str(model_dirs["student"]), lora_rank=0, dtype="float32"), len(char_tokenizer)
     )
-    assert policy.device == torch.device("cpu") and policy.dtype == torch.float32 and not policy.has_adapters
+    assert (
+        policy.device == torch.device("cpu")
+        and policy.dtype == torch.float32
+        and not policy.has_adapters
+    )
     assert policy.generation_stop_ids() == [2]
-    assert isinstance(policy.model, type(AutoModelForCausalLM.from_pretrained(model_dirs["student"])))
-    assert {id(p) for p in policy.trainable_parameters()} == {id(p) for p in policy.model.parameters()}
+    assert isinstance(
+        policy.model, type(AutoModelForCausalLM.from_pretrained(model_dirs["student"]))
+    )
+    assert {id(p) for p in policy.trainable_parameters()} == {
+        id(p) for p in policy.model.parameters()
+    }

@@ -36,14 +36,18 @@ def assert_scored_as_shown(batch, row: int, renderer, model, messages) -> None:
 
 
 def test_the_context_goes_where_its_role_says_and_the_prompt_is_otherwise_untouched():
-    prompt = Prompt(({"role": "user", "content": "reverse abc"},), answer="cba", metadata={"k": {"v": 3}})
+    prompt = Prompt(
+        ({"role": "user", "content": "reverse abc"},), answer="cba", metadata={"k": {"v": 3}}
+    )
     context = PrivilegedContext("Answer: {answer} ({metadata.k.v}) {{literal}}")
     assert context.messages(prompt) == (
         {"role": "system", "content": "Answer: cba (3) {literal}"},
         {"role": "user", "content": "reverse abc"},
     )
     with_system = Prompt(
-        ({"role": "system", "content": "Be brief."}, *prompt.messages), answer="cba", metadata={"k": {"v": 3}}
+        ({"role": "system", "content": "Be brief."}, *prompt.messages),
+        answer="cba",
+        metadata={"k": {"v": 3}},
     )
     assert context.messages(with_system)[0] == {
         "role": "system",
@@ -68,7 +72,9 @@ def test_the_teacher_scores_the_student_tokens_after_the_context_it_alone_reads(
         record = batch.rollouts.prompt_records[row]
         length = batch.rollouts.prompt_lengths[row]
         ids = batch.rollouts.sequences[row]
-        assert ids[:length] == renderer.prompt_ids(record.messages)  # the student's prompt: no context
+        assert ids[:length] == renderer.prompt_ids(
+            record.messages
+        )  # the student's prompt: no context
         assert "The answer is" not in trainer.tokenizer.decode(ids)
         shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
         assert_scored_as_shown(batch, row, renderer, model, shown)
@@ -78,18 +84,23 @@ def test_the_student_as_its_own_teacher_agrees_with_itself_until_it_is_shown_the
     """``teacher.model: student`` loads the student's checkpoint: without a context the teacher KL
     of step 0 (no update yet) is exactly 0; with the answer in its context it is not."""
     answered["teacher"] = {"model": "student"}
-    plain = train(config_from_dict(answered | {"log_path": answered["log_path"] + "-plain"}), progress=False)
+    plain = train(
+        config_from_dict(answered | {"log_path": answered["log_path"] + "-plain"}), progress=False
+    )
     assert plain.metrics[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-6)
     answered["teacher"]["context"] = "The answer is {answer}."
     shown = train(config_from_dict(answered), progress=False)
     assert shown.metrics[0]["teacher_kl"] > 1e-3
 
 
-def test_a_field_the_prompts_lack_is_named_with_the_fields_they_have_before_any_step(answered, tmp_path):
+def test_a_field_the_prompts_lack_is_named_with_the_fields_they_have_before_any_step(
+    answered, tmp_path
+):
     answered["teacher"]["context"] = "The answer is {metadata.solution}."
     with pytest.raises(
         ConfigError,
-        match=r"^teacher\.context: \{metadata\.solution\} is not a field of prompt 0 of .*answered\.jsonl; "
+        match=r"^teacher\.context: \{metadata\.solution\} is not a field of prompt 0 of "
+        r".*answered\.jsonl; "
         r"its fields: answer, metadata\.hint\.first$",
     ):
         Trainer(config_from_dict(answered), progress=False)
@@ -111,7 +122,9 @@ def test_a_bad_template_is_refused_naming_the_setting(answered, context, message
         config_from_dict(answered)
 
 
-def test_a_served_teacher_shown_the_context_reproduces_the_local_run(answered, model_dirs, tmp_path):
+def test_a_served_teacher_shown_the_context_reproduces_the_local_run(
+    answered, model_dirs, tmp_path
+):
     """The context only makes the teacher's prompt longer: through ``opd serve`` the run's metrics
     equal the local teacher's."""
     answered["teacher"]["context"] = "The answer is {answer}."
@@ -136,7 +149,9 @@ def test_datasets_sharing_a_teacher_model_are_each_read_with_their_own_context(a
     scored as its own dataset's teacher reads it (rows were once grouped by the model alone)."""
     plain = dict(answered["datasets"][0], name="plain")
     shown = dict(
-        answered["datasets"][0], name="shown", teacher=dict(answered["teacher"], context="It is {answer}.")
+        answered["datasets"][0],
+        name="shown",
+        teacher=dict(answered["teacher"], context="It is {answer}."),
     )
     answered["datasets"] = [plain, shown]
     trainer = Trainer(config_from_dict(answered), progress=False)
@@ -159,7 +174,13 @@ def test_two_processes_shown_the_context_make_the_update_one_process_makes(model
     """The student as its own teacher, shown the answer, mixed with the tiny teacher
     (``teacher.mixture``), under FSDP on two processes (torchrun, gloo) against one process: the
     same metrics row for row, the KL to each teacher of the mixture included."""
-    from tests.test_distributed import assert_same_metrics, one_process, run_config, two_processes, write
+    from tests.test_distributed import (
+        assert_same_metrics,
+        one_process,
+        run_config,
+        two_processes,
+        write,
+    )
 
     def config(name: str) -> Path:
         data = run_config(models, tmp_path / name)
@@ -170,7 +191,9 @@ def test_two_processes_shown_the_context_make_the_update_one_process_makes(model
     one_process(config("one"))
     two_processes(config("two"), "training.parallel=fsdp")
     reference = read_jsonl(tmp_path / "one" / "metrics.jsonl")
-    assert reference[0]["teacher_kl/mixture_1"] > 1e-3  # the context moves the student's own judgement
+    assert (
+        reference[0]["teacher_kl/mixture_1"] > 1e-3
+    )  # the context moves the student's own judgement
     assert_same_metrics(read_jsonl(tmp_path / "two" / "metrics.jsonl"), reference)
 
 
@@ -210,7 +233,9 @@ def test_a_lora_student_is_its_own_teacher_with_its_adapters_off_and_no_second_c
     for a, b in zip(shared.metrics, copied.metrics, strict=True):
         for key in ("teacher_kl", "loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
-    assert shared.metrics[-1]["teacher_kl"] != pytest.approx(shared.metrics[0]["teacher_kl"], abs=1e-4)
+    assert shared.metrics[-1]["teacher_kl"] != pytest.approx(
+        shared.metrics[0]["teacher_kl"], abs=1e-4
+    )
 
 
 @pytest.mark.parametrize(
@@ -221,7 +246,9 @@ def test_a_lora_student_is_its_own_teacher_with_its_adapters_off_and_no_second_c
         ["student.lora_rank=0"],
     ],
 )
-def test_where_the_students_model_is_busy_or_trained_whole_the_teacher_is_a_frozen_copy(answered, overrides):
+def test_where_the_students_model_is_busy_or_trained_whole_the_teacher_is_a_frozen_copy(
+    answered, overrides
+):
     from opd.trainer.plan import describe_plan
 
     answered["student"]["lora_rank"] = 4
@@ -261,8 +288,8 @@ def test_a_teacher_shown_a_context_renders_with_the_students_template_and_its_va
     from opd.assemble.teachers import teacher_views
 
     template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if think %}<think>{% endif %}assistant:"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if think "
+        "%}<think>{% endif %}assistant:"
     )
     answered["student"] |= {"chat_template": template, "chat_template_kwargs": {"think": True}}
     answered["teacher"]["context"] = "The answer is {answer}."

@@ -50,7 +50,9 @@ def naive_log_softmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
 
 @given(seeds, st.integers(0, 40), st.integers(2, 50), st.integers(1, 45), scales)
 @example(4342481, 35, 44, 1, 30.0)  # saturated logits: float32 error above a fixed 1e-5 (campaign)
-def test_selected_logprobs_equal_the_naive_ones_whatever_the_chunk_size(seed, rows, vocab, chunk, scale):
+def test_selected_logprobs_equal_the_naive_ones_whatever_the_chunk_size(
+    seed, rows, vocab, chunk, scale
+):
     hidden, head, ids = head_case(seed, rows, vocab, 8, scale)
     hidden.requires_grad_(True)
     logprobs, entropy = selected_token_logprobs(hidden, head, ids, chunk_size=chunk)
@@ -67,7 +69,10 @@ def test_selected_logprobs_equal_the_naive_ones_whatever_the_chunk_size(seed, ro
         (grad,) = torch.autograd.grad((logprobs * weights).sum(), hidden)
         plain = hidden.detach().double().requires_grad_(True)
         (naive_grad,) = torch.autograd.grad(
-            (naive_log_softmax(plain, head).gather(-1, ids[:, None]).squeeze(-1) * weights.double()).sum(),
+            (
+                naive_log_softmax(plain, head).gather(-1, ids[:, None]).squeeze(-1)
+                * weights.double()
+            ).sum(),
             plain,
         )
         torch.testing.assert_close(grad.double(), naive_grad, atol=1e-4, rtol=1e-4)
@@ -93,7 +98,9 @@ def test_permuting_rows_permutes_the_logprobs(seed, rows, chunk):
 def test_chunked_jsd_equals_the_naive_generalized_jsd(seed, rows, vocab, chunk, beta, scale):
     hidden, head, ids = head_case(seed, rows, vocab, 8, scale)
     teacher_hidden, teacher_head, _ = head_case(seed + 1, rows, vocab, 8, scale)
-    loss, _, _ = chunked_jsd(hidden, head, ids, teacher_hidden, teacher_head, beta, chunk_size=chunk)
+    loss, _, _ = chunked_jsd(
+        hidden, head, ids, teacher_hidden, teacher_head, beta, chunk_size=chunk
+    )
     expected = generalized_jsd(
         naive_log_softmax(hidden, head), naive_log_softmax(teacher_hidden, teacher_head), beta
     )
@@ -103,7 +110,9 @@ def test_chunked_jsd_equals_the_naive_generalized_jsd(seed, rows, vocab, chunk, 
     assert same.abs().max() <= 1e-5  # a teacher equal to the student costs nothing
 
 
-@given(seeds, st.integers(1, 25), st.integers(2, 40), st.integers(1, 40), st.integers(1, 30), scales)
+@given(
+    seeds, st.integers(1, 25), st.integers(2, 40), st.integers(1, 40), st.integers(1, 30), scales
+)
 def test_chunked_topk_forward_kl_equals_the_naive_one(seed, rows, vocab, k, chunk, scale):
     k = min(k, vocab)
     hidden, head, ids = head_case(seed, rows, vocab, 8, scale)
@@ -129,8 +138,12 @@ def masked_batches(draw, dtypes=(torch.float32, torch.float64)):
     generator = torch.Generator().manual_seed(seed)
     dtype = draw(st.sampled_from(dtypes))
     magnitude = draw(st.sampled_from([1e-6, 1.0, 50.0]))
-    first = (torch.randn(batch, length, generator=generator, dtype=torch.float64) * magnitude).to(dtype)
-    second = (torch.randn(batch, length, generator=generator, dtype=torch.float64) * magnitude).to(dtype)
+    first = (torch.randn(batch, length, generator=generator, dtype=torch.float64) * magnitude).to(
+        dtype
+    )
+    second = (torch.randn(batch, length, generator=generator, dtype=torch.float64) * magnitude).to(
+        dtype
+    )
     lengths = [draw(st.integers(0, length)) for _ in range(batch)]  # 0: an empty row
     left = draw(st.booleans())
     mask = torch.zeros(batch, length, dtype=dtype)
@@ -145,7 +158,9 @@ def masked_batches(draw, dtypes=(torch.float32, torch.float64)):
 @given(masked_batches(), st.floats(0.0, 1.0), st.floats(0.0, 3.0))
 def test_kl_advantages_match_a_naive_reverse_scan(batch, gamma, coef):
     student, teacher, mask = batch
-    advantages = kl_advantages(student, teacher, mask, kl_penalty_coef=coef, kl_discount_factor=gamma)
+    advantages = kl_advantages(
+        student, teacher, mask, kl_penalty_coef=coef, kl_discount_factor=gamma
+    )
     rows, length = student.shape
     expected = torch.zeros(rows, length, dtype=torch.float64)
     for row in range(rows):
@@ -154,14 +169,19 @@ def test_kl_advantages_match_a_naive_reverse_scan(batch, gamma, coef):
                 continue
             if gamma > 0:
                 expected[row, t] = sum(
-                    gamma ** (u - t) * -coef * float(mask[row, u]) * float(student[row, u] - teacher[row, u])
+                    gamma ** (u - t)
+                    * -coef
+                    * float(mask[row, u])
+                    * float(student[row, u] - teacher[row, u])
                     for u in range(t, length)
                 )
             else:
                 expected[row, t] = -coef * float(student[row, t] - teacher[row, t])
     scale = max(1.0, float(expected.abs().max()))
     tolerance = 1e-4 if student.dtype == torch.float32 else 1e-9
-    torch.testing.assert_close(advantages.double(), expected, atol=tolerance * scale * length, rtol=0)
+    torch.testing.assert_close(
+        advantages.double(), expected, atol=tolerance * scale * length, rtol=0
+    )
     assert (advantages[mask == 0] == 0).all()  # padding never carries an advantage
     same = kl_advantages(student, student, mask, kl_penalty_coef=coef, kl_discount_factor=gamma)
     assert (same == 0).all()  # a teacher equal to the student gives no signal
@@ -193,7 +213,10 @@ def test_aggregation_matches_its_definition_and_ignores_row_order(batch, how):
     loss, _, mask = batch
     tokens, sequences = int(mask.sum()), loss.shape[0]
     value = aggregate(loss, mask, how, tokens, sequences)
-    rows = [[float(loss[r, t]) for t in range(loss.shape[1]) if mask[r, t]] for r in range(loss.shape[0])]
+    rows = [
+        [float(loss[r, t]) for t in range(loss.shape[1]) if mask[r, t]]
+        for r in range(loss.shape[0])
+    ]
     if how == "sum":
         expected = sum(sum(r) for r in rows)
     elif how == "token_mean":
@@ -251,7 +274,9 @@ _char_tokenizer = build_char_tokenizer()
     st.lists(st.integers(1, 4), min_size=1, max_size=12),
     st.integers(0, 2**32 - 1),
 )
-def test_character_logprobs_never_reward_and_sum_to_the_teachers_paths(teacher_pieces, student_pieces, seed):
+def test_character_logprobs_never_reward_and_sum_to_the_teachers_paths(
+    teacher_pieces, student_pieces, seed
+):
     """Any teacher segmentation and likely tokens: a character's log-prob is <= 0, and a
     completion's total is the teacher's tokens' log-prob plus, at each token end, the log of
     (ending there and going on with the next character + a longer token going on with it) over
@@ -279,7 +304,9 @@ def test_character_logprobs_never_reward_and_sum_to_the_teachers_paths(teacher_p
     for t in range(1, len(offsets)):
         a, b = offsets[t - 1]
         nxt = text[b]
-        first = math.exp(owns[t]) + sum(math.exp(lp) for o, lp in alternatives[t] if o.startswith(nxt))
+        first = math.exp(owns[t]) + sum(
+            math.exp(lp) for o, lp in alternatives[t] if o.startswith(nxt)
+        )
         ending = math.exp(owns[t - 1]) * first
         longer = sum(math.exp(lp) for o, lp in alternatives[t - 1] if o.startswith(text[a:b] + nxt))
         expected += math.log((ending + longer) / ending)

@@ -19,7 +19,8 @@ from opd.cli import QUIET
 
 THIRD_PARTY = ("Loading weights", "Writing model shards", "\x1b[A")
 CLEAN = {key: value for key, value in os.environ.items() if key not in QUIET}
-"""This environment less what an earlier ``opd`` command in the test process set (as a user's shell)."""
+"""This environment less what an earlier ``opd`` command in the test process set (as a user's
+shell)."""
 
 
 def command(config_path, *flags: str) -> list[str]:
@@ -28,7 +29,9 @@ def command(config_path, *flags: str) -> list[str]:
 
 def to_a_file(argv: list[str], tmp_path) -> str:
     with open(tmp_path / "stderr.log", "w") as stderr:
-        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=stderr, timeout=300, env=CLEAN)
+        done = subprocess.run(
+            argv, stdout=subprocess.DEVNULL, stderr=stderr, timeout=300, env=CLEAN
+        )
     text = (tmp_path / "stderr.log").read_text()
     assert done.returncode == 0, text[-2000:]
     return text
@@ -37,7 +40,9 @@ def to_a_file(argv: list[str], tmp_path) -> str:
 def to_a_terminal(argv: list[str]) -> str:
     """The run's stderr on a pseudo-terminal, as a user's shell shows it."""
     reader, writer = pty.openpty()
-    fcntl.ioctl(writer, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 rows, 100 columns
+    fcntl.ioctl(
+        writer, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0)
+    )  # 24 rows, 100 columns
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=writer, env=CLEAN)
     os.close(writer)
     chunks = []

@@ -50,7 +50,8 @@ def opd_commands() -> list[list[str]]:
 
 @pytest.fixture
 def new_user(demo_models, tmp_path):
-    """A user's working copy after ``opd demo``: the demo's models in ~/.cache/opd, examples/ here."""
+    """A user's working copy after ``opd demo``: the demo's models in ~/.cache/opd, examples/
+    here."""
     home = tmp_path / "home"
     (home / ".cache").mkdir(parents=True)
     (home / ".cache" / "opd").symlink_to(demo_models["cache"])
@@ -139,7 +140,9 @@ def test_every_opd_command_parses_and_its_config_resolves(new_user, monkeypatch)
     shutil.copy(work / "examples" / "demo.yaml", work / "my.yaml")
     assert len(opd_commands()) >= 15
     resolved = [
-        (config, overrides) for config, overrides in config_commands() if not samples_with_vllm(config)
+        (config, overrides)
+        for config, overrides in config_commands()
+        if not samples_with_vllm(config)
     ]
     assert len(resolved) >= 10
     for config, overrides in resolved:

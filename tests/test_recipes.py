@@ -21,8 +21,19 @@ ROOT = Path(__file__).parents[1]
 
 
 def dry_run(recipe: str, cache: Path, *args: str) -> str:
-    env = os.environ | {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
-    command = [sys.executable, "-m", "opd", "train", str(ROOT / "examples" / recipe), "--dry-run", *args]
+    env = os.environ | {
+        "HF_HUB_CACHE": str(cache),
+        "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "opd",
+        "train",
+        str(ROOT / "examples" / recipe),
+        "--dry-run",
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
@@ -46,15 +57,22 @@ def test_the_laptop_recipe_plans_two_smollm2_models_in_float32_on_one_cpu_proces
     lora = lora_parameters(student, 32)
     lora_text = f"LoRA rank 32: {lora:,} (9.8M) trained"
     assert f"{student}: {parameters(student):,} (134.5M) parameters, float32, {lora_text}" in output
-    assert f"{teacher}: {parameters(teacher):,} (361.8M) parameters, float32, a whole copy" in output
-    weights, gradients, adam = (parameters(student) + lora) * 4 / 1e9, lora * 4 / 1e9, 2 * lora * 4 / 1e9
+    assert (
+        f"{teacher}: {parameters(teacher):,} (361.8M) parameters, float32, a whole copy" in output
+    )
+    weights, gradients, adam = (
+        (parameters(student) + lora) * 4 / 1e9,
+        lora * 4 / 1e9,
+        2 * lora * 4 / 1e9,
+    )
     total = weights + gradients + adam
     assert line(output, "  student").endswith(
         f"{total:.2f} GB: weights {weights:.2f} + gradients {gradients:.2f} + AdamW {adam:.2f}"
     )
     assert line(output, "  teacher").endswith(f"{parameters(teacher) * 4 / 1e9:.2f} GB: weights")
     assert "per step       32 sequences (32 per process), up to 48 tokens each" in output
-    # activations a token, by hand: 30 layers x (16 x 576 + 6 x 1536 + 4 x 3 x 64 + LoRA 7 x 576) x 4 B
+    # activations a token, by hand: 30 layers x (16 x 576 + 6 x 1536 + 4 x 3 x 64 + LoRA 7 x 576) x
+    # 4 B
     assert "~2.79 MB of activations a token" in line(output, "micro-batches")
     assert line(output, "micro-batches").endswith("packed")
 
@@ -64,20 +82,24 @@ def test_the_disaggregated_recipe_plans_fsdp_over_four_processes_and_two_servers
     student = "Qwen/Qwen3-1.7B"
     assert line(output, "processes").split()[:2] == ["processes", "4"]
     assert (
-        f"{student}: {parameters(student):,} (1.72B) parameters, bfloat16, full fine-tune, FSDP2-sharded"
-        in output
+        f"{student}: {parameters(student):,} (1.72B) parameters, bfloat16, full fine-tune, "
+        "FSDP2-sharded" in output
     )
     assert "Qwen/Qwen3-8B on http://127.0.0.1:8200/v1 (openai server: no memory here)" in output
-    # bfloat16 weights and gradients; float32 AdamW moments and master weights: a quarter per process
+    # bfloat16 weights and gradients; float32 AdamW moments and master weights: a quarter per
+    # process
     share = parameters(student) * 2 / 4 / 1e9
     assert line(output, "  student").endswith(
-        f"{8 * share:.2f} GB: weights {share:.2f} + gradients {share:.2f} + "
-        f"AdamW with float32 master weights {6 * share:.2f}"
+        f"{8 * share:.2f} GB: weights {share:.2f} + gradients {share:.2f} + AdamW with float32 "
+        f"master weights {6 * share:.2f}"
     )
 
 
 def test_a_recipe_that_does_not_fit_its_processes_is_refused_by_the_dry_run(cache):
-    env = os.environ | {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    env = os.environ | {
+        "HF_HUB_CACHE": str(cache),
+        "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+    }
     recipe = ROOT / "examples" / "rollout_servers_8gpu.yaml"
     command = [sys.executable, "-m", "opd", "train", str(recipe), "--dry-run", "--nproc", "3"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)

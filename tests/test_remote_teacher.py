@@ -64,7 +64,9 @@ def local_teacher(model_dirs):
 def test_remote_scores_equal_local(served_teacher, model_dirs, backend):
     port, _ = served_teacher
     base_url = f"http://127.0.0.1:{port}" + ("/v1" if backend == "openai" else "")
-    remote = RemoteTeacher(backend=backend, base_url=base_url, model="teacher", request_batch_size=2)
+    remote = RemoteTeacher(
+        backend=backend, base_url=base_url, model="teacher", request_batch_size=2
+    )
     got = remote.score(padded(), TeacherRequest(topk=3))
     expected = local_teacher(model_dirs).score(padded(), TeacherRequest(topk=3))
     scored = padded().score_mask_BT
@@ -80,7 +82,9 @@ def test_remote_scores_equal_local(served_teacher, model_dirs, backend):
 def test_a_run_through_the_server_reproduces_the_local_run(served_teacher, base_config, tmp_path):
     port, _ = served_teacher
     local = train(config_from_dict(base_config), progress=False)
-    remote = train(config_from_dict(through_server(base_config, port, tmp_path / "remote")), progress=False)
+    remote = train(
+        config_from_dict(through_server(base_config, port, tmp_path / "remote")), progress=False
+    )
     for a, b in zip(local.metrics, remote.metrics, strict=True):
         for key in ("teacher_kl", "loss", "entropy", "grad_norm", "num_tokens"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
@@ -94,20 +98,28 @@ def test_server_rejects_malformed_requests_and_keeps_serving(served_teacher):
         json.dumps(
             {"model": "teacher", "prompt": "text, not ids", "prompt_logprobs": 0, "max_tokens": 1}
         ).encode(),
-        json.dumps({"model": "teacher", "prompt": [1, 2], "prompt_logprobs": 6, "max_tokens": 1}).encode(),
-        json.dumps({"model": "other", "prompt": [1, 2], "prompt_logprobs": 0, "max_tokens": 1}).encode(),
+        json.dumps(
+            {"model": "teacher", "prompt": [1, 2], "prompt_logprobs": 6, "max_tokens": 1}
+        ).encode(),
+        json.dumps(
+            {"model": "other", "prompt": [1, 2], "prompt_logprobs": 0, "max_tokens": 1}
+        ).encode(),
         json.dumps(
             {"model": "teacher", "prompt": [1, 99999], "prompt_logprobs": 0, "max_tokens": 1}
         ).encode(),
     ]
     for body in bad_requests:
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url, data=body, headers={"Content-Type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(request, timeout=10)
         assert caught.value.code == (404 if b'"other"' in body else 400)
         assert json.loads(caught.value.read())["error"]["code"] == caught.value.code  # vLLM's shape
     assert process.poll() is None
-    models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read())
+    models = json.loads(
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+    )
     assert models["data"][0]["id"] == "teacher"
 
 
@@ -118,30 +130,41 @@ def test_server_rejects_malformed_requests_and_keeps_serving(served_teacher):
             lambda port: RemoteTeacher(
                 backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="other"
             ),
-            r"HTTP 404: The model `other` does not exist\. Valid aliases: teacher\.; set teacher\.model",
+            r"HTTP 404: The model `other` does not exist\. Valid aliases: teacher\.; set "
+            r"teacher\.model",
         ),
         (
             lambda port: RemoteTeacher(
                 backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="teacher"
             ),
-            r"HTTP 400: .*greater than max allowed: 5 .*; start the server with a larger --max-logprobs",
+            r"HTTP 400: .*greater than max allowed: 5 .*; start the server with a larger "
+            r"--max-logprobs",
         ),
     ],
 )
-def test_wrong_model_name_and_capped_logprobs_are_clear_errors(served_teacher, make_teacher, message):
+def test_wrong_model_name_and_capped_logprobs_are_clear_errors(
+    served_teacher, make_teacher, message
+):
     port, _ = served_teacher
     with pytest.raises(RemoteTeacherError, match=message):
-        make_teacher(port).score(padded(), TeacherRequest(topk=8 if "max allowed" in message else 0))
+        make_teacher(port).score(
+            padded(), TeacherRequest(topk=8 if "max allowed" in message else 0)
+        )
 
 
 def test_unreachable_server_fails_after_retries():
     port = free_port()
     teacher = RemoteTeacher(
-        backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="t", max_retries=2, backoff_s=0.01
+        backend="openai",
+        base_url=f"http://127.0.0.1:{port}/v1",
+        model="t",
+        max_retries=2,
+        backoff_s=0.01,
     )
     started = time.monotonic()
     with pytest.raises(
-        RemoteTeacherError, match=rf"127\.0\.0\.1:{port}/v1/completions failed after 3 attempts: .*refused"
+        RemoteTeacherError,
+        match=rf"127\.0\.0\.1:{port}/v1/completions failed after 3 attempts: .*refused",
     ):
         teacher.score(padded(), TeacherRequest())
     assert time.monotonic() - started < 10
@@ -192,7 +215,9 @@ def test_no_step_is_applied_when_the_server_fails(base_config, model_dirs, char_
             },
         )
         probe = len(char_tokenizer.encode(" ".join(PROBE_TEXTS), add_special_tokens=False))
-        with pytest.raises(RemoteTeacherError, match=f"sent {probe - 1} prompt log-probs for {probe} tokens"):
+        with pytest.raises(
+            RemoteTeacherError, match=f"sent {probe - 1} prompt log-probs for {probe} tokens"
+        ):
             Trainer(config_from_dict(config), progress=False)
         config["teacher"]["replica_probes"] = 0
         trainer = Trainer(config_from_dict(config), progress=False)
@@ -205,7 +230,9 @@ def test_no_step_is_applied_when_the_server_fails(base_config, model_dirs, char_
         process.wait()
 
 
-def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(base_config, model_dirs, tmp_path):
+def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(
+    base_config, model_dirs, tmp_path
+):
     import yaml
 
     port = free_port()
@@ -266,7 +293,8 @@ def test_server_killed_mid_run_stops_cleanly_and_the_run_resumes_later(base_conf
         (
             {"backend": "sglang", "base_url": "http://x"},
             {"objective": "nll", "data_source": "teacher"},
-            r"training\.data_source: 'teacher' has the teacher write completions, which teacher \(backend "
+            r"training\.data_source: 'teacher' has the teacher write completions, which teacher "
+            r"\(backend "
             r"'sglang'\) cannot",
         ),
     ],
@@ -284,7 +312,10 @@ def test_api_key_comes_from_the_named_variable_and_is_never_written(
     port, _ = served_teacher
     with pytest.raises(RemoteTeacherError, match="environment variable OPD_TEST_KEY is not set"):
         RemoteTeacher(
-            backend="openai", base_url="http://127.0.0.1:1/v1", model="t", api_key_env="OPD_TEST_KEY"
+            backend="openai",
+            base_url="http://127.0.0.1:1/v1",
+            model="t",
+            api_key_env="OPD_TEST_KEY",
         )
     monkeypatch.setenv("OPD_TEST_KEY", "sk-secret-value-42")
     config = dict(
@@ -319,7 +350,9 @@ def test_served_samples_are_the_local_teachers(served_teacher, model_dirs, char_
     """The served teacher writes what the same model writes in process from the same seeds; its
     log-probs are the model's own scores of those tokens; at temperature 0 it decodes greedily."""
     port, _ = served_teacher
-    remote = RemoteTeacher(backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="teacher")
+    remote = RemoteTeacher(
+        backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="teacher"
+    )
     prompts = [[1, 5, 6, 7], [1, 9, 10], [1, 11, 12, 13, 14]]
     seeds = [5, 6, 2**62 + 7]
     served = remote.sample(
@@ -349,7 +382,9 @@ def test_served_samples_are_the_local_teachers(served_teacher, model_dirs, char_
     assert greedy.token_ids == naive_greedy(model, prompts[0], 12, 2)
 
 
-def test_a_run_on_a_served_teachers_samples_reproduces_the_local_run(served_teacher, base_config, tmp_path):
+def test_a_run_on_a_served_teachers_samples_reproduces_the_local_run(
+    served_teacher, base_config, tmp_path
+):
     """``mixed``: the teacher's steps written on the server are the local teacher's, so every step's
     figures match (the top-k forward KL on both sources, scored through the server)."""
     port, _ = served_teacher
@@ -360,7 +395,9 @@ def test_a_run_on_a_served_teachers_samples_reproduces_the_local_run(served_teac
         "max_steps": 4,
     }
     local = train(config_from_dict(base_config), progress=False)
-    remote = train(config_from_dict(through_server(base_config, port, tmp_path / "remote")), progress=False)
+    remote = train(
+        config_from_dict(through_server(base_config, port, tmp_path / "remote")), progress=False
+    )
     assert {row["on_policy"] for row in local.metrics if "on_policy" in row} == {0, 1}
     for a, b in zip(local.metrics, remote.metrics, strict=True):
         assert a.get("on_policy") == b.get("on_policy")
@@ -408,8 +445,8 @@ def test_replicas_that_disagree_are_refused_before_any_work(base_config, model_d
         with pytest.raises(RemoteTeacherError) as refused:
             check_replicas(teacher, ids, 4, "teacher")
         assert (
-            f"{gap.mean().item():.3f} nats a token apart on average (at most {gap.max().item():.3f})"
-            in str(refused.value)
+            f"{gap.mean().item():.3f} nats a token apart on average (at most "
+            f"{gap.max().item():.3f})" in str(refused.value)
         )
         assert "on request 2 of 4" in str(refused.value)
         check_replicas(teacher, ids, 1, "teacher")  # one probe compares nothing
@@ -435,7 +472,10 @@ def test_replicas_that_disagree_are_refused_before_any_work(base_config, model_d
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr
         address = f"http://127.0.0.1:{port}/v1/completions"
-        assert f"teacher.base_url: the teacher server {address} answered the same probe" in result.stderr
+        assert (
+            f"teacher.base_url: the teacher server {address} answered the same probe"
+            in result.stderr
+        )
         assert "replica_probes: 0" in result.stderr
         assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == []
 

@@ -107,14 +107,18 @@ def test_report_of_a_missing_run(tmp_path, capsys):
 
 
 def test_a_curve_that_repeats_another_is_drawn_once():
-    from opd.runs.report import distinct
+    from opd.runs.figures import distinct
 
-    curves = {"teacher_kl": ([0, 1], [0.5, 0.4]), "teacher_kl/rev": ([0, 1], [0.5, 0.4]), "x": ([0], [1.0])}
+    curves = {
+        "teacher_kl": ([0, 1], [0.5, 0.4]),
+        "teacher_kl/rev": ([0, 1], [0.5, 0.4]),
+        "x": ([0], [1.0]),
+    }
     assert list(distinct(curves)) == ["teacher_kl", "x"]
 
 
 def test_the_time_plot_smooths_with_a_trailing_mean():
-    from opd.runs.report import smoothed
+    from opd.runs.figures import smoothed
 
     assert smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert smoothed([2.0, 4.0], 1) == [2.0, 4.0]
@@ -144,11 +148,17 @@ def test_what_to_try_replays_the_watchdog_over_the_run():
     assert "training.data_source: mixed" in advice
     rows[2]["reward/constant_groups"] = 0.5  # one step with a signal: no five in a row
     assert what_to_try(rows) == []
-    sampled = {"training": {"reward_coef": 0.0}, "datasets": [{"groups_per_batch": 8, "group_size": 4}]}
+    sampled = {
+        "training": {"reward_coef": 0.0},
+        "datasets": [{"groups_per_batch": 8, "group_size": 4}],
+    }
     (shape,) = what_to_try(rows, sampled)
     assert "datasets[0] samples 4 completions of each of 8 prompts" in shape
     assert "groups_per_batch: 32, group_size: 1" in shape
-    rewarded = {"training": {"reward_coef": 1.0}, "datasets": [{"groups_per_batch": 8, "group_size": 4}]}
+    rewarded = {
+        "training": {"reward_coef": 1.0},
+        "datasets": [{"groups_per_batch": 8, "group_size": 4}],
+    }
     assert what_to_try(rows, rewarded) == []  # a reward compares the samples of a group
     single = {"training": {}, "datasets": [{"groups_per_batch": 16, "group_size": 1}]}
     assert what_to_try(rows, single) == []

@@ -42,7 +42,11 @@ def write_config(base_config, tmp_path, name, **top):
     config = dict(base_config, log_path=str(tmp_path / name), save_every=2, **top)
     # a warmed-up, decaying LR: a resumed run must pick the schedule up where it stopped
     config["training"] = dict(
-        base_config["training"], max_steps=STEPS, learning_rate=1e-2, warmup_steps=2, lr_schedule="cosine"
+        base_config["training"],
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        lr_schedule="cosine",
     )
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -80,18 +84,24 @@ def killed_and_resumed(config: dict, tmp_path, timeout_s: float = 120) -> list[d
     config_path = write_config(config, tmp_path, "killed")
     metrics = tmp_path / "killed" / "metrics.jsonl"
     kill_after_rows(config_path, metrics, 5, timeout_s=timeout_s)
-    assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
+    assert len(metrics.read_text().splitlines()) < STEPS, (
+        "the run finished before it could be killed"
+    )
     assert 0 < list_checkpoints(tmp_path / "killed")[-1].step < STEPS
     run_cli(config_path)
     return read_jsonl(metrics)
 
 
-def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, tmp_path, char_tokenizer):
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(
+    base_config, tmp_path, char_tokenizer
+):
     """With a second dataset of multi-turn episodes (``retry``), played by a student that ends its
     turns early: each turn's draws depend on (seed, step, row, turn) only; the task's rewards (the
     grader's, the environment's) join the advantages beside the teacher's KL."""
     graded = tmp_path / "graded.jsonl"
-    lines = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah")]
+    lines = [
+        {"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hgf", "dcea", "bbad", "gah")
+    ]
     graded.write_text("".join(json.dumps(line) + "\n" for line in lines))
     base_config["datasets"][0]["source"] = str(graded)
     base_config["training"]["reward_coef"] = 1.0
@@ -100,7 +110,9 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(base_config, t
     char_tokenizer.save_pretrained(quick)
     base_config["student"]["model"] = str(quick)
     retry = {"name": "retry", "max_turns": 2, "max_episode_tokens": 80}
-    base_config["datasets"].append(dict(base_config["datasets"][0], name="retry", env=retry, num_prompts=6))
+    base_config["datasets"].append(
+        dict(base_config["datasets"][0], name="retry", env=retry, num_prompts=6)
+    )
     run_cli(write_config(base_config, tmp_path, "reference"))
     reference = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
     assert [r["step"] for r in reference] == list(range(STEPS))
@@ -161,7 +173,9 @@ def test_corrupt_checkpoint_names_the_file_and_offers_the_older_one(base_config,
 
 def test_resume_refuses_a_changed_run_and_names_the_field(base_config, tmp_path, model_dirs):
     train(config_from_dict(base_config), progress=False)
-    changed = dict(base_config, student=dict(base_config["student"], model=str(model_dirs["teacher"])))
+    changed = dict(
+        base_config, student=dict(base_config["student"], model=str(model_dirs["teacher"]))
+    )
     with pytest.raises(ConfigError, match=r"student\.model: differs from the run being resumed"):
         Trainer(config_from_dict(changed), progress=False).run()
     reseeded = dict(base_config, seed=1)
@@ -174,8 +188,12 @@ def test_fail_and_overwrite_policies(base_config, tmp_path):
     with pytest.raises(
         ConfigError, match=r"log_path: .* already holds a run and on_existing_log_path is 'fail'"
     ):
-        Trainer(config_from_dict(dict(base_config, on_existing_log_path="fail")), progress=False).run()
-    fresh = train(config_from_dict(dict(base_config, on_existing_log_path="overwrite")), progress=False)
+        Trainer(
+            config_from_dict(dict(base_config, on_existing_log_path="fail")), progress=False
+        ).run()
+    fresh = train(
+        config_from_dict(dict(base_config, on_existing_log_path="overwrite")), progress=False
+    )
     assert [m["step"] for m in fresh.metrics] == [0, 1]
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
 
@@ -183,7 +201,9 @@ def test_fail_and_overwrite_policies(base_config, tmp_path):
 def test_log_path_that_is_a_file_is_refused_before_training(base_config, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"log_path: '.*file' exists and is not a directory"):
-        Trainer(config_from_dict(dict(base_config, log_path=str(tmp_path / "file"))), progress=False).run()
+        Trainer(
+            config_from_dict(dict(base_config, log_path=str(tmp_path / "file"))), progress=False
+        ).run()
 
 
 def test_load_checkpoint_path_takes_weights_with_a_fresh_optimizer(base_config, tmp_path):
@@ -197,7 +217,10 @@ def test_load_checkpoint_path_takes_weights_with_a_fresh_optimizer(base_config, 
         torch.testing.assert_close(loaded[name], value)
     assert any(not torch.equal(original[k], loaded[k]) for k in loaded)
     assert trainer.optimizer.state_dict()["state"] == {}
-    assert json.loads((tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()[-1])["step"] == 2
+    assert (
+        json.loads((tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()[-1])["step"]
+        == 2
+    )
 
 
 def test_a_resumed_run_keeps_the_objective_and_learning_rate_it_recorded_where_the_config_sets_none(
@@ -215,26 +238,45 @@ def test_a_resumed_run_keeps_the_objective_and_learning_rate_it_recorded_where_t
     train(config_from_dict(first_half), progress=False)
     unset = dict(first_half)
     unset["training"] = {
-        key: value for key, value in named["training"].items() if key not in ("objective", "learning_rate")
+        key: value
+        for key, value in named["training"].items()
+        if key not in ("objective", "learning_rate")
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed = config_from_dict(unset)
     said = [str(w.message) for w in caught]
-    assert any("training.learning_rate 0.01, as recorded" in m and "default is 3e-05" in m for m in said)
+    assert any(
+        "training.learning_rate 0.01, as recorded" in m and "default is 3e-05" in m for m in said
+    )
     assert any("'sampled_reverse_kl'" in m and "'topk_forward_kl'" in m for m in said)
-    assert (resumed.training.objective.name, resumed.training.learning_rate) == ("sampled_reverse_kl", 1e-2)
+    assert (resumed.training.objective.name, resumed.training.learning_rate) == (
+        "sampled_reverse_kl",
+        1e-2,
+    )
     train(resumed, progress=False)
     split = read_jsonl(tmp_path / "split" / "metrics.jsonl")
-    assert [row["progress/done_frac"] for row in split] == [0.5, 1.0, 0.75, 1.0]  # of 2, then of 4 steps
-    assert_same_rows(*([dict(row, **{"progress/done_frac": 0}) for row in rows] for rows in (split, whole)))
+    assert [row["progress/done_frac"] for row in split] == [
+        0.5,
+        1.0,
+        0.75,
+        1.0,
+    ]  # of 2, then of 4 steps
+    assert_same_rows(
+        *([dict(row, **{"progress/done_frac": 0}) for row in rows] for rows in (split, whole))
+    )
     recorded = yaml.safe_load((tmp_path / "split" / "config.yaml").read_text())["training"]
-    assert (recorded["objective"]["name"], recorded["learning_rate"]) == ("sampled_reverse_kl", 1e-2)
+    assert (recorded["objective"]["name"], recorded["learning_rate"]) == (
+        "sampled_reverse_kl",
+        1e-2,
+    )
     fresh = config_from_dict(dict(unset, on_existing_log_path="overwrite")).training
     assert (fresh.objective.name, fresh.learning_rate) == ("topk_forward_kl", 3e-5)
 
 
-def test_a_resumed_run_keeps_the_batch_shape_it_recorded_where_the_config_sets_none(base_config, tmp_path):
+def test_a_resumed_run_keeps_the_batch_shape_it_recorded_where_the_config_sets_none(
+    base_config, tmp_path
+):
     first = dict(base_config, log_path=str(tmp_path / "run"))
     first["training"] = dict(base_config["training"], max_steps=1)
     train(config_from_dict(first), progress=False)  # 2 prompts x 2 samples, as base_config sets
@@ -270,7 +312,9 @@ def test_only_the_first_torchrun_worker_says_a_resumed_run_keeps_its_recorded_se
     assert len(said["0"]) == 1 and said["1"] == []
 
 
-def test_sigkill_with_collection_ahead_then_resume_matches_an_uninterrupted_run(base_config, tmp_path):
+def test_sigkill_with_collection_ahead_then_resume_matches_an_uninterrupted_run(
+    base_config, tmp_path
+):
     """``max_staleness: k`` (2 here: two versions in flight): each checkpoint keeps the weights its
     batches in collection were handed (k older versions), and the resumed run collects those steps
     from them again: every row equals the uninterrupted run's, staleness included (a resume that
@@ -284,7 +328,9 @@ def test_sigkill_with_collection_ahead_then_resume_matches_an_uninterrupted_run(
     config_path = write_config(base_config, tmp_path, "killed")
     metrics = tmp_path / "killed" / "metrics.jsonl"
     kill_after_rows(config_path, metrics, 5, timeout_s=120)
-    assert len(metrics.read_text().splitlines()) < STEPS, "the run finished before it could be killed"
+    assert len(metrics.read_text().splitlines()) < STEPS, (
+        "the run finished before it could be killed"
+    )
     checkpoint = list_checkpoints(tmp_path / "killed")[-1]
     assert 2 <= checkpoint.step < STEPS
     saved = sorted(p.name for p in (checkpoint.path / "in_flight").glob("*.safetensors"))

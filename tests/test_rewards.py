@@ -24,7 +24,9 @@ WORDS = ("abc", "hgf", "dcea", "bbad", "gah", "fed", "cab", "ggf")
 def graded_config(base_config, tmp_path):
     """``base_config`` on prompts that all have an answer (so the dataset has a grader)."""
     path = tmp_path / "graded.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS)
+    )
     base_config["datasets"][0]["source"] = str(path)
     return base_config
 
@@ -54,18 +56,31 @@ def test_group_centred_rewards_by_hand():
     # group 0: mean 0.5; group 1: all 1 (constant); group 2: one graded row; group 3: mean 1
     assert centred.tolist() == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0]
     assert spread.tolist() == [0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
-    assert constant.tolist() == [False, False, True, True, False, False, False, False]  # a lone row: no group
+    assert constant.tolist() == [
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]  # a lone row: no group
     normalized, _, _ = group_centred_rewards(rewards, groups, std_normalization=True)
     assert normalized.tolist() == [1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0]
 
 
-def test_a_two_group_batch_advantage_is_the_kl_term_plus_the_centred_reward(graded_config, monkeypatch):
+def test_a_two_group_batch_advantage_is_the_kl_term_plus_the_centred_reward(
+    graded_config, monkeypatch
+):
     graded_config["training"] |= {"reward_coef": 0.5}
     trainer = Trainer(config_from_dict(graded_config), progress=False)
     received = captured_update(monkeypatch)
     batch = trainer.collect(0)
     assert batch.rewards_B is not None and batch.groups_B.tolist() == [0, 0, 1, 1]
-    batch.rewards_B = torch.tensor([1.0, 0.0, 0.25, 0.75], dtype=torch.float64)  # grades set by hand
+    batch.rewards_B = torch.tensor(
+        [1.0, 0.0, 0.25, 0.75], dtype=torch.float64
+    )  # grades set by hand
     metrics = trainer.learn(batch)
     mask = batch.rollouts.mask_BT
     kl = -reverse_kl_per_token(batch.rollouts.sampled_logprobs_BT, batch.teacher.logprobs_BT, mask)
@@ -81,7 +96,9 @@ def test_a_two_group_batch_advantage_is_the_kl_term_plus_the_centred_reward(grad
     assert metrics["advantage/reward_abs_mean"] == pytest.approx(
         float((torch.tensor([0.25, 0.25, 0.125, 0.125])[:, None] * mask).sum() / tokens), rel=1e-6
     )
-    assert metrics["advantage/kl_abs_mean"] == pytest.approx(float(kl.abs().sum() / tokens), rel=1e-5)
+    assert metrics["advantage/kl_abs_mean"] == pytest.approx(
+        float(kl.abs().sum() / tokens), rel=1e-5
+    )
 
 
 def test_the_rewards_are_the_graders_grades_of_the_decoded_samples(graded_config):
@@ -91,7 +108,10 @@ def test_the_rewards_are_the_graders_grades_of_the_decoded_samples(graded_config
     texts = [
         trainer.tokenizer.decode(row[start:][mask.bool()[start:]], skip_special_tokens=True)
         for row, mask, start in zip(
-            batch.rollouts.input_ids_BT, batch.rollouts.mask_BT, batch.rollouts.prompt_lengths, strict=True
+            batch.rollouts.input_ids_BT,
+            batch.rollouts.mask_BT,
+            batch.rollouts.prompt_lengths,
+            strict=True,
         )
     ]
     assert batch.rewards_B.tolist() == [float(len(t) % 2) for t in texts]
@@ -122,13 +142,19 @@ def test_constant_groups_are_left_out_of_the_update(graded_config, monkeypatch):
     metrics = trainer.learn(copy.deepcopy(batch))
     assert metrics["reward/constant_groups"] == 0.5
     assert metrics["reward/kept_rows"] == 0.5  # the filter's metrics count what the update keeps
-    assert metrics["num_tokens_kept"] == int(batch.rollouts.mask_BT[2:].sum()) < metrics["num_tokens"]
+    assert (
+        metrics["num_tokens_kept"] == int(batch.rollouts.mask_BT[2:].sum()) < metrics["num_tokens"]
+    )
     sent = received[0]["rollouts"].mask_BT
     assert not sent[:2].any() and torch.equal(sent[2:], batch.rollouts.mask_BT[2:])
     before = copy.deepcopy(trainer.policy.model.state_dict())
-    batch.rewards_B = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64)  # every group constant
+    batch.rewards_B = torch.tensor(
+        [0.0, 0.0, 1.0, 1.0], dtype=torch.float64
+    )  # every group constant
     metrics = trainer.learn(batch)
-    assert metrics["skipped"] == 1 and metrics["reward/constant_groups"] == 1.0 and len(received) == 1
+    assert (
+        metrics["skipped"] == 1 and metrics["reward/constant_groups"] == 1.0 and len(received) == 1
+    )
     assert metrics["reward/kept_rows"] == 0.0 and metrics["num_tokens_kept"] == 0
     for name, value in trainer.policy.model.state_dict().items():
         assert torch.equal(value, before[name]), name
@@ -222,7 +248,8 @@ def test_collection_ahead_rewards_the_batches_it_collects(graded_config):
         (["training.reward_coef=lots"], r"training\.reward_coef: expected float, got str 'lots'"),
         (
             ["training.remove_constant_reward_groups=true"],
-            r"training\.remove_constant_reward_groups: shapes the reward term, and reward_coef is 0",
+            r"training\.remove_constant_reward_groups: shapes the reward term, and reward_coef is "
+            r"0",
         ),
         (
             ["training.reward_coef=1", "training.objective=nll", "training.data_source=teacher"],
@@ -259,5 +286,8 @@ def test_an_environment_reward_that_is_no_number_names_the_dataset_and_step(
     path.write_text(json.dumps(config))
     assert main(["train", str(path), "--no-progress"]) != 0
     error = capsys.readouterr().err
-    assert "step 0: datasets[0] (rev): the environment's answer to turn 1: reward must be a number" in error
+    assert (
+        "step 0: datasets[0] (rev): the environment's answer to turn 1: reward must be a number"
+        in error
+    )
     assert "Traceback" not in error

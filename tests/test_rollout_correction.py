@@ -31,7 +31,9 @@ ADVANTAGES = [1.0, 1.0, 1.0]
 
 
 def test_uncorrected_the_ratio_weighs_each_token_as_it_is():
-    assert gradient(PolicyGradient(), TRAINER, SAMPLER, ADVANTAGES) == pytest.approx([-1.0, -10.0, -0.1])
+    assert gradient(PolicyGradient(), TRAINER, SAMPLER, ADVANTAGES) == pytest.approx(
+        [-1.0, -10.0, -0.1]
+    )
 
 
 def test_truncate_caps_each_tokens_weight():
@@ -50,16 +52,22 @@ def test_a_sequence_takes_the_geometric_mean_of_its_tokens_ratios():
     sampler = [LOG(0.5), LOG(0.1), LOG(0.1)]
     sequence = torch.tensor([0, 0, 1])
     truncate = PolicyGradient(correction=RolloutCorrection("truncate", "sequence", 1.5))
-    assert gradient(truncate, trainer, sampler, ADVANTAGES, sequence) == pytest.approx([-1.5, -1.5, -0.1])
+    assert gradient(truncate, trainer, sampler, ADVANTAGES, sequence) == pytest.approx(
+        [-1.5, -1.5, -0.1]
+    )
     mask = PolicyGradient(correction=RolloutCorrection("mask", "sequence", 3.0))
-    assert gradient(mask, trainer, sampler, ADVANTAGES, sequence) == pytest.approx([-1.0, -1.0, 0.0])
+    assert gradient(mask, trainer, sampler, ADVANTAGES, sequence) == pytest.approx(
+        [-1.0, -1.0, 0.0]
+    )
 
 
 def test_the_loss_functions_keep_their_shape_under_the_correction():
     """ppo against the trainer's own log-probs: ratio 1, inside any clip, so the weight alone
     scales the gradient, as for importance sampling."""
     corrected = PolicyGradient("ppo", correction=RolloutCorrection("truncate", "token", 2.0))
-    assert gradient(corrected, TRAINER, SAMPLER, [2.0, -1.0, 1.0]) == pytest.approx([-2.0, 2.0, -0.1])
+    assert gradient(corrected, TRAINER, SAMPLER, [2.0, -1.0, 1.0]) == pytest.approx(
+        [-2.0, 2.0, -0.1]
+    )
 
 
 def test_the_metrics_count_what_the_correction_did():
@@ -103,7 +111,9 @@ def test_a_matched_run_trains_as_uncorrected_and_logs_the_correction(base_config
     plain = train(config_from_dict(dict(base_config, training=training)), progress=False).metrics
     corrected_training = dict(training, rollout_correction={"mode": "truncate", "cap": 2.0})
     corrected = train(
-        config_from_dict(dict(base_config, log_path=str(tmp_path / "c"), training=corrected_training)),
+        config_from_dict(
+            dict(base_config, log_path=str(tmp_path / "c"), training=corrected_training)
+        ),
         progress=False,
     ).metrics
     for a, b in zip(plain, corrected, strict=True):
@@ -135,13 +145,17 @@ def test_a_mismatched_sampler_is_capped_in_a_real_run(base_config, tmp_path):
     share = float(shifted.sum() / rollouts.mask_BT.sum())
     assert metrics["rollout_correction/capped_frac"] == pytest.approx(share, abs=1e-6)
     assert metrics["rollout_correction/weight_max"] == pytest.approx(2.0)
-    assert metrics["rollout_correction/weight_mean"] == pytest.approx(share * 2.0 + (1 - share), abs=1e-3)
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(
+        share * 2.0 + (1 - share), abs=1e-3
+    )
     assert metrics["rollout_correction/mismatch_kl"] == pytest.approx(
         share * (20 - 1 - math.log(20)), rel=1e-3
     )
 
 
-def test_the_unset_correction_is_on_where_the_sampler_is_not_the_trainers_forward(base_config, tmp_path):
+def test_the_unset_correction_is_on_where_the_sampler_is_not_the_trainers_forward(
+    base_config, tmp_path
+):
     def resolved(student: dict, training: dict | None = None, **top):
         config = dict(base_config, student=dict(base_config["student"], **student), **top)
         config["training"] = dict(base_config["training"], **(training or {}))
@@ -153,7 +167,9 @@ def test_the_unset_correction_is_on_where_the_sampler_is_not_the_trainers_forwar
         RolloutCorrection("truncate", "token", 2.0)
     )
     assert resolved({"sampling_dtype": "bfloat16"}, {"rollout_correction": "off"}) == "off"
-    assert resolved({"sampling_dtype": "bfloat16"}, {"rollout_correction": False}) == "off"  # YAML's off
+    assert (
+        resolved({"sampling_dtype": "bfloat16"}, {"rollout_correction": False}) == "off"
+    )  # YAML's off
     # a run recorded before the setting existed goes on uncorrected when resumed
     run = tmp_path / "old"
     run.mkdir()

@@ -52,7 +52,10 @@ def test_with_a_key_every_route_but_health_wants_it(monkeypatch):
         assert exchange(guard, path, {})[0] == 401, path
         assert exchange(guard, path, {b"authorization": b"Bearer wrong"})[0] == 401, path
         assert exchange(guard, path, {b"authorization": b"Basic s3cret"})[0] == 401, path
-        assert exchange(guard, path, {b"authorization": b"Bearer s3cret"}) == (200, b"reached the route")
+        assert exchange(guard, path, {b"authorization": b"Bearer s3cret"}) == (
+            200,
+            b"reached the route",
+        )
     assert exchange(guard, "/health", {}, "GET")[0] == 200
     _, body = exchange(guard, "/update_weights", {})
     assert b"API key" in body and b"s3cret" not in body
@@ -84,9 +87,17 @@ def test_weight_files_outside_the_directory_are_found_through_links_and_dots(tmp
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True), ("0.0.0.0", False),
-     ("::", False), ("10.1.2.3", False), ("node7.cluster", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("node7.cluster", False),
+    ],
+)
 def test_loopback_hosts(host, loopback):
     assert is_loopback(host) is loopback
 
@@ -95,7 +106,9 @@ def test_a_host_others_reach_is_refused_without_a_key(monkeypatch, capsys):
     monkeypatch.delenv(KEY_ENV, raising=False)
     assert main(["rollout-server", "student-dir", "--host", "0.0.0.0"]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("opd: error: opd rollout-server: --host 0.0.0.0 lets other machines reach")
+    assert error.startswith(
+        "opd: error: opd rollout-server: --host 0.0.0.0 lets other machines reach"
+    )
     assert KEY_ENV in error and "student.rollout_api_key_env" in error
 
 
@@ -112,7 +125,9 @@ def test_with_a_key_a_host_others_reach_goes_on_to_start_vllm(monkeypatch, capsy
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name)
+    )
     monkeypatch.setenv(KEY_ENV, "s3cret")
     assert main(["rollout-server", "student-dir", "--host", "0.0.0.0"]) == 2
     assert "pip install 'opd[vllm]'" in capsys.readouterr().err

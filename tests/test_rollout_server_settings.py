@@ -1,5 +1,6 @@
 """``student.sampler: vllm_server``'s settings, checked when the config is read (the trainer side
-needs no vLLM: it speaks HTTP), and the disaggregated recipe resolving for its 4 training processes."""
+needs no vLLM: it speaks HTTP), and the disaggregated recipe resolving for its 4 training
+processes."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def test_the_disaggregated_recipe_resolves_for_four_training_processes():
 @pytest.mark.parametrize(
     ("student", "message"),
     [
-        ({"sampler": "vllm_server"}, r"student\.rollout_servers: sampler: vllm_server needs at least one"),
+        (
+            {"sampler": "vllm_server"},
+            r"student\.rollout_servers: sampler: vllm_server needs at least one",
+        ),
         (
             {"sampler": "vllm_server", "rollout_servers": ["127.0.0.1:8000"]},
             r"student\.rollout_servers\[0\]: '127\.0\.0\.1:8000' is not an http\(s\) URL",
@@ -45,19 +49,27 @@ def test_the_disaggregated_recipe_resolves_for_four_training_processes():
         ),
         (
             {"sampler": "hf", "rollout_servers": ["http://a:1"]},
-            r"student\.rollout_servers: applies to sampler: vllm_server only \(student\.sampler is 'hf'\)",
+            r"student\.rollout_servers: applies to sampler: vllm_server only \(student\.sampler is "
+            r"'hf'\)",
         ),
         (
             {"sampler": "vllm_server", "rollout_servers": ["http://a:1"], "lora_sync": "adapter"},
-            r"student\.lora_sync: applies to sampler: vllm only \(student\.sampler is 'vllm_server'\)",
+            r"student\.lora_sync: applies to sampler: vllm only \(student\.sampler is "
+            r"'vllm_server'\)",
         ),
         (
-            {"sampler": "vllm_server", "rollout_servers": ["http://a:1"], "sampler_options": {"seed": 1}},
+            {
+                "sampler": "vllm_server",
+                "rollout_servers": ["http://a:1"],
+                "sampler_options": {"seed": 1},
+            },
             r"student\.sampler_options: applies to sampler: vllm only",
         ),
     ],
 )
-def test_server_settings_that_cannot_work_are_refused_naming_the_field(base_config, student, message):
+def test_server_settings_that_cannot_work_are_refused_naming_the_field(
+    base_config, student, message
+):
     base_config["student"] |= student
     with pytest.raises(ConfigError, match=message):
         config_from_dict(base_config)
@@ -66,12 +78,17 @@ def test_server_settings_that_cannot_work_are_refused_naming_the_field(base_conf
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--logprobs-mode", "raw_logprobs"], "--logprobs-mode is set by opd to processed_logprobs"),
+        (
+            ["--logprobs-mode", "raw_logprobs"],
+            "--logprobs-mode is set by opd to processed_logprobs",
+        ),
         (["--generation-config=auto"], "--generation-config is set by opd to vllm"),
         (["--model", "other"], "--model is set by opd from MODEL, --host and --port"),
     ],
 )
-def test_rollout_server_refuses_vllm_options_that_would_make_the_trainer_refuse_it(args, message, capsys):
+def test_rollout_server_refuses_vllm_options_that_would_make_the_trainer_refuse_it(
+    args, message, capsys
+):
     assert main(["rollout-server", "student-dir", *args]) == 2
     assert capsys.readouterr().err.startswith(f"opd: error: opd rollout-server: {message}")
 
@@ -80,7 +97,9 @@ def test_rollout_server_without_vllm_says_what_to_install(monkeypatch, capsys):
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name)
+    )
     assert main(["rollout-server", "student-dir", "--dtype", "bfloat16"]) == 2
     assert "pip install 'opd[vllm]'" in capsys.readouterr().err
 

@@ -7,7 +7,8 @@ from opd.data.render import ChatRenderer
 from opd.data.sequences import build_rollout_batch
 from opd.logprobs import sequence_logprobs
 from opd.sampling.base import Completion
-from opd.sampling.hf_generate import HFGenerateSampler, inverse_cdf_sample
+from opd.sampling.hf_generate import HFGenerateSampler
+from opd.sampling.seeded import inverse_cdf_sample
 from tests.conftest import tiny_llama
 
 
@@ -16,7 +17,9 @@ def setup(char_tokenizer):
     model = tiny_llama(len(char_tokenizer), seed=7)
     renderer = ChatRenderer(char_tokenizer)
     sampler = HFGenerateSampler(model, char_tokenizer, stop_token_ids=renderer.stop_token_ids)
-    prompts = [renderer.prompt_ids([{"role": "user", "content": q}]) for q in ("ab", "reverse hello", "x")]
+    prompts = [
+        renderer.prompt_ids([{"role": "user", "content": q}]) for q in ("ab", "reverse hello", "x")
+    ]
     return model, renderer, sampler, prompts
 
 
@@ -28,7 +31,11 @@ def test_recorded_logprobs_equal_trainer_recomputation(setup, temperature):
     batch = build_rollout_batch(prompts * 2, completions, [0] * 6, pad_id=0)
     with torch.no_grad():
         recomputed, _ = sequence_logprobs(
-            model, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT, temperature=temperature
+            model,
+            batch.input_ids_BT,
+            batch.attention_mask_BT,
+            batch.mask_BT,
+            temperature=temperature,
         )
     mask = batch.mask_BT.bool()
     assert mask.sum() > 20
@@ -48,7 +55,9 @@ def test_model_generation_defaults_do_not_change_the_sampled_distribution(setup)
     completions = sampler.sample(prompts * 2, temperature=1.0, max_tokens=10)
     batch = build_rollout_batch(prompts * 2, completions, [0] * 6, pad_id=0)
     with torch.no_grad():
-        recomputed, _ = sequence_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+        recomputed, _ = sequence_logprobs(
+            model, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+        )
     mask = batch.mask_BT.bool()
     torch.testing.assert_close(recomputed[mask], batch.sampled_logprobs_BT[mask], atol=1e-4, rtol=0)
     assert model.generation_config.repetition_penalty == 3.0  # restored afterwards
@@ -97,7 +106,9 @@ def test_a_model_with_nan_logits_yields_nan_logprobs_instead_of_crashing(setup):
     with torch.no_grad():
         model.lm_head.weight[3, 0] = float("nan")
     completions = sampler.sample(prompts, temperature=1.0, max_tokens=3)
-    assert all(len(c.token_ids) == 3 and c.token_ids[0] < len(sampler.tokenizer) for c in completions)
+    assert all(
+        len(c.token_ids) == 3 and c.token_ids[0] < len(sampler.tokenizer) for c in completions
+    )
     assert all(torch.isnan(torch.tensor(c.logprobs[0])) for c in completions)
 
 
@@ -131,7 +142,10 @@ def test_greedy_picks_the_argmax_despite_model_generation_defaults(setup):
 
 def test_masks_cover_exactly_the_completion_including_eos():
     prompts = [[1, 5, 6], [1, 7]]
-    completions = [Completion([9, 10, 2], [-0.1, -0.2, -0.3], True), Completion([11], [-0.4], False)]
+    completions = [
+        Completion([9, 10, 2], [-0.1, -0.2, -0.3], True),
+        Completion([11], [-0.4], False),
+    ]
     batch = build_rollout_batch(prompts, completions, [0, 1], pad_id=0)
     assert batch.input_ids_BT.tolist() == [[1, 5, 6, 9, 10, 2], [1, 7, 11, 0, 0, 0]]
     assert batch.mask_BT.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 1, 0, 0, 0]]
@@ -170,7 +184,8 @@ def _head_products(model, sampler, prompts) -> list[str]:
 
 def test_a_frozen_head_is_never_multiplied_by_a_batch_expanded_copy_of_its_weight(setup):
     """The prefill feeds the head a strided slice; without a contiguous input torch.matmul would
-    broadcast a frozen weight to (batch, hidden, vocab) and copy it (0.36 s a rollout for SmolLM2)."""
+    broadcast a frozen weight to (batch, hidden, vocab) and copy it (0.36 s a rollout for
+    SmolLM2)."""
     model, _, sampler, prompts = setup
     model.requires_grad_(False)
     products = _head_products(model, sampler, prompts * 3)

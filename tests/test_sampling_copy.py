@@ -35,7 +35,9 @@ def test_copy_is_cast_keeps_ties_and_buffers_and_shares_no_storage(char_tokenize
         assert not any(p.requires_grad for p in copied.parameters())
         with torch.no_grad():
             student.model.norm.weight.add_(1.0)
-        assert not torch.equal(copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16))
+        assert not torch.equal(
+            copied.model.norm.weight, student.model.norm.weight.to(torch.bfloat16)
+        )
     assert released(sampling.model)
 
 
@@ -53,7 +55,9 @@ def test_frozen_and_trainable_weights_are_cast_at_each_rollout(char_tokenizer):
 
 def copy_and_student_logprobs(trainer, batch):
     with torch.no_grad(), trainer.engine.copy.rollout() as copied:
-        from_copy, _ = sequence_logprobs(copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT)
+        from_copy, _ = sequence_logprobs(
+            copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+        )
         from_student, _ = sequence_logprobs(
             trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
         )
@@ -91,7 +95,9 @@ def lora_trained_a_step(base_config, **student):
     return trainer
 
 
-def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_between_rollouts(base_config):
+def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_between_rollouts(
+    base_config,
+):
     trainer = lora_trained_a_step(base_config, sampling_dtype="bfloat16")
     batch, _ = trainer.collector.sample_batch(1)
     assert released(trainer.engine.copy.model)
@@ -119,19 +125,26 @@ def test_a_lora_student_gets_a_merged_copy_in_its_own_dtype_that_scores_as_it_do
     assert trainer.engine.copy is not None and trainer.engine.model is trainer.engine.copy.model
     batch, _ = trainer.collector.sample_batch(1)
     embedding = trainer.student.get_base_model().model.embed_tokens.weight
-    with trainer.engine.copy.rollout() as copied:  # what needs no merge or cast is shared, not copied
+    with (
+        trainer.engine.copy.rollout() as copied
+    ):  # what needs no merge or cast is shared, not copied
         assert copied.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()
     assert embedding.numel() > 0
     from_copy, from_student = copy_and_student_logprobs(trainer, batch)
     mask = batch.mask_BT.bool()
     torch.testing.assert_close(from_copy[mask], from_student[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(batch.sampled_logprobs_BT[mask], from_student[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        batch.sampled_logprobs_BT[mask], from_student[mask], atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
 def test_a_lora_embedding_tied_to_the_head_stays_unmerged_in_the_copy(base_config):
     trainer = lora_trained_a_step(
-        base_config, dtype="float32", sampling_dtype="float32", lora_target_modules=["embed_tokens", "q_proj"]
+        base_config,
+        dtype="float32",
+        sampling_dtype="float32",
+        lora_target_modules=["embed_tokens", "q_proj"],
     )
     batch, _ = trainer.collector.sample_batch(1)
     with trainer.engine.copy.rollout() as copied:

@@ -27,14 +27,22 @@ def test_the_schedule_by_hand():
 def test_the_share_of_student_batches_per_step_follows_the_schedule_over_seeds():
     """At each step, over 4,000 run seeds, the share of on-policy batches is the schedule's value
     within 4 binomial standard errors; a step schedule's ends are exact."""
-    training = TrainingConfig(data_source="mixed", lmbda=LambdaSchedule(start=0.0, end=1.0, steps=4))
+    training = TrainingConfig(
+        data_source="mixed", lmbda=LambdaSchedule(start=0.0, end=1.0, steps=4)
+    )
     seeds = range(4000)
     for step in range(6):
         expected = training.lmbda_at(step)
-        share = sum(step_data_source(training, seed, step) == "student" for seed in seeds) / len(seeds)
-        assert abs(share - expected) <= 4 * math.sqrt(max(expected * (1 - expected), 1e-12) / len(seeds))
+        share = sum(step_data_source(training, seed, step) == "student" for seed in seeds) / len(
+            seeds
+        )
+        assert abs(share - expected) <= 4 * math.sqrt(
+            max(expected * (1 - expected), 1e-12) / len(seeds)
+        )
     cliff = TrainingConfig(data_source="mixed", lmbda=LambdaSchedule(steps=2, shape="step"))
-    assert {step_data_source(cliff, seed, step) for seed in range(200) for step in (0, 1)} == {"teacher"}
+    assert {step_data_source(cliff, seed, step) for seed in range(200) for step in (0, 1)} == {
+        "teacher"
+    }
     assert {step_data_source(cliff, seed, 2) for seed in range(200)} == {"student"}
 
 
@@ -52,7 +60,10 @@ def test_a_run_resumed_mid_schedule_continues_it_exactly(base_config, tmp_path):
     """Two steps, then the same run extended to five, against five in one go: the same sources,
     the same logged lmbda, the same numbers."""
     base_config["training"].update(
-        objective="jsd", data_source="mixed", lmbda={"start": 0.0, "end": 1.0, "steps": 4}, max_steps=5
+        objective="jsd",
+        data_source="mixed",
+        lmbda={"start": 0.0, "end": 1.0, "steps": 4},
+        max_steps=5,
     )
     whole = tmp_path / "whole.yaml"
     whole.write_text(yaml.safe_dump(base_config | {"log_path": str(tmp_path / "whole")}))
@@ -61,8 +72,12 @@ def test_a_run_resumed_mid_schedule_continues_it_exactly(base_config, tmp_path):
     split.write_text(yaml.safe_dump(base_config | {"log_path": str(tmp_path / "split")}))
     assert main(["train", str(split), "training.max_steps=2", "--no-progress"]) == 0
     assert main(["train", str(split), "--no-progress"]) == 0
-    reference, resumed = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("whole", "split"))
+    reference, resumed = (
+        read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("whole", "split")
+    )
     assert [row["lmbda"] for row in reference] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert reference[0]["on_policy"] == 0 and reference[4]["on_policy"] == 1
     keys = ("step", "on_policy", "lmbda", "loss")
-    assert [[row[k] for k in keys] for row in resumed] == [[row[k] for k in keys] for row in reference]
+    assert [[row[k] for k in keys] for row in resumed] == [
+        [row[k] for k in keys] for row in reference
+    ]

@@ -19,11 +19,20 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "opd"
 def test_redact_masks_url_credentials_and_secret_query_parameters():
     assert redact("https://alice:s3cret@host:8000/v1") == "https://***@host:8000/v1"
     assert redact("http://tok@h/v1 and ftp://u:p@x") == "http://***@h/v1 and ftp://***@x"
-    assert redact("https://h/v1?api_key=abc&x=1&token=def#f") == "https://h/v1?api_key=***&x=1&token=***#f"
-    assert redact("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"  # nothing secret: unchanged
+    assert (
+        redact("https://h/v1?api_key=abc&x=1&token=def#f")
+        == "https://h/v1?api_key=***&x=1&token=***#f"
+    )
+    assert (
+        redact("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    )  # nothing secret: unchanged
     assert redact("user@example.com wrote a@b") == "user@example.com wrote a@b"  # not a URL
     nested = {"a": ["https://u:p@h"], "b": {"c": "https://h?key=k"}, "d": 3}
-    assert redact_values(nested) == {"a": ["https://***@h"], "b": {"c": "https://h?key=***"}, "d": 3}
+    assert redact_values(nested) == {
+        "a": ["https://***@h"],
+        "b": {"c": "https://h?key=***"},
+        "d": 3,
+    }
 
 
 def test_a_secret_in_a_teacher_url_is_in_no_file_and_no_message(base_config, tmp_path):
@@ -46,7 +55,9 @@ def test_a_secret_in_a_teacher_url_is_in_no_file_and_no_message(base_config, tmp
         config["teacher"]["replica_probes"] = probes
         path.write_text(yaml.safe_dump(config))
         result = subprocess.run(
-            [sys.executable, "-m", "opd", "train", str(path), "--no-progress"], capture_output=True, text=True
+            [sys.executable, "-m", "opd", "train", str(path), "--no-progress"],
+            capture_output=True,
+            text=True,
         )
         assert result.returncode == 2
         assert "opd: error: teacher server http://***@127.0.0.1:9/v1?api_key=***" in result.stderr
@@ -70,7 +81,10 @@ def test_no_unsafe_deserialisation_or_remote_code_in_the_source():
     torch_loads = source_lines(r"torch\.load\(")
     assert torch_loads and all("weights_only=True" in line for line in torch_loads), torch_loads
     assert (
-        source_lines(r"\bimport pickle\b|pickle\.loads?\(|\bmarshal\.|yaml\.load\(|yaml\.unsafe_load") == []
+        source_lines(
+            r"\bimport pickle\b|pickle\.loads?\(|\bmarshal\.|yaml\.load\(|yaml\.unsafe_load"
+        )
+        == []
     )
     assert source_lines(r"trust_remote_code\s*=\s*True") == []
     assert source_lines(r"shell\s*=\s*True|os\.system\(|(?<![.\w])eval\(|(?<![.\w])exec\(") == []
@@ -89,8 +103,8 @@ def test_an_environment_by_import_path_is_imported_when_the_config_is_read(base_
     package.mkdir()
     marker = tmp_path / "imported"
     (package / "user_env.py").write_text(
-        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
-        "class Env:\n    def start(self, prompt, grader):\n        raise NotImplementedError\n"
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\nclass Env:\n    def "
+        "start(self, prompt, grader):\n        raise NotImplementedError\n"
     )
     plain = tmp_path / "plain.yaml"
     plain.write_text(yaml.safe_dump(base_config))
@@ -126,5 +140,7 @@ def test_every_test_security_md_names_exists():
         for name in re.findall(r"`(test_\w+)`", group)
     ]
     assert len(named) >= 15
-    missing = [f"{file}::{name}" for file, name in named if f"def {name}(" not in (root / file).read_text()]
+    missing = [
+        f"{file}::{name}" for file, name in named if f"def {name}(" not in (root / file).read_text()
+    ]
     assert missing == []

@@ -42,7 +42,9 @@ def server(model_dirs):
     process.wait()
 
 
-def post(port: int, body: bytes, path: str = "/v1/completions", timeout: float = 30) -> tuple[int, dict]:
+def post(
+    port: int, body: bytes, path: str = "/v1/completions", timeout: float = 30
+) -> tuple[int, dict]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": "application/json"}
     )
@@ -74,7 +76,9 @@ def healthy(port: int) -> bool:
 
 
 def completion(ids: list[list[int]], k: int = 2) -> bytes:
-    return json.dumps({"model": "teacher", "prompt": ids, "prompt_logprobs": k, "max_tokens": 1}).encode()
+    return json.dumps(
+        {"model": "teacher", "prompt": ids, "prompt_logprobs": k, "max_tokens": 1}
+    ).encode()
 
 
 def test_concurrent_answers_equal_sequential_ones(server):
@@ -91,7 +95,9 @@ def test_concurrent_answers_equal_sequential_ones(server):
 
 def test_bodies_over_the_limit_get_413_before_being_read(server):
     port, _ = server
-    answer = raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n")
+    answer = raw(
+        port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n"
+    )
     assert status_of(answer) == 413
     assert b"--max-request-bytes" in answer
     assert healthy(port)
@@ -153,7 +159,9 @@ def test_clients_past_the_connection_cap_wait_their_turn_and_are_answered(server
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=4) as pool:
             answers = list(
-                pool.map(lambda ids: post(port, completion([ids])), ([1, 5], [1, 6], [1, 7], [1, 8]))
+                pool.map(
+                    lambda ids: post(port, completion([ids])), ([1, 5], [1, 6], [1, 7], [1, 8])
+                )
             )
         waited = time.monotonic() - started
     finally:
@@ -166,24 +174,35 @@ def test_clients_past_the_connection_cap_wait_their_turn_and_are_answered(server
 
 def sample_body(prompts: list[list[int]], max_tokens: int, **extra) -> bytes:
     return json.dumps(
-        {"model": "teacher", "prompt": prompts, "max_tokens": max_tokens, "return_token_ids": True, **extra}
+        {
+            "model": "teacher",
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "return_token_ids": True,
+            **extra,
+        }
     ).encode()
 
 
 def test_max_tokens_past_the_context_or_the_request_budget_gets_400_naming_the_numbers(server):
-    """The tiny teacher's context is 256 tokens; the server keeps its default budget (16384 a request)."""
+    """The tiny teacher's context is 256 tokens; the server keeps its default budget (16384 a
+    request)."""
     port, _ = server
     status, answer = post(port, sample_body([[1] + [5] * 9], 247))
     assert status == 400
     message = answer["error"]["message"]
-    assert "maximum context length is 256" in message and "'max_tokens' can be at most 246" in message
+    assert (
+        "maximum context length is 256" in message and "'max_tokens' can be at most 246" in message
+    )
     assert answer["error"]["param"] == "max_tokens"
     status, answer = post(port, sample_body([[1, 5]] * 70, 240))
     assert status == 400
     message = answer["error"]["message"]
     assert "16800 tokens (70 prompts x max_tokens 240)" in message
     assert "limit of 16384" in message and "--max-tokens-per-request" in message
-    assert post(port, sample_body([[1] + [5] * 9], 246, stop_token_ids=[2]))[0] == 200  # at the bound
+    assert (
+        post(port, sample_body([[1] + [5] * 9], 246, stop_token_ids=[2]))[0] == 200
+    )  # at the bound
     assert healthy(port)
 
 
@@ -197,7 +216,9 @@ def test_clients_sampling_and_scoring_at_once_get_what_each_gets_alone(server):
     def body(client: int) -> bytes:
         prompts = [[1, 6 + client, 7 + row % 3] for row in range(8)]
         seeds = {"seed": 1000 + client}
-        return sample_body(prompts, 40, ignore_eos=True, stop_token_ids=[NEVER], temperature=1.0, **seeds)
+        return sample_body(
+            prompts, 40, ignore_eos=True, stop_token_ids=[NEVER], temperature=1.0, **seeds
+        )
 
     alone = [post(port, body(client)) for client in range(6)]
     assert all(status == 200 for status, _ in alone), alone
@@ -205,12 +226,16 @@ def test_clients_sampling_and_scoring_at_once_get_what_each_gets_alone(server):
     scored_alone = post(port, scoring)
     for _ in range(3):  # the interleaving moves from run to run: three rounds
         with ThreadPoolExecutor(max_workers=7) as pool:
-            crowd = [pool.submit(post, port, body(client), "/v1/completions", 120) for client in range(6)]
+            crowd = [
+                pool.submit(post, port, body(client), "/v1/completions", 120) for client in range(6)
+            ]
             scored = [pool.submit(post, port, scoring) for _ in range(4)]
             answers = [future.result() for future in crowd]
         assert [status for status, _ in answers] == [200] * 6, [a for s, a in answers if s != 200]
         for (_, got), (_, expected) in zip(answers, alone, strict=True):
-            assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in expected["choices"]]
+            assert [c["token_ids"] for c in got["choices"]] == [
+                c["token_ids"] for c in expected["choices"]
+            ]
         for future in scored:
             status, answer = future.result()
             assert status == 200 and answer["choices"] == scored_alone[1]["choices"], answer
@@ -318,7 +343,9 @@ def test_a_client_holding_the_longest_sample_allowed_does_not_hold_up_scoring(lo
             started = time.monotonic()
             assert post(port, sample_body([[1, 6]], 4, stop_token_ids=[2]))[0] == 200
             waits.append(time.monotonic() - started)
-            assert not held.done(), "the hostile request ended before the others were answered: no contention"
+            assert not held.done(), (
+                "the hostile request ended before the others were answered: no contention"
+            )
             status, answer = held.result()
         print(f"waits while the hostile request decoded: {[round(w, 3) for w in waits]} s")
         assert status == 200

@@ -23,7 +23,12 @@ def pool_of(count: int, rank: int = 0, rest_s: float = 30):
     said: list[str] = []
     clock = Clock()
     servers = [RolloutServer(url, timeout_s=5) for url in URLS[:count]]
-    return ServerPool(servers, rest_s, rank=rank, warn=said.append, clock=clock), servers, said, clock
+    return (
+        ServerPool(servers, rest_s, rank=rank, warn=said.append, clock=clock),
+        servers,
+        said,
+        clock,
+    )
 
 
 def failure(url: str) -> RolloutServerError:
@@ -49,7 +54,9 @@ def test_the_last_server_out_raises_naming_each_and_what_it_said():
     pool, servers, _, _ = pool_of(2)
     pool.take_out(servers[0], failure(URLS[0]))
     with pytest.raises(RolloutServerError) as raised:
-        pool.take_out(servers[1], RolloutServerError(f"rollout server {URLS[1]}: HTTP 500", fault="answer"))
+        pool.take_out(
+            servers[1], RolloutServerError(f"rollout server {URLS[1]}: HTTP 500", fault="answer")
+        )
     message = str(raised.value)
     assert message.startswith("no rollout server is left in rotation (student.rollout_servers): ")
     assert f"rollout server {URLS[0]}: cannot reach it" in message
@@ -78,7 +85,10 @@ def test_a_resting_server_is_tried_once_per_rest_and_taken_back():
     assert pool.resting() == [servers[2]]
     pool.take_back(servers[2], "opd-run-v3")
     assert pool.live() == servers
-    assert said[-1] == f"rollout server {URLS[2]} is back in rotation, serving opd-run-v3 (3 of 3 live)"
+    assert (
+        said[-1]
+        == f"rollout server {URLS[2]} is back in rotation, serving opd-run-v3 (3 of 3 live)"
+    )
 
 
 def test_keep_makes_the_main_processs_view_the_rotation():

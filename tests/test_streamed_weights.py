@@ -1,5 +1,6 @@
-"""The weights a sampler is sent from an FSDP2-sharded student, gathered a bucket at a time: the same
-tensors, under the same names, as gathering the whole model, with real processes (torchrun, gloo)."""
+"""The weights a sampler is sent from an FSDP2-sharded student, gathered a bucket at a time: the
+same tensors, under the same names, as gathering the whole model, with real processes (torchrun,
+gloo)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ def test_buckets_hold_consecutive_units_up_to_the_size_and_an_oversized_unit_alo
     units = [("a", set(), 10), ("b", set(), 10), ("c", set(), 30), ("d", set(), 5), ("e", set(), 5)]
     grouped = [[name for name, _, _ in bucket] for bucket in buckets(units, 80, 4)]
     assert grouped == [["a", "b"], ["c"], ["d", "e"]]  # 40 + 40 bytes fit 80; c is 120 alone
-    assert [[n for n, _, _ in b] for b in buckets(units, 1, 4)] == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert [[n for n, _, _ in b] for b in buckets(units, 1, 4)] == [
+        ["a"],
+        ["b"],
+        ["c"],
+        ["d"],
+        ["e"],
+    ]
     assert [[n for n, _, _ in b] for b in buckets(units, 10**6, 4)] == [["a", "b", "c", "d", "e"]]
 
 

@@ -38,7 +38,9 @@ def saved(tmp_path):
     return path
 
 
-def test_a_saved_dataset_with_its_columns_mapped_trains_and_evaluates_on_its_test_split(base_config, saved):
+def test_a_saved_dataset_with_its_columns_mapped_trains_and_evaluates_on_its_test_split(
+    base_config, saved
+):
     base_config["datasets"][0] |= {
         "source": str(saved),
         "fields": {"prompt": "question", "answer": "solution"},
@@ -63,24 +65,30 @@ def test_a_parquet_file_of_chat_messages(base_config, tmp_path):
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"reverse {w}"}]
         for w in WORDS["train"]
     ]
-    Dataset.from_dict({"messages": messages, "answer": [w[::-1] for w in WORDS["train"]]}).to_parquet(
-        str(path)
-    )
+    Dataset.from_dict(
+        {"messages": messages, "answer": [w[::-1] for w in WORDS["train"]]}
+    ).to_parquet(str(path))
     base_config["datasets"][0] |= {"source": str(path), "num_prompts": 3}
     prompts = Trainer(config_from_dict(base_config), progress=False)._load_dataset(0)
-    assert [p.messages[-1]["content"] for p in prompts] == ["reverse abc", "reverse hgf", "reverse dcea"]
+    assert [p.messages[-1]["content"] for p in prompts] == [
+        "reverse abc",
+        "reverse hgf",
+        "reverse dcea",
+    ]
     assert prompts[0].messages[0] == {"role": "system", "content": "Be brief."}
 
 
-def test_a_column_that_is_not_there_is_named_with_those_that_are(base_config, saved, tmp_path, capsys):
+def test_a_column_that_is_not_there_is_named_with_those_that_are(
+    base_config, saved, tmp_path, capsys
+):
     base_config["datasets"][0] |= {"source": str(saved), "fields": {"prompt": "questoin"}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(base_config))
     assert main(["train", str(path)]) == 2
     error = capsys.readouterr().err
     assert (
-        f"{saved} (split 'train'): fields.prompt: no column 'questoin'; its columns: question, id, solution"
-        in error
+        f"{saved} (split 'train'): fields.prompt: no column 'questoin'; its columns: question, id, "
+        "solution" in error
     )
     assert "Traceback" not in error
 
@@ -91,13 +99,17 @@ def test_table_options_on_a_jsonl_file_or_an_unknown_key_are_refused(base_config
         config_from_dict(base_config)
     base_config["datasets"][0] |= {"source": "hf:someone/data", "fields": {"question": "q"}}
     with pytest.raises(
-        ConfigError, match=r"datasets\[0\]\.fields\.question: not a prompt key; use prompt, messages"
+        ConfigError,
+        match=r"datasets\[0\]\.fields\.question: not a prompt key; use prompt, messages",
     ):
         config_from_dict(base_config)
 
 
 def test_a_hub_dataset_without_the_hub_is_named_with_the_fix(base_config, tmp_path):
-    base_config["datasets"][0] |= {"source": "hf:someone/not-cached", "fields": {"prompt": "question"}}
+    base_config["datasets"][0] |= {
+        "source": "hf:someone/not-cached",
+        "fields": {"prompt": "question"},
+    }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(base_config))
     env = os.environ | {

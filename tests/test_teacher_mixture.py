@@ -24,14 +24,16 @@ W = [0.4, 0.6]
 
 
 def test_the_mixture_log_prob_of_a_token_is_the_weighted_sum_of_the_teachers_probabilities():
-    logprobs_MN = torch.tensor([[math.log(Q1[t]) for t in range(5)], [math.log(Q2[t]) for t in range(5)]])
+    logprobs_MN = torch.tensor(
+        [[math.log(Q1[t]) for t in range(5)], [math.log(Q2[t]) for t in range(5)]]
+    )
     mixed = mixed_logprobs(logprobs_MN, torch.tensor(W))
     by_hand = [0.4 * 0.5 + 0.6 * 0.1, 0.4 * 0.2 + 0.6 * 0.6, 0.4 * 0.1 + 0.6 * 0.2]
     by_hand += [0.4 * 0.1 + 0.6 * 0.05] * 2
     assert mixed.tolist() == pytest.approx([math.log(p) for p in by_hand], abs=1e-6)
 
 
-def test_the_mixture_top_k_reads_each_teacher_where_it_sent_the_token_and_its_tail_share_elsewhere():
+def test_the_mixture_top_k_reads_each_teacher_where_it_sent_the_token_and_its_tail_elsewhere():
     """Top-2 of each: teacher 1 sends tokens 0, 1 (tail 0.3, a third of it per other token),
     teacher 2 tokens 1, 2 (tail 0.2). Token 0: 0.4 * 0.5 + 0.6 * 0.2 / 3 = 0.24; token 1:
     0.4 * 0.2 + 0.6 * 0.6 = 0.44; token 2: 0.4 * 0.3 / 3 + 0.6 * 0.2 = 0.16."""
@@ -40,7 +42,8 @@ def test_the_mixture_top_k_reads_each_teacher_where_it_sent_the_token_and_its_ta
     top_ids, top_logprobs = mixed_topk(ids, logprobs, torch.tensor(W), k=2, vocab_size=5)
     assert top_ids.tolist() == [[1, 0]]
     assert top_logprobs.exp().tolist()[0] == pytest.approx([0.44, 0.24], abs=1e-6)
-    # the bound: off the true mixture by at most w_i min(r_i, p_i(k)) for each teacher that did not send it
+    # the bound: off the true mixture by at most w_i min(r_i, p_i(k)) for each teacher that did not
+    # send it
     true = [W[0] * Q1[t] + W[1] * Q2[t] for t in range(5)]
     bound = {0: W[1] * min(0.2, 0.2), 1: 0.0, 2: W[0] * min(0.3, 0.2)}
     for token, p in zip(top_ids[0].tolist(), top_logprobs.exp()[0].tolist(), strict=True):
@@ -60,14 +63,17 @@ def mixture(config: dict, weights=(0.3, 0.7)) -> dict:
 
 
 def naive_logprobs(model, renderer, messages, completion: list[int]) -> torch.Tensor:
-    """Log-probs of every token after the prompt, in one forward of ``model`` over the hand render."""
+    """Log-probs of every token after the prompt, in one forward of ``model`` over the hand
+    render."""
     shown = renderer.prompt_ids(messages)
     with torch.no_grad():
         logits = model(torch.tensor([shown + completion])).logits[0].float()
     return torch.log_softmax(logits, -1)[len(shown) - 1 : -1]
 
 
-def test_each_sampled_token_is_scored_by_the_mixture_of_naive_forwards_and_each_teacher_has_its_kl(answered):
+def test_each_sampled_token_is_scored_by_the_mixture_of_naive_forwards_and_each_teacher_has_its_kl(
+    answered,
+):
     answered["teacher"] = mixture(answered)
     trainer = Trainer(config_from_dict(answered), progress=False)
     batch = trainer.collect(0)
@@ -85,7 +91,9 @@ def test_each_sampled_token_is_scored_by_the_mixture_of_naive_forwards_and_each_
             naive_logprobs(student, renderer, shown, completion),
         ]
         picked = [lp.gather(-1, torch.tensor(completion)[:, None])[:, 0] for lp in each]
-        by_hand = torch.logsumexp(torch.stack([math.log(0.3) + picked[0], math.log(0.7) + picked[1]]), 0)
+        by_hand = torch.logsumexp(
+            torch.stack([math.log(0.3) + picked[0], math.log(0.7) + picked[1]]), 0
+        )
         mask = rollouts.mask_BT[row].bool()
         scored = int(mask.sum())
         assert batch.teacher.logprobs_BT[row][mask].tolist() == pytest.approx(
@@ -95,7 +103,9 @@ def test_each_sampled_token_is_scored_by_the_mixture_of_naive_forwards_and_each_
             assert batch.teacher.member_logprobs_MBT[number, row][mask].tolist() == pytest.approx(
                 picked[number][:scored].tolist(), abs=1e-5
             )
-            gaps[number] += (rollouts.sampled_logprobs_BT[row][mask] - picked[number][:scored]).tolist()
+            gaps[number] += (
+                rollouts.sampled_logprobs_BT[row][mask] - picked[number][:scored]
+            ).tolist()
     metrics = trainer.learner.kl_metrics(batch)
     for number in (0, 1):
         assert metrics[f"teacher_kl/mixture_{number}"] == pytest.approx(
@@ -129,7 +139,9 @@ def test_the_mixture_top_k_of_a_run_is_the_union_of_each_teachers_top_k(answered
         mask = rollouts.mask_BT[row].bool()
         scored = int(mask.sum())
         assert batch.teacher.topk_ids_BTK[row][mask].tolist() == ids[:scored].tolist()
-        assert batch.teacher.topk_logprobs_BTK[row][mask] == pytest.approx(logprobs[:scored], abs=1e-5)
+        assert batch.teacher.topk_logprobs_BTK[row][mask] == pytest.approx(
+            logprobs[:scored], abs=1e-5
+        )
 
 
 def full_distributions(batch, row: int) -> torch.Tensor:
@@ -152,7 +164,9 @@ def test_jsd_reads_each_datasets_own_teacher_and_a_mixture_of_local_teachers(ans
     distribution is ``log(0.3 softmax(teacher) + 0.7 softmax(student shown the answer))`` of naive
     forwards, and a step learns from it."""
     answered["training"]["objective"] = {"name": "jsd", "beta": 0.0}
-    answered["datasets"].append(dict(answered["datasets"][0], name="own", teacher={"model": "student"}))
+    answered["datasets"].append(
+        dict(answered["datasets"][0], name="own", teacher={"model": "student"})
+    )
     trainer = Trainer(config_from_dict(answered), progress=False)
     batch = trainer.collect(0)
     rollouts = batch.rollouts
@@ -161,7 +175,9 @@ def test_jsd_reads_each_datasets_own_teacher_and_a_mixture_of_local_teachers(ans
         dataset = int(rollouts.dataset_index_B[row])
         model = trainer.teachers.readings[dataset][0][0].teacher.model
         record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
-        naive = naive_logprobs(model, trainer.renderer, record.messages, rollouts.sequences[row][length:])
+        naive = naive_logprobs(
+            model, trainer.renderer, record.messages, rollouts.sequences[row][length:]
+        )
         got = full_distributions(batch, row)
         torch.testing.assert_close(got, naive[: got.shape[0]], atol=1e-5, rtol=0)
     assert math.isfinite(trainer.learn(batch)["loss"])
@@ -195,7 +211,9 @@ def without_times(rows: list[dict]) -> list[dict]:
 
 
 def test_a_one_teacher_mixture_is_the_plain_teacher_bit_for_bit(answered):
-    plain = train(config_from_dict(answered | {"log_path": answered["log_path"] + "-plain"}), progress=False)
+    plain = train(
+        config_from_dict(answered | {"log_path": answered["log_path"] + "-plain"}), progress=False
+    )
     answered["teacher"] = {"mixture": [dict(answered["teacher"], weight=1.0)]}
     one = train(config_from_dict(answered), progress=False)
     assert without_times(one.metrics) == without_times(plain.metrics)
@@ -259,12 +277,18 @@ def test_a_mixture_member_behind_opd_serve_gives_the_run_the_local_member_gives(
         (
             {
                 "mixture": [
-                    {"model": "T", "backend": "openai", "base_url": "http://127.0.0.1:1/v1", "weight": 0.5},
+                    {
+                        "model": "T",
+                        "backend": "openai",
+                        "base_url": "http://127.0.0.1:1/v1",
+                        "weight": 0.5,
+                    },
                     {"model": "student", "weight": 0.5},
                 ]
             },
             {"objective": "jsd"},
-            r"^training\.objective: 'jsd' needs the teacher's full distribution, which teacher\.mixture\[0\] "
+            r"^training\.objective: 'jsd' needs the teacher's full distribution, which "
+            r"teacher\.mixture\[0\] "
             r"\(backend 'openai'\) does not send",
         ),
         (
@@ -281,7 +305,9 @@ def test_a_bad_mixture_is_refused_naming_the_setting(answered, teacher, training
         config_from_dict(answered)
 
 
-def test_the_dry_run_shows_a_prompt_as_the_student_and_each_teacher_read_it(answered, tmp_path, capsys):
+def test_the_dry_run_shows_a_prompt_as_the_student_and_each_teacher_read_it(
+    answered, tmp_path, capsys
+):
     import yaml
 
     from opd.cli import main
@@ -294,7 +320,9 @@ def test_the_dry_run_shows_a_prompt_as_the_student_and_each_teacher_read_it(answ
     plain = "<|im_start|>user\nreverse abc<|im_end|>\n<|im_start|>assistant\n"
     shown = "<|im_start|>system\nThe answer is cba.<|im_end|>\n" + plain
     boxed = ["  | " + line for line in plain.split("\n")]
-    assert "\n".join(["prompt         rev, its first prompt, as the student reads it:", *boxed]) in out
+    assert (
+        "\n".join(["prompt         rev, its first prompt, as the student reads it:", *boxed]) in out
+    )
     assert "teacher mixture[0] reads it as the student does" in out
     view = ["teacher mixture[1] reads it as:", *("  | " + line for line in shown.split("\n"))]
     assert "\n".join(view) in out
@@ -305,7 +333,12 @@ def test_one_teacher_model_with_thinking_on_and_off_is_read_in_two_formats(answe
     """The same model and template with other template variables: a format each (they were once
     shared, the second reading the first one's rendering)."""
     template = "{% if think %}<think>{% endif %}{{ messages[-1]['content'] }}: "
-    on = dict(answered["teacher"], chat_template=template, chat_template_kwargs={"think": True}, weight=0.5)
+    on = dict(
+        answered["teacher"],
+        chat_template=template,
+        chat_template_kwargs={"think": True},
+        weight=0.5,
+    )
     off = dict(on, chat_template_kwargs={"think": False})
     answered["teacher"] = {"mixture": [on, off]}
     trainer = Trainer(config_from_dict(answered), progress=False)

@@ -54,8 +54,8 @@ def test_the_pool_goes_round_the_live_replicas_and_rests_the_failed():
     pool.take_out(b, "connection refused")
     pool.take_out(b, "connection refused")  # said once
     assert said == [
-        "teacher replica http://b/v1 taken out of rotation (connection refused); 2 of 3 left, it is "
-        "probed again after 10 s"
+        "teacher replica http://b/v1 taken out of rotation (connection refused); 2 of 3 left, it "
+        "is probed again after 10 s"
     ]
     assert pool.live == 2
     tried: set[str] = set()
@@ -63,13 +63,19 @@ def test_the_pool_goes_round_the_live_replicas_and_rests_the_failed():
     while (choice := pool.choose(tried)) is not None:
         order.append(choice)
         tried.add(choice[0].base_url)
-    assert [(r.base_url, probe) for r, probe in order] == [("http://c/v1", False), ("http://a/v1", False)]
+    assert [(r.base_url, probe) for r, probe in order] == [
+        ("http://c/v1", False),
+        ("http://a/v1", False),
+    ]
     clock.now += 10.0  # its rest is over: the next request probes it (one request, not each)
     assert pool.choose(set()) == (b, True)
     assert pool.choose(set())[0] is not b
     pool.take_back(b)
     assert pool.live == 3
-    assert said[-1] == "teacher replica http://b/v1 answers again and is back in rotation (3 of 3 live)"
+    assert (
+        said[-1]
+        == "teacher replica http://b/v1 answers again and is back in rotation (3 of 3 live)"
+    )
 
     alone = ReplicaPool(["http://a/v1"], 10.0, said.append, clock)
     pool_said = len(said)
@@ -113,7 +119,9 @@ def two_servers(model_dirs):
         stop(process)
 
 
-def test_a_dead_or_faulty_replica_leaves_the_rotation_and_the_scores_do_not_change(two_servers, capsys):
+def test_a_dead_or_faulty_replica_leaves_the_rotation_and_the_scores_do_not_change(
+    two_servers, capsys
+):
     (port_a, port_b), _ = two_servers
     alone = scored(RemoteTeacher(backend="openai", base_url=url(port_a), model="teacher"))
 
@@ -124,13 +132,18 @@ def test_a_dead_or_faulty_replica_leaves_the_rotation_and_the_scores_do_not_chan
     assert torch.allclose(scored(both), alone, atol=1e-5)
 
     dead = free_port()
-    faulty = subprocess.Popen([sys.executable, str(HERE / "fault_server.py"), "few", str(free_port())])
+    faulty = subprocess.Popen(
+        [sys.executable, str(HERE / "fault_server.py"), "few", str(free_port())]
+    )
     faulty_port = int(faulty.args[-1])
     try:
         wait_until_up(faulty_port, faulty, "/")
         for bad in (dead, faulty_port):
             teacher = RemoteTeacher(
-                backend="openai", base_url=[url(bad), url(port_b)], model="teacher", request_batch_size=1
+                backend="openai",
+                base_url=[url(bad), url(port_b)],
+                model="teacher",
+                request_batch_size=1,
             )
             assert torch.allclose(scored(teacher), alone, atol=1e-5)
             assert teacher.pool.live == 1
@@ -149,7 +162,9 @@ def test_a_dead_or_faulty_replica_leaves_the_rotation_and_the_scores_do_not_chan
         max_retries=1,
         backoff_s=0.01,
     )
-    with pytest.raises(RemoteTeacherError, match=r"every teacher replica failed, 2 attempts each \(http"):
+    with pytest.raises(
+        RemoteTeacherError, match=r"every teacher replica failed, 2 attempts each \(http"
+    ):
         scored(gone)
 
 
@@ -161,18 +176,31 @@ def test_a_replica_silent_at_the_start_starts_out_of_rotation_and_none_answering
     (port_a, _), _ = two_servers
     dead = free_port()
     teacher = RemoteTeacher(
-        backend="openai", base_url=[url(dead), url(port_a)], model="teacher", max_retries=1, backoff_s=0.01
+        backend="openai",
+        base_url=[url(dead), url(port_a)],
+        model="teacher",
+        max_retries=1,
+        backoff_s=0.01,
     )
     check_replicas(teacher, SEQUENCES[2], 2, "teacher")
     assert teacher.pool.live == 1 and not teacher.pool.replicas[0].live
     alone = RemoteTeacher(backend="openai", base_url=url(port_a), model="teacher")
     assert torch.equal(teacher.probe[1], alone.score_sequence(SEQUENCES[2]))
     said = capsys.readouterr().err
-    assert f"teacher replica {url(dead)} taken out of rotation (no answer to the start's probe: " in said
-    silent = RemoteTeacher(
-        backend="openai", base_url=[url(dead), url(free_port())], model="t", max_retries=1, backoff_s=0.01
+    assert (
+        f"teacher replica {url(dead)} taken out of rotation (no answer to the start's probe: "
+        in said
     )
-    with pytest.raises(RemoteTeacherError, match=r"teacher\.base_url: no teacher replica answered: "):
+    silent = RemoteTeacher(
+        backend="openai",
+        base_url=[url(dead), url(free_port())],
+        model="t",
+        max_retries=1,
+        backoff_s=0.01,
+    )
+    with pytest.raises(
+        RemoteTeacherError, match=r"teacher\.base_url: no teacher replica answered: "
+    ):
         check_replicas(silent, SEQUENCES[2], 2, "teacher")
 
 
@@ -192,7 +220,8 @@ def test_a_replica_that_comes_back_is_probed_and_taken_back(two_servers, model_d
             scored(teacher)
         assert teacher.pool.live == 2
         assert (
-            f"teacher replica {url(later)} answers again and is back in rotation" in capsys.readouterr().err
+            f"teacher replica {url(later)} answers again and is back in rotation"
+            in capsys.readouterr().err
         )
     finally:
         stop(process)

@@ -25,7 +25,9 @@ def test_one_thread_per_idle_core_and_at_least_one(cores, busy, threads):
 def test_a_users_setting_is_kept(monkeypatch):
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail("the user's setting was overridden"))
+    monkeypatch.setattr(
+        torch, "set_num_threads", lambda n: pytest.fail("the user's setting was overridden")
+    )
     assert choose_threads() is None
     assert torch.get_num_threads() == before
 

@@ -14,7 +14,9 @@ N, D, V, PADDED_V = 11, 6, 19, 23
 
 def _naive(hidden, head, top_ids, top_log, transform):
     """Full (N, V) logits, the transform written out by hand, and topk_forward_kl."""
-    z = (hidden.float() @ head.weight[:V].float().T) + (0 if head.bias is None else head.bias[:V].float())
+    z = (hidden.float() @ head.weight[:V].float().T) + (
+        0 if head.bias is None else head.bias[:V].float()
+    )
     z = z * transform.scale
     if transform.softcap is not None:
         z = transform.softcap * torch.tanh(z / transform.softcap)
@@ -42,7 +44,14 @@ def test_values_and_gradients_match_autograd_through_the_naive_formula(k, chunk_
     upstream = torch.randn(N)
 
     loss, selected, entropy = chunked_topk_forward_kl(
-        hidden, head, ids, top_ids, top_log, chunk_size=chunk_size, transform=transform, vocab_size=V
+        hidden,
+        head,
+        ids,
+        top_ids,
+        top_log,
+        chunk_size=chunk_size,
+        transform=transform,
+        vocab_size=V,
     )
     (loss * upstream).sum().backward()
     fused_grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
@@ -54,7 +63,9 @@ def test_values_and_gradients_match_autograd_through_the_naive_formula(k, chunk_
     torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(selected, student_log.gather(-1, ids[:, None]).squeeze(-1).detach())
     torch.testing.assert_close(entropy, -(student_log.exp() * student_log).sum(-1).detach())
-    for fused, expected in zip(fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True):
+    for fused, expected in zip(
+        fused_grads, [hidden.grad, head.weight.grad, head.bias.grad], strict=True
+    ):
         torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
     assert head.weight.grad[V:].abs().max() == 0  # the padded rows take no gradient
 
@@ -88,7 +99,9 @@ def test_a_student_tail_below_the_floor_takes_no_gradient():
     loss, _, _ = chunked_topk_forward_kl(z, eye, torch.tensor([0]), top_ids, top_log)
     loss.backward()
     by_hand = torch.tensor([[0.0, 0.0, 0.5 * 0.8 - 0.3, 0.5 * 0.8 - 0.5]])
-    torch.testing.assert_close(z.grad, by_hand, atol=1e-12, rtol=1e-5)  # outside: ~1e-18, not T_out S / S_out
+    torch.testing.assert_close(
+        z.grad, by_hand, atol=1e-12, rtol=1e-5
+    )  # outside: ~1e-18, not T_out S / S_out
     fused_grad = z.grad.clone()
     z.grad = None
     topk_forward_kl(torch.log_softmax(z, -1), top_ids, top_log).backward()
@@ -96,13 +109,16 @@ def test_a_student_tail_below_the_floor_takes_no_gradient():
 
 
 def test_frozen_head_and_bfloat16_teacher_log_probs():
-    """A LoRA student's frozen head gets no gradient; a server's log-probs may come in any float dtype."""
+    """A LoRA student's frozen head gets no gradient; a server's log-probs may come in any float
+    dtype."""
     torch.manual_seed(3)
     hidden = torch.randn(N, D, requires_grad=True)
     head = torch.nn.Linear(D, V, bias=False).requires_grad_(False)
     ids = torch.randint(0, V, (N,))
     top_ids, top_log = _teacher_top(4, seed=1)
-    loss, _, _ = chunked_topk_forward_kl(hidden, head, ids, top_ids, top_log.bfloat16(), chunk_size=4)
+    loss, _, _ = chunked_topk_forward_kl(
+        hidden, head, ids, top_ids, top_log.bfloat16(), chunk_size=4
+    )
     loss.sum().backward()
     fused_grad = hidden.grad.clone()
     hidden.grad = None
@@ -124,7 +140,9 @@ def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all
     top_ids, top_log = _teacher_top(5, seed=2)
     calls, added = [], []
     rebuild, add = HeadGradients.logits, HeadGradients.add
-    monkeypatch.setattr(HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a))
+    monkeypatch.setattr(
+        HeadGradients, "logits", lambda self, *a: calls.append(a) or rebuild(self, *a)
+    )
     monkeypatch.setattr(HeadGradients, "add", lambda self, *a: added.append(a[0]) or add(self, *a))
     loss, _, _ = chunked_topk_forward_kl(
         hidden, head, torch.zeros(N, dtype=torch.long), top_ids, top_log, chunk_size=chunk_size
@@ -132,7 +150,9 @@ def test_only_earlier_chunks_are_recomputed_and_a_second_backward_recomputes_all
     loss.sum().backward(retain_graph=True)
     assert len(calls) == recomputed
     starts = list(range(0, N, chunk_size))
-    assert added == starts[-1:] + starts[:-1]  # the kept chunk first: its buffer is freed before any rebuild
+    assert (
+        added == starts[-1:] + starts[:-1]
+    )  # the kept chunk first: its buffer is freed before any rebuild
     loss.sum().backward()
     assert len(calls) == recomputed + -(-N // chunk_size)
     hidden_grad_twice = hidden.grad.clone()
@@ -160,8 +180,12 @@ def test_mismatched_rows_and_ids_outside_the_vocabulary_are_refused():
     with pytest.raises(ValueError, match=r"both be \(3, k\)"):
         chunked_topk_forward_kl(torch.randn(3, D), head, ids, top_ids, top_log)
     with pytest.raises(ValueError, match=r"both be \(3, k\)"):
-        chunked_topk_forward_kl(torch.randn(3, D), head, ids, torch.zeros(3, 4, dtype=torch.long), top_log)
-    with pytest.raises(ValueError, match=f"teacher top-k id {V} is outside the model's vocabulary of {V}"):
+        chunked_topk_forward_kl(
+            torch.randn(3, D), head, ids, torch.zeros(3, 4, dtype=torch.long), top_log
+        )
+    with pytest.raises(
+        ValueError, match=f"teacher top-k id {V} is outside the model's vocabulary of {V}"
+    ):
         chunked_topk_forward_kl(
             torch.randn(3, D), head, ids, torch.full((3, 4), V, dtype=torch.long), torch.zeros(3, 4)
         )

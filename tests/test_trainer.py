@@ -47,7 +47,9 @@ def test_teacher_equal_to_student_gives_zero_kl_and_unit_ratio(base_config, mode
     assert source == "student"
     teacher_logprobs = trainer.teachers.score(batch).logprobs_BT
     mask = batch.mask_BT.bool()
-    torch.testing.assert_close(teacher_logprobs[mask], batch.sampled_logprobs_BT[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        teacher_logprobs[mask], batch.sampled_logprobs_BT[mask], atol=1e-5, rtol=0
+    )
     metrics = trainer.train_step(0)
     assert abs(metrics["teacher_kl"]) < 1e-5
     assert abs(metrics["kl_sample_train"]) < 1e-5
@@ -92,7 +94,9 @@ def test_substeps_take_one_optimizer_step_each(base_config):
     ],
 )
 def test_lr_factor_warms_up_then_follows_the_schedule(schedule, expected):
-    factors = [lr_factor(step, warmup_steps=2, total_steps=6, schedule=schedule) for step in range(7)]
+    factors = [
+        lr_factor(step, warmup_steps=2, total_steps=6, schedule=schedule) for step in range(7)
+    ]
     assert factors == pytest.approx(expected, abs=1e-6)
 
 
@@ -136,7 +140,9 @@ def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     monkeypatch.setattr(
         trainer.teachers,
         "score",
-        lambda batch, request=None: TeacherScores(torch.full_like(batch.sampled_logprobs_BT, float("nan"))),
+        lambda batch, request=None: TeacherScores(
+            torch.full_like(batch.sampled_logprobs_BT, float("nan"))
+        ),
     )
     with pytest.warns(UserWarning, match="non-finite log-probs"):
         metrics = trainer.train_step(0)
@@ -170,20 +176,24 @@ def test_lora_trains_only_adapters_and_saves_a_peft_adapter(base_config, model_d
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, result.student(ids).logits)
         assert not torch.allclose(
-            loaded(ids).logits, AutoModelForCausalLM.from_pretrained(model_dirs["student"])(ids).logits
+            loaded(ids).logits,
+            AutoModelForCausalLM.from_pretrained(model_dirs["student"])(ids).logits,
         )
 
 
 def test_topk_larger_than_the_vocabulary_is_refused(base_config):
     base_config["training"].update(objective={"name": "topk_forward_kl", "topk": 500})
     with pytest.raises(
-        ConfigError, match=r"training\.objective\.topk: 500 is larger than the vocabulary \(103 tokens\)"
+        ConfigError,
+        match=r"training\.objective\.topk: 500 is larger than the vocabulary \(103 tokens\)",
     ):
         Trainer(config_from_dict(base_config), progress=False)
 
 
 @pytest.mark.parametrize("supported", [False, True])
-def test_half_precision_without_cpu_support_is_warned_about_by_field(base_config, monkeypatch, supported):
+def test_half_precision_without_cpu_support_is_warned_about_by_field(
+    base_config, monkeypatch, supported
+):
     """Without oneDNN's bfloat16 / float16 instructions each half-precision setting is named."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: supported)
@@ -193,8 +203,12 @@ def test_half_precision_without_cpu_support_is_warned_about_by_field(base_config
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Trainer(config_from_dict(base_config), progress=False)
-    slow = sorted(str(w.message).split(":")[0] for w in caught if "slower than float32" in str(w.message))
-    assert slow == ([] if supported else ["student.sampling_dtype", "teacher.dtype", "training.autocast"])
+    slow = sorted(
+        str(w.message).split(":")[0] for w in caught if "slower than float32" in str(w.message)
+    )
+    assert slow == (
+        [] if supported else ["student.sampling_dtype", "teacher.dtype", "training.autocast"]
+    )
     if not supported:
         assert any("no float16 matmul instructions" in str(w.message) for w in caught)
 
@@ -206,13 +220,18 @@ def test_missing_model_path_is_named(base_config, tmp_path):
     base_config["student"]["model"] = str(tmp_path / "no-such-model")
     with pytest.raises(ConfigError, match=r"student\.model: path '.*no-such-model' does not exist"):
         config_from_dict(base_config)
-    with pytest.raises(ModelLoadError, match=r"student\.model: path '.*no-such-model' does not exist"):
-        load_causal_lm(str(tmp_path / "no-such-model"), "student.model", dtype="float32", device="cpu")
+    with pytest.raises(
+        ModelLoadError, match=r"student\.model: path '.*no-such-model' does not exist"
+    ):
+        load_causal_lm(
+            str(tmp_path / "no-such-model"), "student.model", dtype="float32", device="cpu"
+        )
     assert not (tmp_path / "run").exists()
 
 
 def lowercasing_char_tokenizer():
-    """The char tokenizer's entries with a lower-casing normalizer: the same vocabulary, other ids."""
+    """The char tokenizer's entries with a lower-casing normalizer: the same vocabulary, other
+    ids."""
     from tokenizers import normalizers
 
     tokenizer = build_char_tokenizer()
@@ -230,12 +249,15 @@ def lowercasing_char_tokenizer():
         (
             lowercasing_char_tokenizer,
             r"^teacher\.model: the teacher's tokenizer has the student's entries but splits "
-            r"'The quick brown fox.*' otherwise .*normalizer or pre-tokenizer.*cross_tokenizer: true",
+            r"'The quick brown fox.*' otherwise .*normalizer or pre-tokenizer.*cross_tokenizer: "
+            r"true",
         ),
     ],
     ids=["another-vocabulary", "same-entries-split-otherwise"],
 )
-def test_a_teacher_whose_tokenizer_reads_text_otherwise_is_refused(base_config, tmp_path, tokenizer, message):
+def test_a_teacher_whose_tokenizer_reads_text_otherwise_is_refused(
+    base_config, tmp_path, tokenizer, message
+):
     """Another vocabulary, or the same entries with another normalizer (a probe text's ids
     differ): the teacher would score other tokens than the student wrote."""
     built = tokenizer()
@@ -272,9 +294,14 @@ def test_datasets_sharing_a_teacher_share_its_loaded_tokenizer_and_format(
 
     loads = []
     original = teacher_panel.load_tokenizer
-    for module in (teacher_panel, teacher_loading):  # the format's tokenizer, the vocabulary check's
+    for module in (
+        teacher_panel,
+        teacher_loading,
+    ):  # the format's tokenizer, the vocabulary check's
         monkeypatch.setattr(
-            module, "load_tokenizer", lambda name, *a, **k: loads.append(name) or original(name, *a, **k)
+            module,
+            "load_tokenizer",
+            lambda name, *a, **k: loads.append(name) or original(name, *a, **k),
         )
     base_config["teacher"]["chat_template"] = "tokenizer"
     second = dict(base_config["datasets"][0], name="again", source=str(prompts_file))
@@ -301,7 +328,10 @@ def test_cli_train_with_overrides(base_config, tmp_path, flag_first):
     overrides = ["training.max_steps=1", f"log_path={tmp_path / 'cli-run'}"]
     argv = ["--no-progress", *overrides] if flag_first else [*overrides, "--no-progress"]
     assert main(["train", str(path), *argv]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "cli-run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "cli-run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 1
 
 
@@ -323,7 +353,10 @@ def test_cli_reports_config_errors_without_writing(base_config, tmp_path, capsys
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(base_config))
     assert main(["train", str(path), "training.max_stepz=1"]) == 2
-    assert "training.max_stepz: unknown key; did you mean 'training.max_steps'" in capsys.readouterr().err
+    assert (
+        "training.max_stepz: unknown key; did you mean 'training.max_steps'"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "run").exists()
 
 

@@ -40,7 +40,15 @@ def test_sampler_name_is_checked(base_config):
 
 
 def test_lora_rank_maps_to_the_smallest_rank_vllm_accepts():
-    assert [lora_rank_for_engine(r) for r in (1, 2, 8, 9, 32, 33, 512)] == [1, 8, 8, 16, 32, 64, 512]
+    assert [lora_rank_for_engine(r) for r in (1, 2, 8, 9, 32, 33, 512)] == [
+        1,
+        8,
+        8,
+        16,
+        32,
+        64,
+        512,
+    ]
 
 
 def test_row_seeds_depend_on_the_rollout_seed_and_the_row_only():

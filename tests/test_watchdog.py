@@ -51,7 +51,9 @@ def test_sampler_and_trainer_apart_and_exploding_gradients():
     stream = [healthy(step) for step in range(8)]
     stream.append(healthy(8) | {"kl_sample_train": -0.3})
     stream.append(healthy(9) | {"grad_norm": 50.0})
-    stream.append(healthy(10) | {"grad_norm": 80.0, "kl_sample_train": 0.5})  # already named: silent
+    stream.append(
+        healthy(10) | {"grad_norm": 80.0, "kl_sample_train": 0.5}
+    )  # already named: silent
     # the gradient's second spike in a row is the sign (one spike alone is not: below)
     assert names(stream) == [(8, "kl_sample_train"), (10, "grad_norm_exploding")]
 
@@ -104,7 +106,11 @@ def test_the_gradient_advice_never_names_a_setting_already_set(base_config):
     stream = [healthy(step) for step in range(8)] + [healthy(8) | {"grad_norm": 50.0}]
     stream.append(healthy(9) | {"grad_norm": 60.0})
     for clip, says, never in (
-        (1.0, "already clipped to training.max_grad_norm 1: lower training.learning_rate", "set training"),
+        (
+            1.0,
+            "already clipped to training.max_grad_norm 1: lower training.learning_rate",
+            "set training",
+        ),
         (None, "Lower training.learning_rate, or set training.max_grad_norm", "already clipped"),
     ):
         base_config["training"]["max_grad_norm"] = clip
@@ -125,7 +131,9 @@ def test_the_sampler_advice_names_only_settings_the_run_has(base_config):
 
 
 def test_a_gradient_spike_in_the_first_steps_has_no_baseline_yet():
-    stream = [healthy(0), healthy(1) | {"grad_norm": 100.0}] + [healthy(step) for step in range(2, 6)]
+    stream = [healthy(0), healthy(1) | {"grad_norm": 100.0}] + [
+        healthy(step) for step in range(2, 6)
+    ]
     assert names(stream) == []
 
 
@@ -154,7 +162,9 @@ def test_an_accuracy_dip_within_the_noise_of_a_small_held_out_set_is_not_reporte
 
 
 def test_a_collapse_on_a_small_held_out_set_is_reported():
-    assert accuracy_drop(38 / 64, 7 / 64, 64) == [(10, "accuracy_falling")]  # 59% -> 11%: 0.48 > 0.22
+    assert accuracy_drop(38 / 64, 7 / 64, 64) == [
+        (10, "accuracy_falling")
+    ]  # 59% -> 11%: 0.48 > 0.22
 
 
 def test_a_drop_on_a_large_held_out_set_is_reported_with_its_noise():
@@ -164,7 +174,8 @@ def test_a_drop_on_a_large_held_out_set_is_reported_with_its_noise():
         found = watchdog.check(row)
     # 3 * sqrt((0.6*0.4 + 0.45*0.55) / 1000) = 0.066 < 0.15
     assert [s.message.split(":")[0] for s in found] == [
-        "test/reverse/accuracy fell from 60.0% to 45.0%, beyond the noise of 1000 held-out prompts (±6.6%)"
+        "test/reverse/accuracy fell from 60.0% to 45.0%, beyond the noise of 1000 held-out prompts "
+        "(±6.6%)"
     ]
 
 

@@ -51,7 +51,9 @@ def vllm_config(vllm_models, prompts_file, tmp_path):
             "sampler_options": dict(ENGINE_OPTIONS),
         },
         "teacher": {"model": str(vllm_models["teacher"])},
-        "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 4, "group_size": 2}],
+        "datasets": [
+            {"name": "rev", "source": str(prompts_file), "groups_per_batch": 4, "group_size": 2}
+        ],
         "training": {
             "objective": "sampled_reverse_kl",
             "learning_rate": 1e-3,

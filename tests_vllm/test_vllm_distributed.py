@@ -112,7 +112,9 @@ def run_config(vllm_models: dict[str, Path], prompts: Path, log_path: Path) -> d
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("vllm-prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS)
+    )
     return path
 
 
@@ -177,11 +179,15 @@ def test_two_processes_sampling_with_vllm_make_the_update_one_process_makes(
         f"training.parallel={parallel}",
         f"student.sampler_options.tensor_parallel_size={tensor_parallel}",
     )
-    rows, expected = read_jsonl(tmp_path / "two" / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    rows, expected = (
+        read_jsonl(tmp_path / "two" / "metrics.jsonl"),
+        read_jsonl(reference / "metrics.jsonl"),
+    )
     assert_every_step_on_policy(rows)
     tolerance = TOLERANCE if tensor_parallel == 1 else TENSOR_PARALLEL_TOLERANCE
     assert_same_metrics(rows, expected, tolerance)
-    # the same tokens: a token drawn otherwise would move the batch's teacher KL by ~1e-2 (of 8 nats)
+    # the same tokens: a token drawn otherwise would move the batch's teacher KL by ~1e-2 (of 8
+    # nats)
     for row, want in zip(rows, expected, strict=True):
         if "teacher_kl" in want:
             assert row["num_tokens"] == want["num_tokens"]
@@ -198,7 +204,8 @@ def test_two_processes_sampling_with_vllm_make_the_update_one_process_makes(
         initial = load_file(Path(reference_model(student, vllm_models)) / "model.safetensors")
         moved = max(float((want[name] - initial[name]).abs().max()) for name in want)
     else:
-        moved = max(float(want[name].abs().max()) for name in want if "lora_B" in name)  # B starts at 0
+        # B starts at 0
+        moved = max(float(want[name].abs().max()) for name in want if "lora_B" in name)
     assert moved > 100 * TOLERANCE  # training moved the weights: the equality above is not trivial
 
 
@@ -241,7 +248,8 @@ def test_a_process_killed_mid_run_resumes_to_the_uninterrupted_run(vllm_models, 
 
     two_processes(runs["killed"])
     rows = read_jsonl(metrics)
-    assert [r["step"] for r in rows] == list(range(5))  # none lost, none twice (4: the final evaluation)
+    # none lost, none twice (4: the final evaluation)
+    assert [r["step"] for r in rows] == list(range(5))
     assert_every_step_on_policy(rows[:2], steps=2)
     assert_same_metrics(rows, read_jsonl(tmp_path / "uninterrupted" / "metrics.jsonl"), 1e-6)
 
@@ -252,13 +260,14 @@ def test_a_process_killed_mid_run_resumes_to_the_uninterrupted_run(vllm_models, 
         (
             ["student.sampler_options.tensor_parallel_size=3"],
             2,
-            "student.sampler_options.tensor_parallel_size: 3 does not divide the 2 training processes",
+            "student.sampler_options.tensor_parallel_size: 3 does not divide the 2 training "
+            "processes",
         ),
         (
             ["student.sampler_options.tensor_parallel_size=2"],
             None,
-            "student.sampler_options.tensor_parallel_size: 2 shards one engine over 2 training processes "
-            "and this run is one; launch with torchrun --nproc_per_node 2",
+            "student.sampler_options.tensor_parallel_size: 2 shards one engine over 2 training "
+            "processes and this run is one; launch with torchrun --nproc_per_node 2",
         ),
         (
             ["student.sampler_options.max_model_len=100000"],
@@ -338,7 +347,9 @@ def test_a_batch_collected_ahead_is_sampled_by_the_weights_published_before_it(
     def gap() -> float:
         with torch.no_grad():
             logprobs, _ = trainer.policy.sequence_logprobs(
-                batch.rollouts.input_ids_BT, batch.rollouts.attention_mask_BT, batch.rollouts.mask_BT
+                batch.rollouts.input_ids_BT,
+                batch.rollouts.attention_mask_BT,
+                batch.rollouts.mask_BT,
             )
         return float((batch.rollouts.sampled_logprobs_BT - logprobs)[mask].abs().max())
 

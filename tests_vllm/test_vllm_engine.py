@@ -1,5 +1,5 @@
-"""The vLLM rollout engine against a real in-process vLLM: its log-probs are the trainer's, before and
-after every update, for full fine-tuning and both LoRA sync modes; seeds, stops and errors."""
+"""The vLLM rollout engine against a real in-process vLLM: its log-probs are the trainer's, before
+and after every update, for full fine-tuning and both LoRA sync modes; seeds, stops and errors."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def trainer_logprobs(trainer: Trainer, batch) -> torch.Tensor:
 def gap(trainer: Trainer, batch) -> float:
     """Largest |vLLM's recorded log-prob - the trainer's| over the batch's sampled tokens."""
     mask = batch.rollouts.mask_BT.bool()
-    return float((batch.rollouts.sampled_logprobs_BT - trainer_logprobs(trainer, batch))[mask].abs().max())
+    return float(
+        (batch.rollouts.sampled_logprobs_BT - trainer_logprobs(trainer, batch))[mask].abs().max()
+    )
 
 
 @pytest.mark.parametrize("student", list(STUDENTS))
@@ -76,7 +78,9 @@ def test_engine_samples_from_the_weights_being_trained(vllm_config, vllm_models,
     assert gap(trainer, second) < 1e-4
 
 
-def test_rollouts_follow_their_seed_stop_at_the_stop_id_and_record_truncation(vllm_config, vllm_models):
+def test_rollouts_follow_their_seed_stop_at_the_stop_id_and_record_truncation(
+    vllm_config, vllm_models
+):
     trainer = Trainer(config_from_dict(vllm_config), progress=False)
     engine = trainer.engine
     engine.sync(trainer.policy)
@@ -88,7 +92,9 @@ def test_rollouts_follow_their_seed_stop_at_the_stop_id_and_record_truncation(vl
     assert [c.token_ids for c in once] == [c.token_ids for c in again]
     assert [c.logprobs for c in once] == [c.logprobs for c in again]
     assert [c.token_ids for c in once] != [c.token_ids for c in other]
-    assert len({tuple(c.token_ids) for c in once}) > 1, "rows of one prompt draw from seeds of their own"
+    assert len({tuple(c.token_ids) for c in once}) > 1, (
+        "rows of one prompt draw from seeds of their own"
+    )
     stops = set(trainer.renderer.stop_token_ids)
     for completion in once + other:
         ends_at_stop = completion.token_ids[-1] in stops
@@ -117,7 +123,8 @@ def test_ten_steps_keep_kl_sample_train_below_1e_3(vllm_config, vllm_models, stu
 
 
 class InLockStep:
-    """The run's vLLM engine with its turn stream hidden: episodes played a turn of every row at a time."""
+    """The run's vLLM engine with its turn stream hidden: episodes played a turn of every row at a
+    time."""
 
     turn_stream = None
 
@@ -135,7 +142,9 @@ def test_multi_turn_episodes_keep_kl_sample_train_below_1e_3(
     episodes go on after a wrong answer); the environment's replies are never trained on. Turns
     streamed into the running batch are the turns played in lock step, token for token."""
     quick = tmp_path / "quick"
-    quick_to_stop(tiny_llama(len(char_tokenizer), hidden=128, seed=3, tie=False)).save_pretrained(quick)
+    quick_to_stop(tiny_llama(len(char_tokenizer), hidden=128, seed=3, tie=False)).save_pretrained(
+        quick
+    )
     char_tokenizer.save_pretrained(quick)
     config = copy.deepcopy(vllm_config)
     config["student"]["model"] = str(quick)
@@ -180,11 +189,17 @@ def test_evaluation_decodes_with_the_synced_engine(vllm_config, vllm_models, tmp
 def test_sampler_options_vllm_does_not_take_are_refused_by_name(vllm_config):
     vllm_config["student"]["sampler_options"] = {"max_model_length": 256}
     with pytest.raises(
-        ConfigError, match=r"student\.sampler_options\.max_model_length: .*did you mean 'max_model_len'"
+        ConfigError,
+        match=r"student\.sampler_options\.max_model_length: .*did you mean "
+        r"'max_model_len'",
     ):
         config_from_dict(vllm_config)
     vllm_config["student"]["sampler_options"] = {"dtype": "float16"}
-    with pytest.raises(ConfigError, match=r"student\.sampler_options\.dtype: set by opd from student\.dtype"):
+    with pytest.raises(
+        ConfigError,
+        match=r"student\.sampler_options\.dtype: set by opd from "
+        r"student\.dtype",
+    ):
         config_from_dict(vllm_config)
 
 
@@ -192,7 +207,9 @@ def test_lora_rank_above_the_engines_max_lora_rank_is_refused(vllm_config):
     vllm_config["student"] |= {"lora_rank": 16, "lora_sync": "adapter"}
     vllm_config["student"]["sampler_options"] |= {"max_lora_rank": 8}
     with pytest.raises(
-        ConfigError, match=r"student\.sampler_options\.max_lora_rank: 8 is below student\.lora_rank 16"
+        ConfigError,
+        match=r"student\.sampler_options\.max_lora_rank: 8 is below "
+        r"student\.lora_rank 16",
     ):
         config_from_dict(vllm_config)
 
@@ -206,7 +223,9 @@ def test_a_value_vllm_rejects_is_a_config_error_before_training(vllm_config, tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_an_architecture_vllm_does_not_support_is_a_config_error(vllm_config, vllm_models, tmp_path):
+def test_an_architecture_vllm_does_not_support_is_a_config_error(
+    vllm_config, vllm_models, tmp_path
+):
     import json
     import shutil
 
@@ -216,7 +235,11 @@ def test_an_architecture_vllm_does_not_support_is_a_config_error(vllm_config, vl
     config_json["architectures"] = ["OpdNoSuchModelForCausalLM"]
     (odd / "config.json").write_text(json.dumps(config_json))
     vllm_config["student"]["model"] = str(odd)
-    with pytest.raises(ConfigError, match=r"student\.sampler: vLLM could not build an engine for .*odd"):
+    with pytest.raises(
+        ConfigError,
+        match=r"student\.sampler: vLLM could not build an engine for "
+        r".*odd",
+    ):
         Trainer(config_from_dict(vllm_config), progress=False)
 
 
@@ -247,7 +270,8 @@ def test_sleep_mode_on_a_cpu_is_refused_with_vllms_reason(vllm_config):
     vllm_config["student"]["sampler_options"] |= {"enable_sleep_mode": True}
     with pytest.raises(
         ConfigError,
-        match=r"student\.sampler: vLLM could not build an engine .*ValidationError: 1 validation error for "
+        match=r"student\.sampler: vLLM could not build an engine .*ValidationError: 1 validation "
+        r"error for "
         r"ModelConfig Value error, Sleep mode is not supported on current platform\.$",
     ):
         Trainer(config_from_dict(vllm_config), progress=False)
@@ -257,7 +281,9 @@ def test_collection_ahead_with_an_adapter_sync_is_refused(vllm_config):
     vllm_config["student"] |= {"lora_rank": 8, "lora_sync": "adapter"}
     vllm_config["training"] |= {"max_staleness": 1}
     with pytest.raises(
-        ConfigError, match=r"training\.max_staleness: .*student\.lora_sync: adapter reads the adapter being"
+        ConfigError,
+        match=r"training\.max_staleness: .*student\.lora_sync: adapter reads the "
+        r"adapter being",
     ):
         config_from_dict(vllm_config)
 
@@ -267,7 +293,8 @@ def test_the_eight_gpu_recipe_resolves_for_8_processes_and_its_tensor_parallel_v
 ):
     """Every key of the recipe is valid and its engine layout fits 8 processes (vLLM checks it
     from the model's config file: a local tiny model stands in for the hub's Qwen3 here, with the
-    settings vLLM's CPU platform or the tiny model cannot take overridden: sleep mode, 5120 tokens)."""
+    settings vLLM's CPU platform or the tiny model cannot take overridden: sleep mode, 5120
+    tokens)."""
     from pathlib import Path
 
     from opd.config import load_config
@@ -286,4 +313,6 @@ def test_the_eight_gpu_recipe_resolves_for_8_processes_and_its_tensor_parallel_v
     paired = load_config(recipe, [*local, "student.sampler_options.tensor_parallel_size=2"])
     assert check_processes(paired, 8) == "fsdp"
     with pytest.raises(ConfigError, match="3 does not divide the 8 training processes"):
-        check_processes(load_config(recipe, [*local, "student.sampler_options.tensor_parallel_size=3"]), 8)
+        check_processes(
+            load_config(recipe, [*local, "student.sampler_options.tensor_parallel_size=3"]), 8
+        )

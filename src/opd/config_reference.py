@@ -31,7 +31,11 @@ def _first_line(cls: type) -> str:
 SECTIONS: list[tuple[str, type, str]] = [
     ("", Config, "The top level of a config file."),
     ("student", StudentSection, "The model being trained and the engine that samples it."),
-    ("teacher", TeacherConfig, "The default teacher; a dataset's own `teacher:` takes the same keys."),
+    (
+        "teacher",
+        TeacherConfig,
+        "The default teacher; a dataset's own `teacher:` takes the same keys.",
+    ),
     (
         "teacher.mixture[]",
         MixtureMember,
@@ -41,8 +45,8 @@ SECTIONS: list[tuple[str, type, str]] = [
     (
         "datasets[].env",
         EnvConfig,
-        "A dataset's environment (docs/environments.md): these keys and the environment's own options,"
-        " side by side (`env: {name: calculator, max_turns: 3, result_role: user}`).",
+        "A dataset's environment (docs/environments.md): these keys and the environment's own "
+        "options, side by side (`env: {name: calculator, max_turns: 3, result_role: user}`).",
     ),
     *(
         ("training", section, f"The optimisation loop: {_first_line(section)}")
@@ -51,13 +55,14 @@ SECTIONS: list[tuple[str, type, str]] = [
     (
         "training.lmbda",
         LambdaSchedule,
-        "`training.lmbda` as a schedule (`data_source: mixed`): a mapping of these keys instead of a number.",
+        "`training.lmbda` as a schedule (`data_source: mixed`): a mapping of these keys instead of "
+        "a number.",
     ),
     (
         "training.rollout_correction",
         RolloutCorrection,
-        "`training.rollout_correction`: how the weight of tokens the sampler and the trainer disagree on "
-        "is bounded (docs/objectives.md).",
+        "`training.rollout_correction`: how the weight of tokens the sampler and the trainer "
+        "disagree on is bounded (docs/objectives.md).",
     ),
 ]
 NESTED = {"student", "teacher", "datasets", "training"}
@@ -128,18 +133,23 @@ def rows(prefix: str, cls: type) -> list[str]:
     hints = typing.get_type_hints(cls)
     lines = ["| key | type | default | what it does |", "|---|---|---|---|"]
     documented = {cls for _, cls, _ in SECTIONS}
-    inherited = {f.name for base in cls.__bases__ if base in documented for f in dataclasses.fields(base)}
+    inherited = {
+        f.name for base in cls.__bases__ if base in documented for f in dataclasses.fields(base)
+    }
     for field in dataclasses.fields(cls):
         if not field.init or (cls is Config and field.name in NESTED) or field.name in inherited:
             continue
         key = f"{prefix}.{field.name}" if prefix else field.name
         text = docs.get(field.name, "").replace("|", "\\|")
-        lines.append(f"| `{key}` | {type_name(hints[field.name])} | {default_text(field)} | {text} |")
+        lines.append(
+            f"| `{key}` | {type_name(hints[field.name])} | {default_text(field)} | {text} |"
+        )
     return lines
 
 
 def component_sections(registered: dict[str, type]) -> list[str]:
-    """A section per registered component (objective, environment): its docstring and its options."""
+    """A section per registered component (objective, environment): its docstring and its
+    options."""
     out = []
     for name, cls in registered.items():
         doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
@@ -154,16 +164,22 @@ def render() -> str:
     out = [
         "# Config reference",
         "",
-        "Every key of an `opd train` config, with its type, default and meaning. Set any of them in the",
+        "Every key of an `opd train` config, with its type, default and meaning. Set any of them "
+        "in the",
         "YAML file or on the command line as a dotted override (`training.max_steps=5`,",
-        "`datasets.0.group_size=8`); `opd config my.yaml` prints a config with every default filled",
-        "in. Generated from the code (`python -m opd.config_reference > docs/config.md`); a test keeps",
+        "`datasets.0.group_size=8`); `opd config my.yaml` prints a config with every default "
+        "filled",
+        "in. Generated from the code (`python -m opd.config_reference > docs/config.md`); a test "
+        "keeps",
         "it current.",
     ]
     for prefix, cls, intro in SECTIONS:
         title = prefix or "top level"
         if cls in TrainingConfig.__bases__:
-            title += ": " + re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__.removesuffix("Settings")).lower()
+            title += (
+                ": "
+                + re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__.removesuffix("Settings")).lower()
+            )
         out += ["", f"## {title}", "", intro, "", *rows(prefix, cls)]
     out += [
         "",

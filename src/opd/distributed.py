@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from opd.errors import ConfigError
 
-LAUNCH_HINT = "launch with `torchrun --nproc_per_node N -m opd train CONFIG` or `opd train CONFIG --nproc N`"
+LAUNCH_HINT = (
+    "launch with `torchrun --nproc_per_node N -m opd train CONFIG` or `opd train CONFIG --nproc N`"
+)
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "nccl" and (device.type != "cuda" or not torch.cuda.is_available()):
         raise ConfigError(
             "training.dist_backend: nccl needs CUDA GPUs, and this run's student is on "
-            f"{device.type}{'' if torch.cuda.is_available() else ' (no CUDA device here)'}; "
-            "use gloo (or auto) on CPUs"
+            f"{device.type}{'' if torch.cuda.is_available() else ' (no CUDA device here)'}; use "
+            "gloo (or auto) on CPUs"
         )
     return backend
 

@@ -41,19 +41,23 @@ class RolloutServerError(RuntimeError):
 
 
 class EpisodeError(RuntimeError):
-    """An environment that answered a turn with something opd cannot use; names the dataset and step."""
+    """An environment that answered a turn with something opd cannot use; names the dataset and
+    step."""
 
 
 class DivergenceError(RuntimeError):
-    """A run stopped by ``training.stop_on_divergence``; the message names the symptom and the fix."""
+    """A run stopped by ``training.stop_on_divergence``; the message names the symptom and the
+    fix."""
 
 
 class StorageError(OSError):
-    """A run's files could not be written (disk full, directory removed); the message says what was kept."""
+    """A run's files could not be written (disk full, directory removed); the message says what was
+    kept."""
 
 
 class RunInterrupted(Exception):
-    """SIGTERM or SIGINT stopped a run after a step and a checkpoint; the message says where it resumes."""
+    """SIGTERM or SIGINT stopped a run after a step and a checkpoint; the message says where it
+    resumes."""
 
     def __init__(self, message: str, signal_number: int):
         super().__init__(message)

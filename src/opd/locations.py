@@ -9,11 +9,13 @@ import urllib.parse
 from pathlib import Path
 
 DEVICE = re.compile(r"(auto|cpu|mps|meta|(cuda|xpu|npu|hpu)(:\d+)?)")
-"""What ``device`` fields accept: ``auto``, or a torch device type, with an index where it takes one."""
+"""What ``device`` fields accept: ``auto``, or a torch device type, with an index where it takes
+one."""
 
 
 def _exists(path: Path) -> bool:
-    """Whether ``path`` exists; a name the system cannot even look up (too long, a NUL byte) does not."""
+    """Whether ``path`` exists; a name the system cannot even look up (too long, a NUL byte) does
+    not."""
     try:
         return path.exists()
     except (OSError, ValueError):
@@ -21,8 +23,11 @@ def _exists(path: Path) -> bool:
 
 
 def looks_local(name: str) -> bool:
-    """A path rather than a hub id (``org/name``): it starts like a path, exists, or has two slashes."""
-    return name.startswith((".", "/", "~")) or _exists(Path(name).expanduser()) or name.count("/") > 1
+    """A path rather than a hub id (``org/name``): it starts like a path, exists, or has two
+    slashes."""
+    return (
+        name.startswith((".", "/", "~")) or _exists(Path(name).expanduser()) or name.count("/") > 1
+    )
 
 
 def missing_path_problem(name: str) -> str | None:

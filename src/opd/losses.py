@@ -43,7 +43,8 @@ ZERO_FILL_FRACTION = 0.9
 
 @dataclass
 class DistillationOutput:
-    """``loss_distill`` to backpropagate; ``kl_to_teacher`` (detached mean per-sequence KL) to log."""
+    """``loss_distill`` to backpropagate; ``kl_to_teacher`` (detached mean per-sequence KL) to
+    log."""
 
     loss_distill: torch.Tensor
     kl_to_teacher: torch.Tensor
@@ -69,10 +70,11 @@ def _check_zero_filled(teacher, masks, assistant_masks) -> None:
         zeros += int(((teacher_row == 0.0) & non_assistant).sum())
     if total and zeros > ZERO_FILL_FRACTION * total:
         raise RuntimeError(
-            f"{zeros} of {total} scored non-assistant tokens have a teacher log-prob of exactly 0.0: "
-            "the teacher log-probs were zero-filled outside assistant turns (assistant_only=True when "
-            "scoring) but this loss has assistant_only=False and scores those tokens. Use "
-            "assistant_only=True here, or recompute the teacher log-probs with assistant_only=False."
+            f"{zeros} of {total} scored non-assistant tokens have a teacher log-prob of exactly "
+            "0.0: the teacher log-probs were zero-filled outside assistant turns "
+            "(assistant_only=True when scoring) but this loss has assistant_only=False and scores "
+            "those tokens. Use assistant_only=True here, or recompute the teacher log-probs with "
+            "assistant_only=False."
         )
 
 
@@ -87,7 +89,8 @@ def distillation_loss(
     assistant_mask: TensorOrList | None = None,
     assistant_only: bool = True,
 ) -> DistillationOutput:
-    """k3 distillation loss over sequences: padded (B, T) tensors with a mask, or lists of 1-D tensors.
+    """k3 distillation loss over sequences: padded (B, T) tensors with a mask, or lists of 1-D
+    tensors.
 
     ``reverse`` is ``k3(teacher, student)`` (KL(student || teacher) on student samples);
     ``forward`` is ``k3(student, teacher)`` (KL(teacher || student) on teacher samples).
@@ -102,17 +105,25 @@ def distillation_loss(
         raise ValueError(
             "teacher log-probs are missing: score the same token ids with the teacher first, e.g. "
             "opd.losses.teacher_chat_logprobs(teacher, tokenizer, chats) or "
-            "opd.logprobs.sequence_logprobs(teacher, ids, attention_mask, mask) under torch.no_grad()"
+            "opd.logprobs.sequence_logprobs(teacher, ids, attention_mask, mask) under "
+            "torch.no_grad()"
         )
-    students, teachers, masks = _as_rows(student_log_probs), _as_rows(teacher_log_probs), _as_rows(mask)
+    students, teachers, masks = (
+        _as_rows(student_log_probs),
+        _as_rows(teacher_log_probs),
+        _as_rows(mask),
+    )
     if len(students) != len(teachers) or any(
         s.shape != t.shape for s, t in zip(students, teachers, strict=False)
     ):
         raise ValueError(
-            f"student and teacher log-probs have different shapes: {[tuple(s.shape) for s in students]} vs "
-            f"{[tuple(t.shape) for t in teachers]}; both models must score the same token ids"
+            "student and teacher log-probs have different shapes: "
+            f"{[tuple(s.shape) for s in students]} vs {[tuple(t.shape) for t in teachers]}; both "
+            "models must score the same token ids"
         )
-    if len(masks) != len(students) or any(m.shape != s.shape for m, s in zip(masks, students, strict=False)):
+    if len(masks) != len(students) or any(
+        m.shape != s.shape for m, s in zip(masks, students, strict=False)
+    ):
         raise ValueError(
             f"masks and log-probs have different shapes: {[tuple(m.shape) for m in masks]} vs "
             f"{[tuple(s.shape) for s in students]}"
@@ -120,7 +131,9 @@ def distillation_loss(
     masks = [m.bool() for m in masks]
     empty = [i for i, m in enumerate(masks) if not m.any()]
     if empty:
-        raise ValueError(f"sequences {empty} have no token selected for distillation; check their masks")
+        raise ValueError(
+            f"sequences {empty} have no token selected for distillation; check their masks"
+        )
     if not assistant_only and assistant_mask is not None:
         _check_zero_filled(teachers, masks, [m.bool() for m in _as_rows(assistant_mask)])
     per_sequence = []
@@ -169,11 +182,14 @@ def tokenize_chats(
             before = tokenizer.apply_chat_template(
                 list(chat[:index]), tokenize=False, add_generation_prompt=True, **template
             )
-            through = tokenizer.apply_chat_template(list(chat[: index + 1]), tokenize=False, **template)
+            through = tokenizer.apply_chat_template(
+                list(chat[: index + 1]), tokenize=False, **template
+            )
             if not (text.startswith(before) and text.startswith(through)):
                 raise ValueError(
-                    f"chat {number}: the template does not render message {index} as a prefix of the "
-                    "whole chat, so its assistant tokens cannot be located; pass assistant_masks"
+                    f"chat {number}: the template does not render message {index} as a prefix of "
+                    "the whole chat, so its assistant tokens cannot be located; pass "
+                    "assistant_masks"
                 )
             for position, (start, end) in enumerate(encoded["offset_mapping"]):
                 if start >= len(before) and end <= len(through) and end > start:
@@ -260,13 +276,19 @@ class ChatDistillationLoss(nn.Module):
         """The loss for a batch of chats; gradients reach the student only."""
         tokens = tokenize_chats(self.tokenizer, chats, self.chat_template)
         assistant = (
-            [m.bool() for m in assistant_masks] if assistant_masks is not None else tokens.assistant_mask
+            [m.bool() for m in assistant_masks]
+            if assistant_masks is not None
+            else tokens.assistant_mask
         )
         attention = (
-            [m.bool() for m in attention_masks] if attention_masks is not None else tokens.attention_mask
+            [m.bool() for m in attention_masks]
+            if attention_masks is not None
+            else tokens.attention_mask
         )
         scored = (
-            [a & b for a, b in zip(assistant, attention, strict=True)] if self.assistant_only else attention
+            [a & b for a, b in zip(assistant, attention, strict=True)]
+            if self.assistant_only
+            else attention
         )
         scored = [m.clone() for m in scored]
         for m in scored:
@@ -276,7 +298,9 @@ class ChatDistillationLoss(nn.Module):
                 teacher_log_probs = _score(
                     self.teacher, tokens.input_ids, scored, self.tokenizer.pad_token_id or 0
                 )
-        student_log_probs = _score(self.student, tokens.input_ids, scored, self.tokenizer.pad_token_id or 0)
+        student_log_probs = _score(
+            self.student, tokens.input_ids, scored, self.tokenizer.pad_token_id or 0
+        )
         return distillation_loss(
             student_log_probs,
             teacher_log_probs,

@@ -20,7 +20,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
-    """Where a module's weights live (its first parameter's device; CPU for a module without any)."""
+    """Where a module's weights live (its first parameter's device; CPU for a module without
+    any)."""
     first = next(module.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
 
@@ -33,7 +34,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on a GPU that supports it, float32 elsewhere (CPU half precision is slow)."""
+    """``auto``: bfloat16 on a GPU that supports it, float32 elsewhere (CPU half precision is
+    slow)."""
     if dtype != "auto":
         return DTYPES[dtype]
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -59,14 +61,15 @@ def warn_if_slow_on_this_cpu(dtype: torch.dtype | None, device: torch.device, fi
         name = str(dtype).removeprefix("torch.")
         warnings.warn(
             f"{field}: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no {name} matmul "
-            f"instructions, so {name} matmuls run far slower than float32 here; use float32 "
-            "on this machine",
+            f"instructions, so {name} matmuls run far slower than float32 here; use float32 on "
+            "this machine",
             stacklevel=3,
         )
 
 
 HUB_PROBE_TIMEOUT_S = 3.0
-"""How long to wait for the hub's address before calling it unreachable (transformers retries ~50 s)."""
+"""How long to wait for the hub's address before calling it unreachable (transformers retries ~50
+s)."""
 
 
 @functools.cache
@@ -104,9 +107,9 @@ def model_source(name: str, field: str) -> tuple[str, bool]:
         return name, True
     raise ModelLoadError(
         f"{field}: '{name}' is not a local path, this machine cannot reach the Hugging Face hub "
-        f"({endpoint}), and it is not in the Hugging Face cache. Give a local directory (download it "
-        f"where there is network: huggingface-cli download {name} --local-dir DIR), or with it cached "
-        "set HF_HUB_OFFLINE=1"
+        f"({endpoint}), and it is not in the Hugging Face cache. Give a local directory (download "
+        f"it where there is network: huggingface-cli download {name} --local-dir DIR), or with it "
+        "cached set HF_HUB_OFFLINE=1"
     )
 
 
@@ -124,7 +127,9 @@ def load_tokenizer(name: str, field: str, *, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_causal_lm(name: str, field: str, *, dtype: str, device: str, trust_remote_code: bool = False):
+def load_causal_lm(
+    name: str, field: str, *, dtype: str, device: str, trust_remote_code: bool = False
+):
     """A causal LM on its device, in eval mode. ``field`` names the config key in errors."""
     source, cached_only = model_source(name, field)
     target = resolve_device(device)
@@ -171,8 +176,8 @@ def check_same_vocabulary(student_tokenizer, teacher_tokenizer, teacher_field: s
         only_student = len(set(student_vocab.items()) - set(teacher_vocab.items()))
         raise ModelLoadError(
             f"{teacher_field}: the teacher's tokenizer differs from the student's "
-            f"({len(teacher_vocab)} vs {len(student_vocab)} entries, {only_student} student entries not "
-            f"in the teacher's). {fix}"
+            f"({len(teacher_vocab)} vs {len(student_vocab)} entries, {only_student} student "
+            f"entries not in the teacher's). {fix}"
         )
     for text in PROBE_TEXTS:
         ids = student_tokenizer.encode(text, add_special_tokens=False)
@@ -180,6 +185,6 @@ def check_same_vocabulary(student_tokenizer, teacher_tokenizer, teacher_field: s
         if ids != teacher_ids:
             raise ModelLoadError(
                 f"{teacher_field}: the teacher's tokenizer has the student's entries but splits "
-                f"{text!r} otherwise (ids {teacher_ids[:12]} against the student's {ids[:12]}): another "
-                f"normalizer or pre-tokenizer. {fix}"
+                f"{text!r} otherwise (ids {teacher_ids[:12]} against the student's {ids[:12]}): "
+                f"another normalizer or pre-tokenizer. {fix}"
             )

@@ -27,7 +27,9 @@ PER_SEQUENCE = "opd_packed_sdpa"
 
 
 def _text_config(model: nn.Module):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
 
 
 def packing_problem(model: nn.Module) -> str | None:
@@ -54,8 +56,11 @@ def is_right_padded(attention_mask_BT: torch.Tensor) -> bool:
     return bool((attention_mask_BT.cumprod(-1) == attention_mask_BT).all())
 
 
-def packed_hidden_states(backbone: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
-    """The backbone's final hidden state at every real token, one row each in row-major order (N, D).
+def packed_hidden_states(
+    backbone: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+):
+    """The backbone's final hidden state at every real token, one row each in row-major order (N,
+    D).
 
     ``attention_mask_BT`` must be right-padded (:func:`is_right_padded`); position ids count from 0
     in every sequence, as the padded forward's do. The model must be routed by
@@ -107,11 +112,20 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, *, cu_seq_lens_
     call without sequence bounds (not packed) is plain sdpa."""
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_k", "max_length_q", "max_length_k")}
+    kwargs = {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("cu_seq_lens_k", "max_length_q", "max_length_k")
+    }
     bounds = cu_seq_lens_q.tolist()
     outputs = [  # each sequence causal on its own: no mask over the packed row
         sdpa_attention_forward(
-            module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None, **kwargs
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None,
+            **kwargs,
         )[0]
         for start, end in itertools.pairwise(bounds)
     ]

@@ -27,7 +27,8 @@ def redact(text: str) -> str:
 
 
 def redact_values(data: Any) -> Any:
-    """A copy of a plain mapping / list structure with every string passed through :func:`redact`."""
+    """A copy of a plain mapping / list structure with every string passed through
+    :func:`redact`."""
     if isinstance(data, dict):
         return {key: redact_values(value) for key, value in data.items()}
     if isinstance(data, list | tuple):

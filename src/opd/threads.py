@@ -33,7 +33,9 @@ def available_cores() -> int:
 def _busy_and_total_ticks() -> tuple[int, int] | None:
     """The machine's busy and total CPU time so far, from /proc/stat (Linux)."""
     try:
-        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        fields = [
+            int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ]
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait

@@ -34,7 +34,8 @@ class EvalSet:
     grader: Grader | None
     score: TeacherScorer | None
     env: EnvConfig | None = None
-    """Its environment: each prompt is an episode, graded by the episode's reward (the sum of its steps')."""
+    """Its environment: each prompt is an episode, graded by the episode's reward (the sum of its
+    steps')."""
     environment: Environment | None = None
 
     def episodes(self, prompts: list[Prompt], max_tokens: int) -> list[EpisodeSpec] | None:
@@ -84,10 +85,13 @@ def eval_source_of(dataset: DatasetConfig) -> tuple[str | None, TableOptions]:
 
 
 def load_eval_sets(
-    config: Config, score: TeacherScorer | None, environments: list[Environment | None] | None = None
+    config: Config,
+    score: TeacherScorer | None,
+    environments: list[Environment | None] | None = None,
 ) -> list[EvalSet]:
     """Every dataset's held-out prompts (where it has any), graded when answers exist; each
-    dataset's environment is the run's own when ``environments`` are handed over, else built here."""
+    dataset's environment is the run's own when ``environments`` are handed over, else built
+    here."""
     eval_sets = []
     for index, dataset in enumerate(config.datasets):
         source, table = eval_source_of(dataset)
@@ -107,5 +111,7 @@ def load_eval_sets(
             environment = make_environment(dataset.env, f"datasets[{index}].env")
         else:
             environment = None
-        eval_sets.append(EvalSet(dataset.name, index, prompts, grader, score, dataset.env, environment))
+        eval_sets.append(
+            EvalSet(dataset.name, index, prompts, grader, score, dataset.env, environment)
+        )
     return eval_sets

@@ -17,14 +17,16 @@ from opd.sampling.hf_generate import HFGenerateSampler
 
 @dataclass
 class Student:
-    """The student's tokenizer, its model (:class:`opd.policy.Policy`) and how its prompts are rendered."""
+    """The student's tokenizer, its model (:class:`opd.policy.Policy`) and how its prompts are
+    rendered."""
 
     tokenizer: object
     policy: Policy
     renderer: ChatRenderer
 
     def sampler_for(self, model) -> HFGenerateSampler:
-        """A sampler of ``model`` (the student, or a teacher) that stops where the student's turns end."""
+        """A sampler of ``model`` (the student, or a teacher) that stops where the student's turns
+        end."""
         return HFGenerateSampler(
             model,
             self.tokenizer,
@@ -40,7 +42,9 @@ def load_student(config: Config) -> Student:
     student = config.student
     announce(f"loading the student {student.model} ...")
     tokenizer = load_tokenizer(
-        student.tokenizer or student.model, "student.model", trust_remote_code=student.trust_remote_code
+        student.tokenizer or student.model,
+        "student.model",
+        trust_remote_code=student.trust_remote_code,
     )
     training = config.training
     for field in ("objective", "off_policy_objective"):

@@ -53,7 +53,10 @@ def load_teachers(
     )
     return TeacherPanel(
         teachers,
-        [f"datasets[{i}].teacher" if d.teacher else "teacher" for i, d in enumerate(config.datasets)],
+        [
+            f"datasets[{i}].teacher" if d.teacher else "teacher"
+            for i, d in enumerate(config.datasets)
+        ],
         student.renderer,
         loading,
         request=request,
@@ -64,7 +67,9 @@ def run_teachers(config: Config) -> list[TeacherConfig]:
     """Each dataset's teacher, ``model: student`` read as the student's own checkpoint."""
     student = config.student
     return [
-        config.teacher_for(d).of_student(student.model, student.tokenizer, student.trust_remote_code)
+        config.teacher_for(d).of_student(
+            student.model, student.tokenizer, student.trust_remote_code
+        )
         for d in config.datasets
     ]
 
@@ -79,7 +84,11 @@ def teacher_is_the_students_base(config: Config, parallel: str) -> bool:
     after the forward), writing no completions, in the student's dtype and device.
     """
     student, training = config.student, config.training
-    own = [t for _, t in config.teachers() if t.backend == "local" and t.model in (STUDENT, student.model)]
+    own = [
+        t
+        for _, t in config.teachers()
+        if t.backend == "local" and t.model in (STUDENT, student.model)
+    ]
     return bool(
         own
         and student.lora_rank
@@ -101,7 +110,9 @@ def teacher_views(config: Config) -> list[str]:
     student = config.student
     try:
         tokenizer = load_tokenizer(
-            student.tokenizer or student.model, "student.model", trust_remote_code=student.trust_remote_code
+            student.tokenizer or student.model,
+            "student.model",
+            trust_remote_code=student.trust_remote_code,
         )
         variables = student.chat_template_kwargs
         renderer = ChatRenderer(tokenizer, student.chat_template, template_kwargs=variables)
@@ -112,7 +123,11 @@ def teacher_views(config: Config) -> list[str]:
         try:
             table = TableOptions(dataset.split, dataset.subset, dataset.fields)
             prompt = load_prompts(
-                dataset.source, seed=config.seed, count=1, task_config=dataset.task_config, table=table
+                dataset.source,
+                seed=config.seed,
+                count=1,
+                task_config=dataset.task_config,
+                table=table,
             )[0]
             seen = renderer.render_text(prompt.messages)
         except (DataError, ConfigError, OSError, ValueError, IndexError) as error:
@@ -124,7 +139,11 @@ def teacher_views(config: Config) -> list[str]:
             name = "teacher" if teacher.mixture is None else f"teacher mixture[{number}]"
             try:
                 view = teacher_renderer(member, renderer)
-                messages = member.privileged_context.messages(prompt) if member.context else prompt.messages
+                messages = (
+                    member.privileged_context.messages(prompt)
+                    if member.context
+                    else prompt.messages
+                )
                 text = seen if view is None else view.render_text(messages)
             except (ModelLoadError, ConfigError, OSError, ValueError) as error:
                 lines.append(f"{name:<14} not shown: {error}")

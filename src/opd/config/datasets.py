@@ -24,9 +24,11 @@ class DatasetConfig:
     """A JSONL file: one ``{"prompt": ...}`` or ``{"messages": [...]}`` object per line,
     optionally with an ``answer``; ``demo:<task>`` or ``reasoning_gym:<task>`` for a generated
     task; or a table: ``hf:<owner>/<name>`` (a Hugging Face dataset, streamed), a directory
-    written by ``datasets``' ``save_to_disk``, or a ``.parquet`` file (see ``split``, ``fields``)."""
+    written by ``datasets``' ``save_to_disk``, or a ``.parquet`` file (see ``split``,
+    ``fields``)."""
     groups_per_batch: int | None = None
-    """Prompts per step from this dataset (unset: 16 samples a step, ``16 / group_size`` prompts)."""
+    """Prompts per step from this dataset (unset: 16 samples a step, ``16 / group_size``
+    prompts)."""
     group_size: int | None = None
     """Samples drawn per prompt (unset: 1, or 4 when the task's reward is in the advantage,
     ``training.reward_coef`` > 0, which centres each reward in its prompt's group). One sample of
@@ -34,7 +36,8 @@ class DatasetConfig:
     teacher: TeacherConfig | None = None
     """A teacher for this dataset only; defaults to the top-level ``teacher``."""
     num_prompts: int | None = None
-    """Use only the first N prompts of a file, or generate N for a generated source (default 2000)."""
+    """Use only the first N prompts of a file, or generate N for a generated source (default
+    2000)."""
     task_config: dict[str, Any] = field(default_factory=dict)
     """Options of a ``reasoning_gym:<task>`` generator, e.g. ``{min_terms: 2, max_terms: 2}``."""
     eval_source: str | None = None
@@ -53,17 +56,20 @@ class DatasetConfig:
     """Tables: the column each prompt key is read from, e.g. ``{prompt: question, answer: answer}``
     (keys: ``prompt`` or ``messages``, ``answer``, ``completion``, ``metadata``); unmapped keys are
     read from columns of their own name."""
-    grader: Literal["auto", "exact_match", "last_number", "reasoning_gym", "math_verify", "none"] = "auto"
-    """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match otherwise;
-    ``last_number`` compares the last number written; ``math_verify`` compares answers as mathematics
-    (LaTeX, ``\\boxed{}``, fractions, sets: Hugging Face's Math-Verify, ``pip install 'opd[math]'``).
-    Held-out accuracy is the share graded 1; with ``training.reward_coef`` > 0 the grade of each
-    sample is its reward."""
+    grader: Literal[
+        "auto", "exact_match", "last_number", "reasoning_gym", "math_verify", "none"
+    ] = "auto"
+    """How answers are scored: ``auto`` is the task's scorer for reasoning-gym, exact match
+    otherwise; ``last_number`` compares the last number written; ``math_verify`` compares answers as
+    mathematics (LaTeX, ``\\boxed{}``, fractions, sets: Hugging Face's Math-Verify, ``pip install
+    'opd[math]'``). Held-out accuracy is the share graded 1; with ``training.reward_coef`` > 0 the
+    grade of each sample is its reward."""
     env: EnvConfig | None = None
     """Multi-turn episodes: the environment that answers each student turn (a tool's result, a
     user's reply) until the episode ends: ``calculator``, ``retry`` or ``my_pkg.envs:MyEnv``, with
-    ``max_turns``, ``max_episode_tokens`` and its own options beside the name (docs/environments.md).
-    The teacher scores only the student's turns. Unset: one turn per prompt."""
+    ``max_turns``, ``max_episode_tokens`` and its own options beside the name
+    (docs/environments.md). The teacher scores only the student's turns. Unset: one turn per
+    prompt."""
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this dataset's own fields."""
@@ -90,7 +96,8 @@ def table_option_problems(dataset: DatasetConfig) -> list[tuple[str, str]]:
         given = [key for key in ("fields", "subset", "eval_split") if getattr(dataset, key)]
         given += ["split"] if dataset.split != "train" else []
         problems += [
-            (key, f"applies to tables (hf:<dataset>, a save_to_disk directory, a .parquet file), and "
+            (key, "applies to tables (hf:<dataset>, a save_to_disk directory, a .parquet file), "
+                  "and "
              f"'{dataset.source}' is none")
             for key in given
         ]  # fmt: skip

@@ -26,7 +26,8 @@ LORA_LEARNING_RATE = 1e-3
 FULL_LEARNING_RATE = 3e-5
 """The default learning rate of a fully fine-tuned student."""
 DEFAULT_TOPK = 20
-"""The unset objective's top-k: vLLM's default ``--max-logprobs``, so a stock server can serve it."""
+"""The unset objective's top-k: vLLM's default ``--max-logprobs``, so a stock server can serve
+it."""
 SAMPLES_PER_STEP = 16
 """The samples a dataset gives each step when its batch shape is unset."""
 REWARD_GROUP_SIZE = 4
@@ -34,7 +35,8 @@ REWARD_GROUP_SIZE = 4
 MISMATCH_CORRECTION = RolloutCorrection("truncate", "token", 2.0)
 """The unset rollout correction where the sampler is not the trainer's own forward: on the lab's
 chain task with the sampler's log-probs off by noise, it kept the matched run's accuracy where
-the uncorrected loss lost 3-7 points, and it changes nothing when they agree (docs/objectives.md)."""
+the uncorrected loss lost 3-7 points, and it changes nothing when they agree
+(docs/objectives.md)."""
 
 
 def objective_mapping(objective: Objective) -> dict:
@@ -62,18 +64,21 @@ def fill_defaults(config: Config) -> None:
         default = _default_objective(training, [teacher for _, teacher in config.teachers()])
         training.objective = _kept_or_default(config, resumed, "objective", default)
         if training.data_source == "mixed" and training.objective.samples == "student":
-            # the unset objective learns from the student's samples only: the teacher's are learnt as text
+            # the unset objective learns from the student's samples only: the teacher's are learnt
+            # as text
             training.off_policy_objective = training.off_policy_objective or objectives()["nll"]()
 
 
 def _fill_batch_shapes(config: Config, recorded: Any) -> None:
     """Each dataset's unset ``group_size`` (1; ``REWARD_GROUP_SIZE`` with a reward in the advantage)
-    and ``groups_per_batch`` (``SAMPLES_PER_STEP`` samples a step): the peers' on-policy distillation
-    samples one completion a prompt, and on the lab's tasks 32 prompts x 1 sample ended far ahead
-    of 8 x 4 (docs/quality.md). A resumed run keeps the shape its config recorded."""
+    and ``groups_per_batch`` (``SAMPLES_PER_STEP`` samples a step): the peers' on-policy
+    distillation samples one completion a prompt, and on the lab's tasks 32 prompts x 1 sample ended
+    far ahead of 8 x 4 (docs/quality.md). A resumed run keeps the shape its config recorded."""
     recorded = recorded if isinstance(recorded, list) else []
     for index, dataset in enumerate(config.datasets):
-        kept = recorded[index] if index < len(recorded) and isinstance(recorded[index], dict) else {}
+        kept = (
+            recorded[index] if index < len(recorded) and isinstance(recorded[index], dict) else {}
+        )
         if dataset.group_size is None:
             default = REWARD_GROUP_SIZE if config.training.reward_coef else 1
             dataset.group_size = _kept_shape(config, kept, index, "group_size", default)
@@ -102,8 +107,8 @@ def _say_kept(config: Config, setting: str, shown: Any, default_shown: Any) -> N
     if launched_world().is_main:
         warnings.warn(
             f"{config.log_path}: resuming its run with {setting} {shown}, as recorded in its "
-            f"{RUN_CONFIG_NAME}; a new run's default is {default_shown} (docs/defaults.md). "
-            f"Set {setting} to change it",
+            f"{RUN_CONFIG_NAME}; a new run's default is {default_shown} (docs/defaults.md). Set "
+            f"{setting} to change it",
             stacklevel=4,
         )
 
@@ -117,8 +122,8 @@ def _recorded_config(config: Config) -> dict:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise ConfigError(
-            f"{path}: the run to resume has an unreadable config ({error}); "
-            "use another log_path, or on_existing_log_path: overwrite to start over"
+            f"{path}: the run to resume has an unreadable config ({error}); use another log_path, "
+            "or on_existing_log_path: overwrite to start over"
         ) from None
     return data if isinstance(data, dict) else {}
 
@@ -178,7 +183,9 @@ def _default_objective(training: TrainingConfig, teachers: list[TeacherConfig]) 
     """The objective of a config that names none: the top-k forward KL where it can serve, which
     tells a student that is far from its teacher which token to write, where the sampled-token
     reverse KL only says which ones not to (docs/defaults.md); otherwise the reverse KL."""
-    remote_off_temperature = training.temperature != 1.0 and any(t.backend != "local" for t in teachers)
+    remote_off_temperature = training.temperature != 1.0 and any(
+        t.backend != "local" for t in teachers
+    )
     if (
         training.policy_gradient_keys_set()
         or remote_off_temperature

@@ -68,7 +68,8 @@ def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
 
 
 def _objective_as_mapping(data: dict) -> dict:
-    """``training.objective: jsd`` as ``{name: jsd}``, so that ``training.objective.beta=...`` applies."""
+    """``training.objective: jsd`` as ``{name: jsd}``, so that ``training.objective.beta=...``
+    applies."""
     training = data.get("training")
     for key in ("objective", "off_policy_objective"):
         if isinstance(training, dict) and isinstance(training.get(key), str):
@@ -91,8 +92,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
         raise ConfigError(
-            f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
-            "save the config as UTF-8"
+            f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+            f"{error.start}); save the config as UTF-8"
         ) from None
     try:
         data = yaml.safe_load(text) or {}
@@ -129,7 +130,9 @@ def config_to_dict(config: Config) -> dict:
     data = dataclasses.asdict(config)
     data["training"]["objective"] = objective_mapping(config.training.objective)
     if config.training.off_policy_objective is not None:
-        data["training"]["off_policy_objective"] = objective_mapping(config.training.off_policy_objective)
+        data["training"]["off_policy_objective"] = objective_mapping(
+            config.training.off_policy_objective
+        )
     for dataset, written in zip(config.datasets, data["datasets"], strict=True):
         if dataset.env is not None:
             written["env"] = dataset.env.mapping()

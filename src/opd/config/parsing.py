@@ -26,7 +26,8 @@ MAX_INT = 2**63 - 1
 
 
 def coerce(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` (ints widen to floats) and build dataclasses."""
+    """Check ``value`` against the annotation ``tp`` (ints widen to floats) and build
+    dataclasses."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -39,10 +40,14 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
             except ConfigError as error:
                 errors.append(str(error))
                 if isinstance(value, dict) and dataclasses.is_dataclass(option):
-                    section_errors.append(str(error))  # a mapping meant as this section: its own error
+                    section_errors.append(
+                        str(error)
+                    )  # a mapping meant as this section: its own error
         if len(section_errors) == 1:
             raise ConfigError(section_errors[0])
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}"
+        )
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -72,7 +77,9 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         try:
             number = float(value)  # YAML 1.1 reads 3e-5 (no dot) as a string
         except (ValueError, OverflowError):
-            raise ConfigError(f"{path}: expected float, got {type(value).__name__} {value!r}") from None
+            raise ConfigError(
+                f"{path}: expected float, got {type(value).__name__} {value!r}"
+            ) from None
         if not math.isfinite(number):
             raise ConfigError(f"{path}: must be a finite number, got {value!r}")
         return number
@@ -83,37 +90,50 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is int and abs(value) > MAX_INT:
         raise ConfigError(f"{path}: {value} is too large (at most {MAX_INT})")
     if not isinstance(value, tp):
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        )
     return value
 
 
 def _option_owners(key: str) -> list[str]:
     """The registered objectives that have an option called ``key``."""
-    return [name for name, cls in objectives().items() if key in {f.name for f in dataclasses.fields(cls)}]
+    return [
+        name
+        for name, cls in objectives().items()
+        if key in {f.name for f in dataclasses.fields(cls)}
+    ]
 
 
 def build_dataclass(cls: type, data: Any, path: str) -> Any:
-    """``cls`` from a mapping: unknown keys named (with a close spelling, or the objective they belong
-    to), each value typed, then the section's own ``problems()`` raised with their dotted path."""
+    """``cls`` from a mapping: unknown keys named (with a close spelling, or the objective they
+    belong to), each value typed, then the section's own ``problems()`` raised with their dotted
+    path."""
     prefix = f"{path}." if path else ""
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
+        raise ConfigError(
+            f"{path or 'config'}: expected a mapping, got {type(data).__name__} {data!r}"
+        )
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = [key for key in data if key not in known]
     if unknown:
         key = unknown[0]
         section = next(
-            (name for name in known if Objective in (hints[name], *typing.get_args(hints[name]))), None
+            (name for name in known if Objective in (hints[name], *typing.get_args(hints[name]))),
+            None,
         )
         owners = _option_owners(str(key)) if section else []
         if owners:
             raise ConfigError(
-                f"{prefix}{key}: an option of objective {' or '.join(map(repr, owners))}, set under "
-                f"{prefix}{section}: e.g. {section}: {{name: {owners[0]}, {key}: {data[key]!r}}}"
+                f"{prefix}{key}: an option of objective {' or '.join(map(repr, owners))}, set "
+                f"under {prefix}{section}: e.g. {section}: {{name: {owners[0]}, {key}: "
+                f"{data[key]!r}}}"
             )
         hint = difflib.get_close_matches(str(key), known, n=1)
-        suggestion = f"; did you mean '{prefix}{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
+        suggestion = (
+            f"; did you mean '{prefix}{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
+        )
         raise ConfigError(f"{prefix}{key}: unknown key{suggestion}")
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -137,7 +157,8 @@ def build_objective(value: Any, path: str) -> Objective:
         name, options = value["name"], {k: v for k, v in value.items() if k != "name"}
     else:
         raise ConfigError(
-            f"{path}: expected an objective's name or a mapping {{name: ..., options}}, got {value!r}"
+            f"{path}: expected an objective's name or a mapping {{name: ..., options}}, got "
+            f"{value!r}"
         )
     registered = objectives()
     if not isinstance(name, str) or name not in registered:
@@ -150,8 +171,8 @@ def build_objective(value: Any, path: str) -> Objective:
         owners = _option_owners(str(key))
         if key not in own and owners:
             raise ConfigError(
-                f"{path}.{key}: an option of objective {' or '.join(map(repr, owners))}, not of {name!r}"
-                f" (its options: {', '.join(own) or 'none'})"
+                f"{path}.{key}: an option of objective {' or '.join(map(repr, owners))}, not of "
+                f"{name!r} (its options: {', '.join(own) or 'none'})"
             )
     objective = build_dataclass(cls, options, path)
     for option, problem in objective.option_problems():

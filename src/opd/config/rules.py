@@ -19,10 +19,15 @@ def validate(config: Config) -> Config:
     for i, dataset in enumerate(config.datasets):
         if dataset.env is not None and training.data_source == "dataset":
             raise ConfigError(
-                f"datasets[{i}].env: training.data_source: dataset gives written completions, which no "
-                "environment can answer; use data_source student, teacher or mixed, or remove env"
+                f"datasets[{i}].env: training.data_source: dataset gives written completions, "
+                "which no environment can answer; use data_source student, teacher or mixed, or "
+                "remove env"
             )
-    if training.max_staleness and config.student.lora_rank and config.student.lora_sync == "adapter":
+    if (
+        training.max_staleness
+        and config.student.lora_rank
+        and config.student.lora_sync == "adapter"
+    ):
         raise ConfigError(
             "training.max_staleness: collection ahead samples weights published after each update, "
             "and student.lora_sync: adapter reads the adapter being trained; use lora_sync: merged "
@@ -30,16 +35,17 @@ def validate(config: Config) -> Config:
         )
     if training.reward_coef and training.data_source in ("teacher", "dataset"):
         raise ConfigError(
-            f"training.reward_coef: rewards the student's own samples, and data_source: "
-            f"{training.data_source} gives it none; use data_source student or mixed, or reward_coef: 0"
+            "training.reward_coef: rewards the student's own samples, and data_source: "
+            f"{training.data_source} gives it none; use data_source student or mixed, or "
+            "reward_coef: 0"
         )
     fill_defaults(config)
     for i, dataset in enumerate(config.datasets):
         if training.reward_coef and dataset.group_size == 1 and training.data_source != "dataset":
             raise ConfigError(
                 f"datasets[{i}].group_size: training.reward_coef centres each reward within its "
-                "prompt's group, and a group of 1 sample makes it 0 on every token; set group_size "
-                "to 2 or more (unset with a reward: 4), or reward_coef: 0"
+                "prompt's group, and a group of 1 sample makes it 0 on every token; set "
+                "group_size to 2 or more (unset with a reward: 4), or reward_coef: 0"
             )
     _check_objective(training)
     _check_mixtures(config)
@@ -60,8 +66,9 @@ def _check_mixtures(config: Config) -> None:
             continue
         if training.data_source != "student":
             raise ConfigError(
-                f"{where}.mixture: training.data_source '{training.data_source}' has the teacher write "
-                "completions, and a mixture only scores them; use data_source: student, or one teacher"
+                f"{where}.mixture: training.data_source '{training.data_source}' has the teacher "
+                "write completions, and a mixture only scores them; use data_source: student, or "
+                "one teacher"
             )
 
 
@@ -73,8 +80,8 @@ def _check_remote_teacher(training: TrainingConfig, teacher: TeacherConfig, wher
         field = _objective_field(training, source)
         if objective.teacher_signal == "distribution":
             raise ConfigError(
-                f"{field}: '{objective.name}' needs the teacher's full distribution, which "
-                f"{where} (backend '{teacher.backend}') does not send; use "
+                f"{field}: '{objective.name}' needs the teacher's full distribution, which {where} "
+                f"(backend '{teacher.backend}') does not send; use "
                 f"{' or '.join(objective_names(teacher_signal='topk'))}, or a local teacher"
             )
         if objective.teacher_signal == "topk" and training.temperature != 1.0:
@@ -86,7 +93,8 @@ def _check_remote_teacher(training: TrainingConfig, teacher: TeacherConfig, wher
         raise ConfigError(
             f"training.data_source: '{training.data_source}' has the teacher write completions, "
             f"which {where} (backend '{teacher.backend}') cannot: a remote teacher samples through "
-            "the OpenAI completions route (backend: openai; vLLM, SGLang's OpenAI server or opd serve)"
+            "the OpenAI completions route (backend: openai; vLLM, SGLang's OpenAI server or opd "
+            "serve)"
         )
 
 
@@ -97,7 +105,9 @@ def _objective_field(training: TrainingConfig, source: str) -> str:
     return "training.objective"
 
 
-def _check_cross_tokenizer_objectives(training: TrainingConfig, teacher: TeacherConfig, where: str) -> None:
+def _check_cross_tokenizer_objectives(
+    training: TrainingConfig, teacher: TeacherConfig, where: str
+) -> None:
     """A teacher with another tokenizer scores sampled text: log-probs of the student's samples, or
     its likely next tokens mapped onto the student's (from the ``character_topk`` it is asked for),
     or nothing (the student learns the teacher's own text by its likelihood)."""
@@ -106,12 +116,12 @@ def _check_cross_tokenizer_objectives(training: TrainingConfig, teacher: Teacher
         if source == "student" and objective.teacher_signal == "topk":
             if not teacher.character_topk:
                 raise ConfigError(
-                    f"{where}.character_topk: {field} '{objective.name}' reads the teacher's likely tokens "
-                    "in the student's; set character_topk > 0 (e.g. 20)"
+                    f"{where}.character_topk: {field} '{objective.name}' reads the teacher's "
+                    "likely tokens in the student's; set character_topk > 0 (e.g. 20)"
                 )
             if training.temperature != 1.0:
                 raise ConfigError(
-                    f"training.temperature: a cross_tokenizer teacher's likely tokens are read at "
+                    "training.temperature: a cross_tokenizer teacher's likely tokens are read at "
                     f"temperature 1; {objective.name} with it needs temperature: 1.0"
                 )
             continue
@@ -119,11 +129,14 @@ def _check_cross_tokenizer_objectives(training: TrainingConfig, teacher: Teacher
         if objective.teacher_signal == wanted:
             continue
         if source == "student":
-            served = [*objective_names(teacher_signal="logprobs"), *objective_names(teacher_signal="topk")]
+            served = [
+                *objective_names(teacher_signal="logprobs"),
+                *objective_names(teacher_signal="topk"),
+            ]
             raise ConfigError(
                 f"{where}.cross_tokenizer: on the student's samples it serves objective "
-                f"{' or '.join(served)}; {field} '{objective.name}' needs the teacher's full distribution "
-                "over the student's vocabulary"
+                f"{' or '.join(served)}; {field} '{objective.name}' needs the teacher's full "
+                "distribution over the student's vocabulary"
             )
         fix = (
             "training.off_policy_objective: nll (the student learns the teacher's text)"
@@ -131,14 +144,15 @@ def _check_cross_tokenizer_objectives(training: TrainingConfig, teacher: Teacher
             else "training.objective: nll"
         )
         raise ConfigError(
-            f"{where}.cross_tokenizer: on the teacher's own samples ({training.data_source}) the student "
-            f"learns the text the teacher wrote; {field} '{objective.name}' needs the teacher's answer in "
-            f"the student's token ids; set {fix}"
+            f"{where}.cross_tokenizer: on the teacher's own samples ({training.data_source}) the "
+            f"student learns the text the teacher wrote; {field} '{objective.name}' needs the "
+            f"teacher's answer in the student's token ids; set {fix}"
         )
 
 
 def _check_objective(training: TrainingConfig) -> None:
-    """Each objective can learn from the completions it is given, and no setting it ignores is set."""
+    """Each objective can learn from the completions it is given, and no setting it ignores is
+    set."""
     source = training.data_source
     for batch_source, objective in training.objectives_by_source().items():
         field = _objective_field(training, batch_source)
@@ -151,8 +165,8 @@ def _check_objective(training: TrainingConfig) -> None:
                 else f"use data_source: student, or {works}"
             )
             raise ConfigError(
-                f"training.data_source: '{source}' gives batches the student did not sample, but {field} "
-                f"'{objective.name}' {objective.samples_reason}; {fix}"
+                f"training.data_source: '{source}' gives batches the student did not sample, but "
+                f"{field} '{objective.name}' {objective.samples_reason}; {fix}"
             )
         if objective.samples == "reference" and batch_source == "student":
             fix = (
@@ -162,8 +176,8 @@ def _check_objective(training: TrainingConfig) -> None:
                 else "use data_source: teacher or dataset"
             )
             raise ConfigError(
-                f"training.data_source: '{source}' includes student samples, and {field} '{objective.name}' "
-                f"on them {objective.samples_reason}; {fix}"
+                f"training.data_source: '{source}' includes student samples, and {field} "
+                f"'{objective.name}' on them {objective.samples_reason}; {fix}"
             )
     objective = training.objective
     ignored = [] if objective.uses_advantages else training.policy_gradient_keys_set()

@@ -36,9 +36,11 @@ class Config:
     eval_every: int = 20
     """Evaluate on held-out prompts before every N-th step and after the last (0: never)."""
     on_existing_log_path: Literal["resume", "overwrite", "fail"] = "resume"
-    """When ``log_path`` already holds a run: continue from its last checkpoint, start over, or stop."""
+    """When ``log_path`` already holds a run: continue from its last checkpoint, start over, or
+    stop."""
     load_checkpoint_path: str | None = None
-    """Start a new run from these weights (a checkpoint or model directory) with a fresh optimizer."""
+    """Start a new run from these weights (a checkpoint or model directory) with a fresh
+    optimizer."""
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)
     """Where metrics go besides ``metrics.jsonl`` (each needs its package installed)."""
     run_name: str | None = None
@@ -50,7 +52,8 @@ class Config:
     trace: bool = False
     """Also write ``trace.json`` (Chrome / Perfetto trace of every phase) at the end of the run."""
     compute_post_kl: bool = False
-    """Log ``post_kl``: KL between the policy before and after the step's update, on the step's batch."""
+    """Log ``post_kl``: KL between the policy before and after the step's update, on the step's
+    batch."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """The optimisation loop."""
 
@@ -62,7 +65,9 @@ class Config:
         repeated = {n for n in names if names.count(n) > 1}
         if repeated:
             yield "datasets", f"names must be unique; repeated: {sorted(repeated)}"
-        if self.load_checkpoint_path and (problem := missing_path_problem(self.load_checkpoint_path)):
+        if self.load_checkpoint_path and (
+            problem := missing_path_problem(self.load_checkpoint_path)
+        ):
             yield "load_checkpoint_path", problem
         yield from range_problems(self, non_negative=("save_every", "eval_every"))
 

@@ -1,5 +1,5 @@
-"""The ``training`` section: one flat mapping in YAML, declared here as the sections a reader can hold
-(what is learnt from, optimisation, policy gradient, the task's reward, micro-batching,
+"""The ``training`` section: one flat mapping in YAML, declared here as the sections a reader can
+hold (what is learnt from, optimisation, policy gradient, the task's reward, micro-batching,
 collection, parallel, monitoring), each checking its own fields. :class:`TrainingConfig` is all of
 them together.
 
@@ -11,16 +11,20 @@ its recorded keys where it wrote them.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from opd.checks import range_problems
+from opd.config.execution import (
+    CollectionSettings,
+    MicroBatchSettings,
+    MonitoringSettings,
+    ParallelSettings,
+)
 from opd.objectives.base import Objective
 from opd.objectives.policy_losses import LOSS_FN_CONFIG_KEYS
 from opd.objectives.rollout_correction import RolloutCorrection
-from opd.policy.parallel import parallel_modes
 
 
 @dataclass(frozen=True)
@@ -105,13 +109,14 @@ class DataSourceSettings:
                 "off_policy_objective",
                 (
                     "applies to the teacher's steps of data_source: mixed; with "
-                    f"'{self.data_source}' training.objective applies to every batch: remove it, or set the "
-                    "objective there"
+                    f"'{self.data_source}' training.objective applies to every batch: remove it, "
+                    "or set the objective there"
                 ),
             )
 
     def objective_for(self, source: str) -> Objective:
-        """The objective of a batch written by ``source`` (``student``, ``teacher`` or ``dataset``)."""
+        """The objective of a batch written by ``source`` (``student``, ``teacher`` or
+        ``dataset``)."""
         if source == "student" or self.off_policy_objective is None:
             return self.objective
         return self.off_policy_objective
@@ -203,14 +208,15 @@ class PolicyGradientSettings:
     ``behaviour``: those recorded by the sampler (the tinker recipe); ``current``: each sampled
     token's log-prob under the weights about to be updated, from one no-grad forward before the
     update (an extra forward a step), the remedy for stale samples (asynchronous on-policy
-    distillation, AsyncOPD: arXiv 2606.24143). The importance ratio of the policy loss stays against the
-    behaviour log-probs either way. Unset: ``current`` where ``max_staleness`` > 0 (samples four
+    distillation, AsyncOPD: arXiv 2606.24143). The importance ratio of the policy loss stays against
+    the behaviour log-probs either way. Unset: ``current`` where ``max_staleness`` > 0 (samples four
     updates stale otherwise undo the run: docs/distributed.md), else ``behaviour``."""
     loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
     """Objectives with advantages: the policy loss on the sampled tokens (formulas in
     ``opd.objectives.policy_losses``)."""
     loss_fn_config: dict[str, float] = field(default_factory=dict)
-    """Knobs of ``loss_fn``: ``clip_low_threshold`` / ``clip_high_threshold`` (ppo, cispo), ``beta`` (dro)."""
+    """Knobs of ``loss_fn``: ``clip_low_threshold`` / ``clip_high_threshold`` (ppo, cispo), ``beta``
+    (dro)."""
     rollout_correction: RolloutCorrection | Literal["off", False] | None = None
     """The policy loss's weight of tokens the sampler and the trainer disagree on (objectives with
     advantages, and the reward term): ``{mode: truncate | mask, level: token | sequence, cap: 2.0}``
@@ -221,7 +227,9 @@ class PolicyGradientSettings:
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this section's own fields."""
-        yield from range_problems(self, positive=("advantage_clip",), non_negative=("kl_penalty_coef",))
+        yield from range_problems(
+            self, positive=("advantage_clip",), non_negative=("kl_penalty_coef",)
+        )
         if not 0.0 <= self.kl_discount_factor < 1.0:
             yield "kl_discount_factor", f"must be in [0, 1), got {self.kl_discount_factor}"
         allowed = LOSS_FN_CONFIG_KEYS[self.loss_fn]
@@ -229,7 +237,10 @@ class PolicyGradientSettings:
             if key not in allowed:
                 yield (
                     f"loss_fn_config.{key}",
-                    (f"not a knob of loss_fn '{self.loss_fn}' (it takes: {sorted(allowed) or 'none'})"),
+                    (
+                        f"not a knob of loss_fn '{self.loss_fn}' (it takes: "
+                        f"{sorted(allowed) or 'none'})"
+                    ),
                 )
 
     def policy_gradient_keys_set(self) -> list[str]:
@@ -240,13 +251,18 @@ class PolicyGradientSettings:
             f.name
             for f in dataclasses.fields(PolicyGradientSettings)
             if getattr(self, f.name) != getattr(defaults, f.name)
-            and f.name != "rollout_correction"  # filled in by sampler, and read by the reward term too
+            and f.name
+            != "rollout_correction"  # filled in by sampler, and read by the reward term too
         ]
 
     @property
     def correction(self) -> RolloutCorrection | None:
         """``rollout_correction`` as the loss reads it (None: off)."""
-        return self.rollout_correction if isinstance(self.rollout_correction, RolloutCorrection) else None
+        return (
+            self.rollout_correction
+            if isinstance(self.rollout_correction, RolloutCorrection)
+            else None
+        )
 
 
 @dataclass
@@ -256,9 +272,9 @@ class RewardSettings:
     group."""
 
     reward_coef: float = 0.0
-    """Weight of the task's reward in each completion token's advantage: ``reward_coef * (R - mean of
-    R over the sample's group)`` (a group: the ``group_size`` samples of one prompt), added to the
-    teacher's per-token term, as the reference loop does. ``R`` is the grade of a single-turn
+    """Weight of the task's reward in each completion token's advantage: ``reward_coef * (R - mean
+    of R over the sample's group)`` (a group: the ``group_size`` samples of one prompt), added to
+    the teacher's per-token term, as the reference loop does. ``R`` is the grade of a single-turn
     completion by its dataset's ``grader``, or an episode's reward (the sum of its steps').
     Objectives with advantages (``sampled_reverse_kl``) add it to theirs; the others add a policy
     gradient on the sampled tokens with it (``loss_fn`` on the reward term) to their loss. Only the
@@ -280,97 +296,9 @@ class RewardSettings:
                 if getattr(self, key):
                     yield (
                         key,
-                        "shapes the reward term, and reward_coef is 0: set reward_coef > 0, or remove it",
+                        "shapes the reward term, and reward_coef is 0: set reward_coef > 0, or "
+                        "remove it",
                     )
-
-
-@dataclass
-class MicroBatchSettings:
-    """How a batch is cut into forwards: micro-batches, packing, log-prob chunks."""
-
-    micro_batch_size: int | None = None
-    """Most sequences per forward/backward inside a substep (gradient accumulation). Without
-    ``micro_batch_tokens``: runs of this many rows in batch order (None: one micro-batch)."""
-    micro_batch_tokens: int | None = None
-    """Most tokens (prompt + completion, padding not counted when ``packing``) per forward /
-    backward: each substep's rows are binned by length, longest first, into as few micro-batches
-    as fit (the same bins for the same rows, on resume and on any number of processes; a process
-    with fewer bins than another splits its largest). Unset: sized for the device when the run
-    starts, about a quarter of its memory for activations (estimated from the model's shape;
-    ``opd train --dry-run`` prints it), unless ``micro_batch_size`` is set. The number of
-    micro-batches changes no number the update computes beyond rounding (the loss is normalised
-    by the whole batch's token and sequence counts). Must hold the longest possible row: the
-    longest prompt plus ``max_tokens``."""
-    packing: bool = True
-    """Run each micro-batch's sequences as one padding-free row (position ids restarting per
-    sequence, attention within each; flash-attention varlen on GPUs, sdpa per sequence
-    otherwise), in the update, the current log-probs and a local teacher's forward. A model
-    whose attention cannot pack (not sdpa or flash attention, sliding windows without flash
-    attention) runs padded, said once. False pads every micro-batch to its longest row."""
-    logprob_chunk_size: int = 1024
-    """Positions whose logits exist at once when computing log-probs (memory vs speed)."""
-    teacher_batch_size: int = 32
-    """Most sequences per forward of a local teacher (also at most ``micro_batch_tokens`` tokens)."""
-
-    def problems(self) -> Iterator[tuple[str, str]]:
-        """``(field, problem)`` for this section's own fields."""
-        yield from range_problems(
-            self,
-            positive=("micro_batch_size", "micro_batch_tokens", "logprob_chunk_size", "teacher_batch_size"),
-        )
-
-
-@dataclass
-class CollectionSettings:
-    """Collecting batches ahead of learning."""
-
-    max_staleness: int = 0
-    """Collect up to this many steps ahead of learning: with k >= 1, the batches of steps
-    i+1..i+k are sampled and scored by a background worker (with its own copy of the weights,
-    refreshed after every update) while step i learns, so a batch may come from weights up to k
-    updates old (its recorded log-probs make the importance ratio correct). 0: the synchronous loop."""
-
-    def problems(self) -> Iterator[tuple[str, str]]:
-        """``(field, problem)`` for this section's own fields."""
-        yield from range_problems(self, non_negative=("max_staleness",))
-
-
-@dataclass
-class ParallelSettings:
-    """Several processes (torchrun) sharing the student."""
-
-    parallel: str = "auto"
-    """How several processes (``torchrun --nproc_per_node N``) share the student, by a mode of
-    ``opd.policy.parallel``: ``none`` is one process with the whole student; ``ddp`` keeps a
-    whole copy per process and averages gradients; ``fsdp`` shards weights, gradients and optimizer
-    state across them (PyTorch FSDP2, ``fully_shard`` per transformer block); ``auto`` is none for
-    one process and fsdp for several. Each process samples, scores and learns from its share of
-    every step's groups; the update equals one process's on the whole batch."""
-    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """The torch.distributed backend under torchrun: ``auto`` is nccl on GPUs, gloo on CPUs."""
-    dist_timeout_s: float = 1800.0
-    """How long a process waits in a collective for the others before the job fails."""
-
-    def problems(self) -> Iterator[tuple[str, str]]:
-        """``(field, problem)`` for this section's own fields."""
-        choices = ["auto", *parallel_modes()]
-        if self.parallel not in choices:
-            hint = difflib.get_close_matches(self.parallel, choices, n=1)
-            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-            yield "parallel", f"{self.parallel!r} is not one of {choices}{suggestion}"
-        yield from range_problems(self, positive=("dist_timeout_s",))
-
-
-@dataclass
-class MonitoringSettings:
-    """What the run shows and how it reacts to signs of going wrong."""
-
-    show_examples: bool = False
-    """Print one coloured sample per dataset per step (prompt, trained tokens, per-token KL)."""
-    stop_on_divergence: bool = False
-    """Stop the run at the first sign of it going wrong (entropy collapse, teacher KL rising for 5
-    steps, ``kl_sample_train`` or the gradient norm exploding, held-out accuracy falling), keeping
-    the last checkpoint; otherwise each sign is only warned about, once."""
 
 
 @dataclass

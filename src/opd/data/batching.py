@@ -42,7 +42,10 @@ class CompositeBatches:
         """Per dataset: the pass last asked for, and its order."""
 
     def __len__(self) -> int:
-        return min(len(prompts) // n for prompts, n in zip(self.datasets, self.groups_per_batch, strict=True))
+        return min(
+            len(prompts) // n
+            for prompts, n in zip(self.datasets, self.groups_per_batch, strict=True)
+        )
 
     def order(self, dataset_index: int, pass_index: int) -> list[Prompt]:
         """Dataset ``dataset_index`` in the order of its pass ``pass_index``."""
@@ -58,7 +61,9 @@ class CompositeBatches:
     def batch(self, step: int) -> list[BatchItem]:
         """The prompts of step ``step``; a dataset's next pass starts when it runs out."""
         items = []
-        for index, (prompts, per_batch) in enumerate(zip(self.datasets, self.groups_per_batch, strict=True)):
+        for index, (prompts, per_batch) in enumerate(
+            zip(self.datasets, self.groups_per_batch, strict=True)
+        ):
             pass_index, position = divmod(step, len(prompts) // per_batch)
             start = position * per_batch
             items.extend(
@@ -77,7 +82,8 @@ def contiguous_slices(total: int, parts: int) -> list[slice]:
 def token_bins(
     lengths: list[int], max_tokens: int | None, max_rows: int | None, *, padded: bool
 ) -> list[list[int]]:
-    """Row indices grouped into micro-batches of at most ``max_tokens`` tokens and ``max_rows`` rows.
+    """Row indices grouped into micro-batches of at most ``max_tokens`` tokens and ``max_rows``
+    rows.
 
     Without a token budget: contiguous runs of ``max_rows`` rows (all rows when None). With one,
     rows are taken longest first (ties by index) and each goes into the first micro-batch it
@@ -93,7 +99,9 @@ def token_bins(
     costs: list[int] = []
     for row in sorted(range(total), key=lambda i: (-lengths[i], i)):
         for index, members in enumerate(bins):
-            grown = (len(members) + 1) * lengths[members[0]] if padded else costs[index] + lengths[row]
+            grown = (
+                (len(members) + 1) * lengths[members[0]] if padded else costs[index] + lengths[row]
+            )
             if grown <= max_tokens and (max_rows is None or len(members) < max_rows):
                 members.append(row)
                 costs[index] = grown

@@ -32,7 +32,9 @@ def _sort_digits(rng: random.Random) -> tuple[str, str]:
 def _arithmetic(rng: random.Random) -> tuple[str, str]:
     terms = [rng.randint(100, 9999) for _ in range(rng.randint(2, 3))]
     signs = [rng.choice("+-") for _ in terms[1:]]
-    expression = str(terms[0]) + "".join(f"{sign}{term}" for sign, term in zip(signs, terms[1:], strict=True))
+    expression = str(terms[0]) + "".join(
+        f"{sign}{term}" for sign, term in zip(signs, terms[1:], strict=True)
+    )
     total = terms[0] + sum(
         term if sign == "+" else -term for sign, term in zip(signs, terms[1:], strict=True)
     )
@@ -41,14 +43,17 @@ def _arithmetic(rng: random.Random) -> tuple[str, str]:
 
 TASKS: dict[str, Task] = {
     "arithmetic": Task(
-        "add and subtract 2-3 numbers of 3-4 digits (the calculator environment's task)", _arithmetic
+        "add and subtract 2-3 numbers of 3-4 digits (the calculator environment's task)",
+        _arithmetic,
     ),
     "reverse": Task("reverse a word of 3-6 letters a-h", _reverse),
     "sort_digits": Task("sort 3-6 digits ascending", _sort_digits),
 }
 
 
-def generate_task_prompts(spec: str, *, seed: int, count: int = DEFAULT_NUM_PROMPTS) -> list[Prompt]:
+def generate_task_prompts(
+    spec: str, *, seed: int, count: int = DEFAULT_NUM_PROMPTS
+) -> list[Prompt]:
     """``reverse`` or ``reverse@test`` (a held-out split drawn from another seed stream)."""
     name, _, split = spec.partition("@")
     if name not in TASKS:

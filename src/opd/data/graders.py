@@ -57,7 +57,9 @@ def reasoning_gym_score(completion: str, prompt: Prompt) -> float:
     from reasoning_gym.utils import extract_answer
 
     scorer = _reasoning_gym_scorer(entry["metadata"]["source_dataset"])
-    tagged = extract_answer(completion)  # the last <answer>...</answer>, reasoning-gym's own convention
+    tagged = extract_answer(
+        completion
+    )  # the last <answer>...</answer>, reasoning-gym's own convention
     return float(scorer(answer=completion if tagged is None else tagged, entry=entry))
 
 
@@ -109,7 +111,9 @@ the diagnostics split the teacher KL at the answer and find where a wrong answer
 right one."""
 
 
-def answer_location(grader: Grader | None, text: str, prompt: Prompt) -> tuple[int, int, str] | None:
+def answer_location(
+    grader: Grader | None, text: str, prompt: Prompt
+) -> tuple[int, int, str] | None:
     """``(start, end, reference)``: the answer's characters in ``text`` and the right answer, or
     None where the grader cannot say (another grader, no answer written, no reference)."""
     locators = ANSWER_LOCATORS.get(grader)
@@ -145,7 +149,8 @@ def math_verify_score(completion: str, prompt: Prompt) -> float:
     limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     reference = (prompt.answer or "").strip()
     if "$" not in reference and "\\boxed" not in reference:
-        reference = f"${reference}$"  # a bare reference answer is LaTeX (or a plain expression) in maths mode
+        # a bare reference answer is LaTeX (or a plain expression) in maths mode
+        reference = f"${reference}$"
     gold = parse(reference, parsing_timeout=limit)
     answer = parse(completion, parsing_timeout=limit)
     if not gold or not answer:
@@ -162,7 +167,8 @@ GRADERS: dict[str, Grader] = {
 
 
 def grader_for(name: str, source: str) -> Grader | None:
-    """Resolve ``auto``: the task's scorer for reasoning-gym sources, else exact match; ``none`` is None."""
+    """Resolve ``auto``: the task's scorer for reasoning-gym sources, else exact match; ``none`` is
+    None."""
     if name == "none":
         return None
     if name == "auto":

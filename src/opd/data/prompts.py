@@ -26,12 +26,14 @@ class Prompt:
 
 
 def _encodable(text: str, where: str, field: str) -> str:
-    """``text``, refused when it holds a lone surrogate (JSON allows ``"\ud800"``; tokenizers fail on it)."""
+    """``text``, refused when it holds a lone surrogate (JSON allows ``"\ud800"``; tokenizers fail
+    on it)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         raise DataError(
-            f"{where}: '{field}' holds an unpaired surrogate {text[error.start]!r} at character {error.start}"
+            f"{where}: '{field}' holds an unpaired surrogate {text[error.start]!r} at character "
+            f"{error.start}"
         ) from None
     return text
 
@@ -47,7 +49,9 @@ def _messages_from(record: dict, where: str) -> tuple[dict[str, str], ...]:
         return ({"role": "user", "content": text},)
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise DataError(
+            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
+        )
     checked = []
     for j, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
@@ -75,7 +79,8 @@ def _optional_text(record: dict, key: str, where: str) -> str | None:
 
 
 def parse_prompt_record(record: object, where: str) -> Prompt:
-    """Validate one decoded JSON object: ``prompt`` or ``messages``, optional answer/completion/metadata."""
+    """Validate one decoded JSON object: ``prompt`` or ``messages``, optional
+    answer/completion/metadata."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "prompt" not in record and "messages" not in record:
@@ -104,15 +109,17 @@ def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 raise DataError(
-                    f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start + 1}); "
-                    "save the file as UTF-8"
+                    f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                    f"{error.start + 1}); save the file as UTF-8"
                 ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise DataError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
+                raise DataError(
+                    f"{where}: malformed JSON ({error.msg} at column {error.colno})"
+                ) from None
             except RecursionError:
                 raise DataError(f"{where}: JSON nested too deeply to be a prompt") from None
             prompts.append(parse_prompt_record(record, where))
@@ -133,8 +140,11 @@ def reasoning_gym_seed(seed: int, split: str) -> int:
     return (seed * SEED_BLOCK) % 2**31 + (2**31 if split == "test" else 0)
 
 
-def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict[str, Any]) -> list[Prompt]:
-    """``<task>`` or ``<task>@test`` from reasoning-gym (offline generators), with their graders' entries.
+def reasoning_gym_prompts(
+    spec: str, *, seed: int, count: int, task_config: dict[str, Any]
+) -> list[Prompt]:
+    """``<task>`` or ``<task>@test`` from reasoning-gym (offline generators), with their graders'
+    entries.
 
     The splits come from disjoint seed blocks; a task with few distinct questions (two one-digit
     terms) still repeats some by chance, as any sample from a small space does.
@@ -143,7 +153,8 @@ def reasoning_gym_prompts(spec: str, *, seed: int, count: int, task_config: dict
         import reasoning_gym
     except ImportError:
         raise DataError(
-            f"reasoning_gym:{spec}: the reasoning-gym package is not installed; pip install 'opd[tasks]'"
+            f"reasoning_gym:{spec}: the reasoning-gym package is not installed; pip install "
+            "'opd[tasks]'"
         ) from None
     task, _, split = spec.partition("@")
     if split not in ("", "train", "test"):

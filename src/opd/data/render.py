@@ -35,8 +35,9 @@ class ChatRenderer:
         self.plain = not getattr(tokenizer, "chat_template", None)
         if self.plain:
             warnings.warn(
-                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; using the plain "
-                "'User: ...\\n\\nAssistant:' format. Set student.chat_template to choose one.",
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; using "
+                "the plain 'User: ...\\n\\nAssistant:' format. Set student.chat_template to "
+                "choose one.",
                 stacklevel=2,
             )
         self.stop_token_ids = self._stop_ids(extra_stop_ids)
@@ -48,7 +49,9 @@ class ChatRenderer:
             ids.append(self.tokenizer.eos_token_id)
         template = getattr(self.tokenizer, "chat_template", None) or ""
         vocab = self.tokenizer.get_vocab()
-        ids += [vocab[token] for token in END_OF_TURN_TOKENS if token in template and token in vocab]
+        ids += [
+            vocab[token] for token in END_OF_TURN_TOKENS if token in template and token in vocab
+        ]
         if not ids:
             raise ValueError(
                 "the tokenizer has no EOS token and no end-of-turn token; cannot tell when to stop"
@@ -79,7 +82,10 @@ class ChatRenderer:
         return text
 
     def reply_ids(
-        self, history: Sequence[dict[str, str]], turn_ids: Sequence[int], replies: Sequence[dict[str, str]]
+        self,
+        history: Sequence[dict[str, str]],
+        turn_ids: Sequence[int],
+        replies: Sequence[dict[str, str]],
     ) -> list[int]:
         """The token ids that follow a sampled turn when ``replies`` answer it: the turn's closing
         (what its own stop token did not write), the replies, and the next generation prompt.
@@ -92,11 +98,13 @@ class ChatRenderer:
         rendered = self.render_text([*history, mark, *replies])
         if REPLY_MARK not in rendered:
             raise ValueError(
-                "the chat template dropped the assistant's turn; it cannot render a multi-turn episode"
+                "the chat template dropped the assistant's turn; it cannot render a multi-turn "
+                "episode"
             )
         after = rendered[rendered.index(REPLY_MARK) + len(REPLY_MARK) :]
         written = self.tokenizer.decode(list(turn_ids))
         overlap = next(
-            (n for n in range(min(len(after), len(written)), 0, -1) if written.endswith(after[:n])), 0
+            (n for n in range(min(len(after), len(written)), 0, -1) if written.endswith(after[:n])),
+            0,
         )
         return list(self.tokenizer(after[overlap:], add_special_tokens=False)["input_ids"])

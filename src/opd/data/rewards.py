@@ -11,7 +11,8 @@ def completion_reward(
     tokenizer, completion: Completion, prompt: Prompt, grader: Grader | None
 ) -> float | None:
     """An episode's reward (the sum of its steps'; 0 when its environment gave none), else the
-    grade of the completion's text (special tokens removed) against the prompt; None without a grader."""
+    grade of the completion's text (special tokens removed) against the prompt; None without a
+    grader."""
     if completion.trajectory is not None:
         return completion.trajectory.reward or 0.0
     if grader is None:

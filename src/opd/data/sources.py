@@ -19,9 +19,9 @@ def load_prompts(
     task_config: dict[str, Any] | None = None,
     table: TableOptions | None = None,
 ) -> list[Prompt]:
-    """Load a source: a JSONL path, ``demo:<task>`` or ``reasoning_gym:<task>`` (generated, ``@test``
-    split), or a table (``hf:<dataset>``, a ``save_to_disk`` directory, a Parquet file: ``table``
-    says which split and columns).
+    """Load a source: a JSONL path, ``demo:<task>`` or ``reasoning_gym:<task>`` (generated,
+    ``@test`` split), or a table (``hf:<dataset>``, a ``save_to_disk`` directory, a Parquet file:
+    ``table`` says which split and columns).
 
     ``count`` is how many prompts a generated source makes (default 2000), or how many rows of a
     table are read (default all).

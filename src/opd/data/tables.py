@@ -37,7 +37,8 @@ def is_table_source(source: str) -> bool:
 
 
 def _open(source: str, options: TableOptions):
-    """The rows of ``options.split`` of ``source`` (an iterable dataset for the hub), and its columns."""
+    """The rows of ``options.split`` of ``source`` (an iterable dataset for the hub), and its
+    columns."""
     try:
         import datasets
     except ImportError:
@@ -52,7 +53,9 @@ def _open(source: str, options: TableOptions):
             )
         elif Path(source).expanduser().suffix == ".parquet":
             table = datasets.load_dataset(
-                "parquet", data_files={options.split: str(Path(source).expanduser())}, split=options.split
+                "parquet",
+                data_files={options.split: str(Path(source).expanduser())},
+                split=options.split,
             )
         else:
             table = datasets.load_from_disk(str(Path(source).expanduser()))
@@ -63,7 +66,10 @@ def _open(source: str, options: TableOptions):
     except DataError:
         raise
     except Exception as error:  # datasets raises many kinds; each means a source it cannot read
-        offline = " (without network: a local directory or Parquet file, or HF_HUB_OFFLINE=1 with it cached)"
+        offline = (
+            " (without network: a local directory or Parquet file, or HF_HUB_OFFLINE=1 with it "
+            "cached)"
+        )
         hint = offline if source.startswith(HUB_PREFIX) else ""
         raise DataError(f"{where}: cannot load it: {type(error).__name__}: {error}{hint}") from None
     columns = list(table.column_names or table.features or [])
@@ -80,10 +86,13 @@ def load_table_prompts(source: str, options: TableOptions, count: int | None) ->
     column_of = {key: options.fields.get(key, key) for key in PROMPT_KEYS}
     for key, column in options.fields.items():
         if column not in columns:
-            raise DataError(f"{where}: fields.{key}: no column {column!r}; its columns: {', '.join(columns)}")
+            raise DataError(
+                f"{where}: fields.{key}: no column {column!r}; its columns: {', '.join(columns)}"
+            )
     if column_of["prompt"] not in columns and column_of["messages"] not in columns:
         raise DataError(
-            f"{where}: no 'prompt' or 'messages' column; its columns: {', '.join(columns)}. Map one in "
+            f"{where}: no 'prompt' or 'messages' column; its columns: {', '.join(columns)}. Map "
+            "one in "
             "fields (e.g. fields: {prompt: question, answer: answer})"
         )
     prompts = []

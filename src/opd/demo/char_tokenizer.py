@@ -12,13 +12,15 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] "
+    "}}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
 
 
-def build_char_tokenizer(alphabet: str = string.printable, chat_template: str | None = CHATML_TEMPLATE):
+def build_char_tokenizer(
+    alphabet: str = string.printable, chat_template: str | None = CHATML_TEMPLATE
+):
     """A fast HF tokenizer: one id per character of ``alphabet``, plus pad / im_start / im_end."""
     characters = sorted(set(alphabet))
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}

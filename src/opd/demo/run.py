@@ -96,7 +96,9 @@ def build_model(spec: DemoModelSpec, tokenizer, seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print, progress: bool = False) -> Path:
+def ensure_model(
+    name: str, spec: DemoModelSpec, seed: int, log=print, progress: bool = False
+) -> Path:
     """Build, train and save a demo model unless the cache already has it (``progress``: a bar of
     its supervised steps, the minutes a first demo spends here)."""
     directory = cache_dir() / name
@@ -123,7 +125,11 @@ def ensure_model(name: str, spec: DemoModelSpec, seed: int, log=print, progress:
             return dev_accuracies[-1] >= spec.target_accuracy
 
     bar = tqdm(
-        total=spec.sft_steps, desc=f"  {name}", disable=not progress, bar_format=BUILD_BAR, leave=False
+        total=spec.sft_steps,
+        desc=f"  {name}",
+        disable=not progress,
+        bar_format=BUILD_BAR,
+        leave=False,
     )
 
     def on_step(loss: float) -> None:
@@ -170,7 +176,10 @@ def measure(model, teacher: LocalTeacher, eval_prompts, seed: int) -> dict[str, 
         seed=seed,
         pad_id=tokenizer.pad_token_id,
     )
-    return {"accuracy": metrics[f"test/{TASK}/accuracy"], "teacher_kl": metrics[f"test/{TASK}/teacher_kl"]}
+    return {
+        "accuracy": metrics[f"test/{TASK}/accuracy"],
+        "teacher_kl": metrics[f"test/{TASK}/teacher_kl"],
+    }
 
 
 def demo_config(
@@ -187,7 +196,9 @@ def demo_config(
         "seed": seed,
         "student": {"model": str(student_dir), "lora_rank": 0, "dtype": "float32", "device": "cpu"},
         "teacher": {"model": str(teacher_dir), "dtype": "float32", "device": "cpu"},
-        "datasets": [{"name": TASK, "source": f"demo:{TASK}", "groups_per_batch": 16, "group_size": 4}],
+        "datasets": [
+            {"name": TASK, "source": f"demo:{TASK}", "groups_per_batch": 16, "group_size": 4}
+        ],
         "training": {
             "objective": "sampled_reverse_kl",
             "learning_rate": learning_rate,
@@ -207,9 +218,10 @@ def gap_summary(teacher: float, before: float, after: float) -> str:
         return ""
     if gap_after > gap_before:
         return (
-            f"the student fell {100 * (gap_after - gap_before):.1f} points further behind the teacher: "
-            "a short run can end in the dip of its first steps (try more --steps), and a student that "
-            "does not learn at this rate may at a lower one (try a lower --lr; docs/demo.md)"
+            f"the student fell {100 * (gap_after - gap_before):.1f} points further behind the "
+            "teacher: a short run can end in the dip of its first steps (try more --steps), and a "
+            "student that does not learn at this rate may at a lower one (try a lower --lr; "
+            "docs/demo.md)"
         )
     return f"the student closed {1 - gap_after / gap_before:.0%} of its accuracy gap to the teacher"
 
@@ -231,8 +243,12 @@ def run_demo(
     teacher = LocalTeacher(teacher_model, vocab_size=len(tokenizer), pad_id=tokenizer.pad_token_id)
     eval_prompts = generate_task_prompts(f"{TASK}@test", seed=seed, count=NUM_EVAL_PROMPTS)
     renderer = ChatRenderer(tokenizer)
-    teacher_sampler = HFGenerateSampler(teacher_model, tokenizer, stop_token_ids=renderer.stop_token_ids)
-    teacher_accuracy = accuracy(teacher_sampler, renderer, eval_prompts, exact_match, max_tokens=MAX_TOKENS)
+    teacher_sampler = HFGenerateSampler(
+        teacher_model, tokenizer, stop_token_ids=renderer.stop_token_ids
+    )
+    teacher_accuracy = accuracy(
+        teacher_sampler, renderer, eval_prompts, exact_match, max_tokens=MAX_TOKENS
+    )
     results = {
         "teacher": {"accuracy": teacher_accuracy, "teacher_kl": 0.0},
         "student before": measure(
@@ -243,24 +259,30 @@ def run_demo(
         ),
     }
     log(
-        f"distilling for {steps} steps at lr {learning_rate:g} "
-        f"(task '{TASK}', {NUM_EVAL_PROMPTS} held-out prompts) ..."
+        f"distilling for {steps} steps at lr {learning_rate:g} (task '{TASK}', {NUM_EVAL_PROMPTS} "
+        "held-out prompts) ..."
     )
-    config = config_from_dict(demo_config(log_path, student_dir, teacher_dir, steps, seed, learning_rate))
+    config = config_from_dict(
+        demo_config(log_path, student_dir, teacher_dir, steps, seed, learning_rate)
+    )
     trained = train(config, progress=progress)
     results["student after"] = measure(trained.student, teacher, eval_prompts, seed)
     log("")
     log(f"{'':16}{'accuracy':>10}{'teacher KL':>12}")
     for name, row in results.items():
         log(f"{name:16}{row['accuracy']:>10.1%}{row['teacher_kl']:>12.3f}")
-    accuracies = (results[name]["accuracy"] for name in ("teacher", "student before", "student after"))
+    accuracies = (
+        results[name]["accuracy"] for name in ("teacher", "student before", "student after")
+    )
     summary = gap_summary(*accuracies)
     if summary:
         log(f"\n{summary}")
     log(
-        f"(greedy accuracy and sampled teacher KL on {NUM_EVAL_PROMPTS} held-out prompts; the run's own "
-        "evaluations in metrics.jsonl and `opd report` use the first 64 of them)"
+        f"(greedy accuracy and sampled teacher KL on {NUM_EVAL_PROMPTS} held-out prompts; the "
+        "run's own evaluations in metrics.jsonl and `opd report` use the first 64 of them)"
     )
-    log(f"metrics: {Path(log_path) / 'metrics.jsonl'}   student: {latest_model_dir(Path(log_path))}")
+    log(
+        f"metrics: {Path(log_path) / 'metrics.jsonl'}   student: {latest_model_dir(Path(log_path))}"
+    )
     log(f"total time {time.perf_counter() - started:.0f}s")
     return results

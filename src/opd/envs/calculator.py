@@ -64,7 +64,9 @@ def calculate(expression: str) -> str:
         return "error: not an arithmetic expression"
     except (ValueError, RecursionError) as error:
         return f"error: {error}"
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+    return (
+        str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+    )
 
 
 @dataclass
@@ -80,7 +82,9 @@ class CalculatorEpisode(Episode):
         found = CALL.search(reply)
         if found:
             self.calls += 1
-            return Step(messages=({"role": self.result_role, "content": calculate(found.group(1))},))
+            return Step(
+                messages=({"role": self.result_role, "content": calculate(found.group(1))},)
+            )
         reward = None if self.grader is None else float(self.grader(reply, self.prompt))
         return Step(done=True, reward=reward, metrics={"tool_calls": float(self.calls)})
 
@@ -91,7 +95,8 @@ class Calculator(Environment):
 
     name = "calculator"
     result_role: Literal["tool", "user"] = "tool"
-    """The role of the calculator's answer: ``tool``, or ``user`` for chat templates without a tool role."""
+    """The role of the calculator's answer: ``tool``, or ``user`` for chat templates without a tool
+    role."""
 
     def start(self, prompt: Prompt, grader: Grader | None) -> CalculatorEpisode:
         return CalculatorEpisode(prompt, grader, self.result_role)

@@ -74,15 +74,16 @@ def environment_class(name: str, path: str) -> type:
         hint = difflib.get_close_matches(name, list(registered), n=1)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise ConfigError(
-            f"{path}: {name!r} is not a registered environment{suggestion}; registered: {list(registered)}, "
-            "or give a class by import path, e.g. my_pkg.envs:MyEnv"
+            f"{path}: {name!r} is not a registered environment{suggestion}; registered: "
+            f"{list(registered)}, or give a class by import path, e.g. my_pkg.envs:MyEnv"
         )
     module_name, _, attribute = name.partition(":") if ":" in name else name.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
         raise ConfigError(
-            f"{path}: cannot import module {module_name!r} for {name!r}: {type(error).__name__}: {error}"
+            f"{path}: cannot import module {module_name!r} for {name!r}: {type(error).__name__}: "
+            f"{error}"
         ) from None
     cls = getattr(module, attribute, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "start", None)):
@@ -98,10 +99,14 @@ def environment_class(name: str, path: str) -> type:
 def _check_option(key: str, value: Any, hint: Any, path: str) -> None:
     if typing.get_origin(hint) is Literal:
         if value not in typing.get_args(hint):
-            raise ConfigError(f"{path}.{key}: {value!r} is not one of {list(typing.get_args(hint))}")
+            raise ConfigError(
+                f"{path}.{key}: {value!r} is not one of {list(typing.get_args(hint))}"
+            )
         return
     expected = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}.get(hint)
-    if expected and (not isinstance(value, expected) or (hint is not bool and isinstance(value, bool))):
+    if expected and (
+        not isinstance(value, expected) or (hint is not bool and isinstance(value, bool))
+    ):
         raise ConfigError(f"{path}.{key}: expected {hint.__name__}, got {value!r}")
 
 
@@ -115,13 +120,16 @@ def make_environment(config: EnvConfig, path: str = "env") -> Environment:
             if key not in known:
                 listed = ", ".join(known) or "none"
                 raise ConfigError(
-                    f"{path}.{key}: not an option of environment {config.name!r} (its options: {listed})"
+                    f"{path}.{key}: not an option of environment {config.name!r} (its options: "
+                    f"{listed})"
                 )
             _check_option(key, value, hints[key], path)
     try:
         environment = cls(**config.options)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"{path}: environment {config.name!r} refused its options: {error}") from None
+        raise ConfigError(
+            f"{path}: environment {config.name!r} refused its options: {error}"
+        ) from None
     for option, problem in getattr(environment, "option_problems", lambda: iter(()))():
         raise ConfigError(f"{path}.{option}: {problem}")
     return environment
@@ -134,11 +142,13 @@ def parse_env_config(value: Any, path: str) -> EnvConfig:
         value = {"name": value}
     if not isinstance(value, dict):
         raise ConfigError(
-            f"{path}: expected an environment's name or a mapping {{name: ..., options}}, got {value!r}"
+            f"{path}: expected an environment's name or a mapping {{name: ..., options}}, got "
+            f"{value!r}"
         )
     if "name" not in value or not isinstance(value["name"], str):
         raise ConfigError(
-            f"{path}.name: required, a registered environment ({list(environments())}) or module:Class"
+            f"{path}.name: required, a registered environment ({list(environments())}) or "
+            "module:Class"
         )
     options = dict(value.get("options") or {})
     options |= {k: v for k, v in value.items() if k not in (*SETTINGS, "options")}

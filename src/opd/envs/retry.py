@@ -31,10 +31,15 @@ class RetryEpisode(Episode):
     def step(self, reply: str) -> Step:
         self.attempts += 1
         self.grade = grade = float(self.grader(reply, self.prompt))
-        metrics = {"attempts": float(self.attempts), "first_try": float(self.attempts == 1 and grade >= 1.0)}
+        metrics = {
+            "attempts": float(self.attempts),
+            "first_try": float(self.attempts == 1 and grade >= 1.0),
+        }
         if grade >= 1.0:
             return Step(done=True, reward=grade, metrics=metrics)
-        text = f"{self.message} (your answer scored {grade:.2f} of 1)" if self.hint else self.message
+        text = (
+            f"{self.message} (your answer scored {grade:.2f} of 1)" if self.hint else self.message
+        )
         return Step(messages=({"role": "user", "content": text},), metrics=metrics)
 
     def cut(self, reason: str) -> float:
@@ -57,5 +62,7 @@ class Retry(Environment):
 
     def start(self, prompt: Prompt, grader: Grader | None) -> RetryEpisode:
         if grader is None:
-            raise ValueError("the retry environment grades answers: give the dataset a grader and answers")
+            raise ValueError(
+                "the retry environment grades answers: give the dataset a grader and answers"
+            )
         return RetryEpisode(prompt, grader, self.message, self.hint)

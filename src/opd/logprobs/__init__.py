@@ -126,5 +126,7 @@ def topk_logprobs(
         ids.append(top.indices)
         values.append(top.values)
     if not ids:
-        return hidden_ND.new_zeros(0, k, dtype=torch.long), hidden_ND.new_zeros(0, k, dtype=torch.float32)
+        return hidden_ND.new_zeros(0, k, dtype=torch.long), hidden_ND.new_zeros(
+            0, k, dtype=torch.float32
+        )
     return torch.cat(ids), torch.cat(values)

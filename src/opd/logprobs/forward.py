@@ -12,7 +12,8 @@ from opd.packing import is_right_padded, packed_hidden_states, packed_rows
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The Hugging Face model inside a PEFT wrapper (adapter layers included), or ``model`` itself."""
+    """The Hugging Face model inside a PEFT wrapper (adapter layers included), or ``model``
+    itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -22,7 +23,9 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     backbone = getattr(base, base.base_model_prefix, None)
     head = base.get_output_embeddings()
     if backbone is None or head is None:
-        raise TypeError(f"{type(base).__name__} has no '{base.base_model_prefix}' body or no lm head")
+        raise TypeError(
+            f"{type(base).__name__} has no '{base.base_model_prefix}' body or no lm head"
+        )
     return backbone, head
 
 
@@ -53,7 +56,9 @@ def scored_hidden_states(
     width = attention_mask_BT.shape[1]
     if right_padded and attention_mask_BT.numel():  # columns of padding only: not computed
         width = max(int(attention_mask_BT.sum(-1).max()), 1)
-    with torch.autocast(input_ids_BT.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+    with torch.autocast(
+        input_ids_BT.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+    ):
         if packed and right_padded:
             hidden_ND = packed_hidden_states(backbone, input_ids_BT, attention_mask_BT)
             hidden_ND = hidden_ND[packed_rows(attention_mask_BT, selected_BT)]

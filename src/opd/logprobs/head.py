@@ -45,8 +45,8 @@ def check_head_rows(hidden_ND: torch.Tensor, token_ids_N: torch.Tensor, chunk_si
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hidden_ND.dim() != 2 or token_ids_N.dim() != 1 or hidden_ND.shape[0] != token_ids_N.shape[0]:
         raise ValueError(
-            f"hidden states must be (N, D) and token ids (N,); got {tuple(hidden_ND.shape)} "
-            f"and {tuple(token_ids_N.shape)}"
+            f"hidden states must be (N, D) and token ids (N,); got {tuple(hidden_ND.shape)} and "
+            f"{tuple(token_ids_N.shape)}"
         )
 
 
@@ -77,14 +77,24 @@ class _SelectedTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden_ND, weight_VD, bias_V, token_ids_N, chunk_size, transform, with_entropy, keep_last
+        ctx,
+        hidden_ND,
+        weight_VD,
+        bias_V,
+        token_ids_N,
+        chunk_size,
+        transform,
+        with_entropy,
+        keep_last,
     ):
         rows = hidden_ND.shape[0]
         logprobs_N = hidden_ND.new_empty(rows, dtype=torch.float32)
         entropy_N = torch.zeros_like(logprobs_N)
         logsumexp_N = torch.empty_like(logprobs_N)
         ctx.kept_probs = None
-        for start, end, shifted in logit_chunks(hidden_ND, weight_VD, bias_V, transform, chunk_size):
+        for start, end, shifted in logit_chunks(
+            hidden_ND, weight_VD, bias_V, transform, chunk_size
+        ):
             row_max = shifted.amax(dim=-1)
             selected = shifted.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             shifted -= row_max[:, None]
@@ -144,27 +154,40 @@ class HeadGradients:
 
     def __init__(self, hidden_ND, weight_VD, bias_V, needs_grad, transform: LogitTransform):
         need_hidden, need_weight, need_bias = needs_grad
-        self.hidden_ND, self.weight_VD, self.bias_V, self.transform = hidden_ND, weight_VD, bias_V, transform
+        self.hidden_ND, self.weight_VD, self.bias_V, self.transform = (
+            hidden_ND,
+            weight_VD,
+            bias_V,
+            transform,
+        )
         self.grad_hidden = torch.zeros_like(hidden_ND) if need_hidden else None
         self.grad_weight = torch.zeros_like(weight_VD, dtype=torch.float32) if need_weight else None
         self.grad_bias = torch.zeros_like(bias_V, dtype=torch.float32) if need_bias else None
-        self.constant_factor = transform.scale / transform.temperature if transform.softcap is None else 1.0
+        self.constant_factor = (
+            transform.scale / transform.temperature if transform.softcap is None else 1.0
+        )
 
     def logits(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk's float32 logits (a fresh buffer to overwrite) and, with a softcap, dz/draw."""
         hidden_chunk = self.hidden_ND[start:end]
         if self.transform.softcap is None:
-            return chunk_logits_inplace(hidden_chunk, self.weight_VD, self.bias_V, self.transform), None
+            return chunk_logits_inplace(
+                hidden_chunk, self.weight_VD, self.bias_V, self.transform
+            ), None
         return chunk_logits(hidden_chunk, self.weight_VD, self.bias_V, self.transform)
 
-    def add(self, start: int, end: int, grad_logits: torch.Tensor, derivative: torch.Tensor | None) -> None:
+    def add(
+        self, start: int, end: int, grad_logits: torch.Tensor, derivative: torch.Tensor | None
+    ) -> None:
         """Chain d loss / d logits of rows ``start:end`` into the hidden, weight and bias grads."""
         if derivative is not None:
             grad_logits *= derivative
         hidden_chunk = self.hidden_ND[start:end]
         if self.grad_hidden is not None:
             weight = self.weight_VD
-            self.grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden_chunk.dtype)
+            self.grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(
+                hidden_chunk.dtype
+            )
         if self.grad_weight is not None:
             self.grad_weight.addmm_(grad_logits.T, hidden_chunk.float())
         if self.grad_bias is not None:
@@ -195,7 +218,9 @@ class HeadGradients:
 
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(grad_hidden, grad_weight, grad_bias)`` in their parameters' dtypes."""
-        grad_weight = None if self.grad_weight is None else self.grad_weight.to(self.weight_VD.dtype)
+        grad_weight = (
+            None if self.grad_weight is None else self.grad_weight.to(self.weight_VD.dtype)
+        )
         grad_bias = None if self.grad_bias is None else self.grad_bias.to(self.bias_V.dtype)
         return self.grad_hidden, grad_weight, grad_bias
 

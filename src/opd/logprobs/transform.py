@@ -41,16 +41,22 @@ PLAIN_LOGITS = LogitTransform()
 
 def logit_transform_for(model: nn.Module, temperature: float = 1.0) -> LogitTransform:
     """Read the logit scaling a Hugging Face model applies in its own forward."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     scale = float(getattr(config, "logit_scale", None) or 1.0)
     logits_scaling = getattr(config, "logits_scaling", None)
     if logits_scaling:
         scale /= float(logits_scaling)
     softcap = getattr(config, "final_logit_softcapping", None)
-    return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None, temperature=temperature)
+    return LogitTransform(
+        scale=scale, softcap=float(softcap) if softcap else None, temperature=temperature
+    )
 
 
-def head_weights(lm_head: nn.Linear, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_weights(
+    lm_head: nn.Linear, vocab_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The lm head's weight and bias, cut to the first ``vocab_size`` rows (the tokenizer's ids)."""
     weight, bias = lm_head.weight, lm_head.bias
     if vocab_size is not None and vocab_size < weight.shape[0]:
@@ -60,7 +66,10 @@ def head_weights(lm_head: nn.Linear, vocab_size: int | None) -> tuple[torch.Tens
 
 
 def chunk_logits(
-    hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
+    hidden_chunk: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
 ) -> tuple[torch.Tensor, torch.Tensor | float]:
     raw = hidden_chunk @ weight.T
     if bias is not None:
@@ -69,7 +78,10 @@ def chunk_logits(
 
 
 def chunk_logits_inplace(
-    hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
+    hidden_chunk: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
 ) -> torch.Tensor:
     """Transformed float32 logits of a chunk in one buffer (no derivative kept)."""
     logits = (hidden_chunk @ weight.T).float()
@@ -91,4 +103,6 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def refuse_ids_outside(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     """A clear error for an id past the head's rows, instead of an index error inside a gather."""
     if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(f"{what} {int(ids.max())} is outside the model's vocabulary of {vocab_size}")
+        raise ValueError(
+            f"{what} {int(ids.max())} is outside the model's vocabulary of {vocab_size}"
+        )

@@ -42,7 +42,9 @@ def kl_advantages(
     runs over completion positions only because the advantages are already masked.
     """
     advantages_BT = (
-        -kl_penalty_coef * mask_BT * reverse_kl_per_token(sampled_logprobs_BT, teacher_logprobs_BT, mask_BT)
+        -kl_penalty_coef
+        * mask_BT
+        * reverse_kl_per_token(sampled_logprobs_BT, teacher_logprobs_BT, mask_BT)
     )
     if kl_discount_factor > 0:
         advantages_BT = discounted_future_sum(advantages_BT, kl_discount_factor) * mask_BT
@@ -51,7 +53,9 @@ def kl_advantages(
     return advantages_BT
 
 
-def standardized(advantages_BT: torch.Tensor, mask_BT: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+def standardized(
+    advantages_BT: torch.Tensor, mask_BT: torch.Tensor, mean: float, std: float
+) -> torch.Tensor:
     """``(A - mean) / std`` on completion tokens, 0 elsewhere; ``mean`` and ``std`` are the whole
     batch's (every process's tokens), so how the batch is split does not change a token's value."""
     return (advantages_BT - mean) / max(std, 1e-8) * mask_BT
@@ -82,5 +86,7 @@ def group_centred_rewards(
         if std_normalization and std > 0:
             centred[rows] /= std
         spread[rows] = std
-        constant[rows] = len(values) > 1 and bool((values == values[0]).all())  # one sample: no group
+        constant[rows] = len(values) > 1 and bool(
+            (values == values[0]).all()
+        )  # one sample: no group
     return centred.to(rewards_B.dtype), spread.to(rewards_B.dtype), constant

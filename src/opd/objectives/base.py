@@ -42,7 +42,8 @@ REGISTRY: dict[str, type[Objective]] = {}
 
 @dataclass(frozen=True)
 class StudentRows:
-    """The student at the scored positions: final hidden states, the tokens they predict, the head."""
+    """The student at the scored positions: final hidden states, the tokens they predict, the
+    head."""
 
     hidden_ND: torch.Tensor
     token_ids_N: torch.Tensor
@@ -57,7 +58,8 @@ class StudentRows:
     """Rows whose logits exist at once."""
 
     def logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of each row's token and the entropy of its distribution (chunked, no B x T x V)."""
+        """Log-prob of each row's token and the entropy of its distribution (chunked, no B x T x
+        V)."""
         return selected_token_logprobs(
             self.hidden_ND,
             self.head,
@@ -108,10 +110,11 @@ class Objective(ABC):
     teacher_signal: ClassVar[TeacherSignal]
     samples: ClassVar[Samples] = "any"
     samples_reason: ClassVar[str] = ""
-    """Why other completions do not suit it (when ``samples`` is not ``any``), for error messages."""
+    """Why other completions do not suit it (when ``samples`` is not ``any``), for error
+    messages."""
     uses_advantages: ClassVar[bool] = False
-    """Whether it learns from per-token advantages, shaped by the ``training.kl_*`` settings and turned
-    into a loss by ``training.loss_fn``."""
+    """Whether it learns from per-token advantages, shaped by the ``training.kl_*`` settings and
+    turned into a loss by ``training.loss_fn``."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -143,5 +146,6 @@ class Objective(ABC):
         return iter(())
 
     def vocabulary_problems(self, vocab_size: int) -> Iterator[tuple[str, str]]:
-        """``(option, what is wrong)`` for options that do not fit a vocabulary of ``vocab_size`` ids."""
+        """``(option, what is wrong)`` for options that do not fit a vocabulary of ``vocab_size``
+        ids."""
         return iter(())

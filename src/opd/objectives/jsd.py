@@ -25,7 +25,8 @@ class JSD(Objective):
     teacher_signal = "distribution"
 
     beta: float = 0.5
-    """0 is forward KL(teacher || student), 1 is reverse KL(student || teacher), in between GKD's mixture."""
+    """0 is forward KL(teacher || student), 1 is reverse KL(student || teacher), in between GKD's
+    mixture."""
 
     def option_problems(self) -> Iterator[tuple[str, str]]:
         if not 0.0 <= self.beta <= 1.0:

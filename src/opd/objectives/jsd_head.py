@@ -1,11 +1,14 @@
-"""The generalized JSD between student and teacher heads, fused and chunked, with an analytic gradient.
+"""The generalized JSD between student and teacher heads, fused and chunked, with an analytic
+gradient.
 
 For student logits ``z`` with ``S = softmax(z)``, teacher ``T`` and ``M = (1 - beta) S + beta T``
-(GKD's generalized JSD, ``beta KL(T || M) + (1 - beta) KL(S || M)``), the gradient with respect to ``z`` is
+(GKD's generalized JSD, ``beta KL(T || M) + (1 - beta) KL(S || M)``), the gradient with respect to
+``z`` is
 
 - ``beta = 0``, ``KL(T || S)``: ``S - T``;
 - ``beta = 1``, ``KL(S || T)``: ``S * (log S - log T - KL(S || T))``;
-- otherwise: ``(1 - beta) S * (log S - log M - KL(S || M))`` (``d JSD / d S = (1 - beta) log(S / M)``,
+- otherwise: ``(1 - beta) S * (log S - log M - KL(S || M))`` (``d JSD / d S = (1 - beta) log(S /
+M)``,
   then through the softmax).
 
 Autograd through the same computation keeps about ten ``chunk x V`` tensors per chunk and
@@ -50,7 +53,9 @@ def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
     return logsumexp
 
 
-def _mixture_log_(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: float) -> torch.Tensor:
+def _mixture_log_(
+    student_log: torch.Tensor, teacher_log: torch.Tensor, beta: float
+) -> torch.Tensor:
     """log M = logaddexp(log S + log(1 - beta), log T + log beta), overwriting ``teacher_log``."""
     teacher_log += math.log(beta)
     return torch.logaddexp(student_log + math.log(1.0 - beta), teacher_log, out=teacher_log)
@@ -96,7 +101,9 @@ class _TeacherHeads:
             active[0].log_weight_N is None or bool((active[0].log_weight_N[start:end] == 0).all())
         )
         for head in active:
-            log = chunk_logits_inplace(head.hidden_ND[start:end], head.weight_VD, head.bias_V, head.transform)
+            log = chunk_logits_inplace(
+                head.hidden_ND[start:end], head.weight_VD, head.bias_V, head.transform
+            )
             if again:
                 log -= head.lse_N[start:end, None]
             else:
@@ -109,7 +116,8 @@ class _TeacherHeads:
 
 
 class _ChunkedJSD(torch.autograd.Function):
-    """Per-row generalized JSD, the student's log-prob of each token and its entropy, chunk by chunk.
+    """Per-row generalized JSD, the student's log-prob of each token and its entropy, chunk by
+    chunk.
 
     When a gradient will be asked for, forward keeps the last chunk's gradient (its buffers
     exist anyway), so backward recomputes the other chunks only.
@@ -134,7 +142,9 @@ class _ChunkedJSD(torch.autograd.Function):
         student_lse_N = torch.empty_like(loss_N)
         student_mixture_kl_N = torch.empty_like(loss_N)
         ctx.kept = None
-        for start, end, student_log in logit_chunks(hidden_ND, weight_VD, bias_V, transform, chunk_size):
+        for start, end, student_log in logit_chunks(
+            hidden_ND, weight_VD, bias_V, transform, chunk_size
+        ):
             student_lse_N[start:end] = _log_softmax_(student_log)
             selected_N[start:end] = student_log.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
             student_prob = student_log.exp()
@@ -169,7 +179,12 @@ class _ChunkedJSD(torch.autograd.Function):
             del student_log, student_prob, teacher_log
         divergence_N = student_mixture_kl_N if 0.0 < beta < 1.0 else loss_N
         ctx.save_for_backward(hidden_ND, weight_VD, bias_V, student_lse_N, divergence_N)
-        ctx.beta, ctx.chunk_size, ctx.transform, ctx.teachers = beta, chunk_size, transform, teachers
+        ctx.beta, ctx.chunk_size, ctx.transform, ctx.teachers = (
+            beta,
+            chunk_size,
+            transform,
+            teachers,
+        )
         ctx.mark_non_differentiable(selected_N, entropy_N)
         return loss_N, selected_N, entropy_N
 
@@ -188,7 +203,8 @@ class _ChunkedJSD(torch.autograd.Function):
 
 
 def _recomputed_gradient(ctx, grads: HeadGradients, start: int, end: int, student_side: list):
-    """d JSD / d z of rows ``start:end`` from both heads' logits again: ``(buffer, factor, dz/draw)``.
+    """d JSD / d z of rows ``start:end`` from both heads' logits again: ``(buffer, factor,
+    dz/draw)``.
 
     The gradient is ``buffer * factor``: the sign and ``1 - beta`` go into the row scale.
     """
@@ -200,7 +216,9 @@ def _recomputed_gradient(ctx, grads: HeadGradients, start: int, end: int, studen
         student_log.exp_()
         student_log -= teacher_log.exp_()
         return student_log, 1.0, derivative
-    reference_log = teacher_log if ctx.beta == 1.0 else _mixture_log_(student_log, teacher_log, ctx.beta)
+    reference_log = (
+        teacher_log if ctx.beta == 1.0 else _mixture_log_(student_log, teacher_log, ctx.beta)
+    )
     reference_log -= student_log
     reference_log += divergence_N[start:end, None]
     student_log.exp_()
@@ -221,7 +239,8 @@ def chunked_jsd(
     teacher_transform: LogitTransform = PLAIN_LOGITS,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Generalized JSD(beta) per row between ``lm_head(hidden_ND)`` and ``teacher_head(teacher_hidden_ND)``.
+    """Generalized JSD(beta) per row between ``lm_head(hidden_ND)`` and
+    ``teacher_head(teacher_hidden_ND)``.
 
     Args:
         hidden_ND: the student's final hidden states, one row per scored position.
@@ -230,9 +249,10 @@ def chunked_jsd(
         teacher_hidden_ND: the teacher's hidden states for the same rows (any dtype; no gradient).
         teacher_head: the teacher's output projection.
         beta: 0 is forward ``KL(T || S)``, 1 reverse ``KL(S || T)``, in between GKD's mixture JSD.
-        chunk_size: rows whose logits exist at once (two or three ``chunk_size x V`` float32 buffers).
-        transform / teacher_transform: each model's logit scaling and temperature.
-        vocab_size: compare the first ``vocab_size`` logits only (embeddings padded beyond the tokenizer).
+        chunk_size: rows whose logits exist at once (two or three ``chunk_size x V`` float32
+        buffers). transform / teacher_transform: each model's logit scaling and temperature.
+        vocab_size: compare the first ``vocab_size`` logits only (embeddings padded beyond the
+        tokenizer).
 
     Returns:
         ``(loss_N, logprobs_N, entropy_N)`` in float32; gradients flow into ``loss_N`` only.
@@ -271,14 +291,14 @@ def chunked_jsd_mixed(
     for teacher in teachers:
         if teacher.hidden_ND.shape[0] != hidden_ND.shape[0]:
             raise ValueError(
-                "student and teacher must score the same rows; "
-                f"got {hidden_ND.shape[0]} and {teacher.hidden_ND.shape[0]}"
+                f"student and teacher must score the same rows; got {hidden_ND.shape[0]} and "
+                f"{teacher.hidden_ND.shape[0]}"
             )
         teacher_weight, teacher_bias = head_weights(teacher.head, vocab_size)
         if teacher_weight.shape[0] != weight.shape[0]:
             raise ValueError(
-                f"student and teacher heads must cover the same vocabulary; got {weight.shape[0]} and "
-                f"{teacher_weight.shape[0]} rows (set vocab_size to the tokenizer's)"
+                f"student and teacher heads must cover the same vocabulary; got {weight.shape[0]} "
+                f"and {teacher_weight.shape[0]} rows (set vocab_size to the tokenizer's)"
             )
         log_weight = None
         if teacher.weight_N is not None and not bool((teacher.weight_N == 1).all()):

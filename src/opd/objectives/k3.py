@@ -1,4 +1,5 @@
-"""``k3``: the differentiable k3 estimate of the KL on the sampled tokens (torchrl's distillation loss).
+"""``k3``: the differentiable k3 estimate of the KL on the sampled tokens (torchrl's distillation
+loss).
 
 ``k3(target, log_prob) = exp(d) - 1 - d`` with ``d = target - log_prob`` estimates
 ``KL(sampling || target)`` when the tokens were drawn from the distribution behind ``log_prob``.
@@ -25,8 +26,8 @@ def k3_kl_token_estimate(target_log_prob: torch.Tensor, log_prob: torch.Tensor) 
     """
     if target_log_prob.shape != log_prob.shape:
         raise ValueError(
-            f"target_log_prob and log_prob must have the same shape, got {tuple(target_log_prob.shape)} "
-            f"and {tuple(log_prob.shape)}"
+            "target_log_prob and log_prob must have the same shape, got "
+            f"{tuple(target_log_prob.shape)} and {tuple(log_prob.shape)}"
         )
     difference = target_log_prob - log_prob
     return difference.expm1() - difference
@@ -40,8 +41,8 @@ class K3(Objective):
     teacher_signal = "logprobs"
 
     kl_direction: Literal["reverse", "forward"] = "reverse"
-    """``reverse`` is k3(teacher, student), an estimate of KL(student || teacher) on student samples;
-    ``forward`` is k3(student, teacher), KL(teacher || student) on teacher samples."""
+    """``reverse`` is k3(teacher, student), an estimate of KL(student || teacher) on student
+    samples; ``forward`` is k3(student, teacher), KL(teacher || student) on teacher samples."""
 
     def token_losses(self, student: StudentRows, targets: TargetRows) -> TokenLosses:
         logprobs_N, entropy_N = student.logprobs()

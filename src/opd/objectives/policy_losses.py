@@ -24,14 +24,18 @@ def importance_sampling(logp_BT, sampler_logp_BT, advantages_BT, config: Mapping
 def ppo(logp_BT, sampler_logp_BT, advantages_BT, config: Mapping) -> torch.Tensor:
     """``-min(r * A, clip(r, low, high) * A)``: the clipped surrogate; bounds are ratio values."""
     ratio = torch.exp(logp_BT - sampler_logp_BT)
-    clipped = ratio.clamp(config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    clipped = ratio.clamp(
+        config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    )
     return -torch.minimum(ratio * advantages_BT, clipped * advantages_BT)
 
 
 def cispo(logp_BT, sampler_logp_BT, advantages_BT, config: Mapping) -> torch.Tensor:
     """``-sg(clip(r, low, high)) * logp * A``: clipped weights, gradient through log-probs only."""
     ratio = torch.exp(logp_BT - sampler_logp_BT).detach()
-    weight = ratio.clamp(config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    weight = ratio.clamp(
+        config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    )
     return -weight * logp_BT * advantages_BT
 
 
@@ -91,7 +95,9 @@ class PolicyGradient:
         return weight.to(loss.dtype) * loss
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, how: str, num_tokens: int, num_sequences: int):
+def aggregate(
+    loss_BT: torch.Tensor, mask_BT: torch.Tensor, how: str, num_tokens: int, num_sequences: int
+):
     """Reduce a per-token loss over a (micro-)batch that is part of a larger optimizer batch.
 
     ``num_tokens`` / ``num_sequences`` count the whole optimizer batch, so gradient

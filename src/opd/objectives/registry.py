@@ -18,7 +18,9 @@ def objectives() -> dict[str, type[Objective]]:
     """Name -> objective class for every registered objective: the default first, then by name."""
     for module in pkgutil.iter_modules(opd.objectives.__path__):
         importlib.import_module(f"opd.objectives.{module.name}")
-    return {name: REGISTRY[name] for name in sorted(REGISTRY, key=lambda name: (name != DEFAULT, name))}
+    return {
+        name: REGISTRY[name] for name in sorted(REGISTRY, key=lambda name: (name != DEFAULT, name))
+    }
 
 
 def objective_names(**having) -> list[str]:

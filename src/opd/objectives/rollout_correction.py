@@ -81,7 +81,10 @@ def correction_sums(
     the weights, the tokens bounded, and the largest weight."""
     kept = mask_BT.bool()
     rows = torch.arange(mask_BT.shape[0], device=mask_BT.device)[:, None].expand_as(mask_BT)
-    logprobs_N, sampler_N = logprobs_BT.detach()[kept], sampler_logprobs_BT.to(logprobs_BT.device)[kept]
+    logprobs_N, sampler_N = (
+        logprobs_BT.detach()[kept],
+        sampler_logprobs_BT.to(logprobs_BT.device)[kept],
+    )
     token_ratio_N = (logprobs_N - sampler_N).float().exp()
     ratio_N = correction.ratios(logprobs_N, sampler_N, rows[kept])
     weight_N = correction.weights(ratio_N)

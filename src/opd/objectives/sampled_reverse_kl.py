@@ -1,4 +1,5 @@
-"""``sampled_reverse_kl``: the teacher's judgement of each sampled token as a policy-gradient advantage.
+"""``sampled_reverse_kl``: the teacher's judgement of each sampled token as a policy-gradient
+advantage.
 
 The advantage of token t is ``-kl_penalty_coef * (log p_student(x_t) - log q_teacher(x_t))``
 (optionally discounted over the tokens after it), and ``training.loss_fn`` turns it into a loss
@@ -20,7 +21,8 @@ from opd.teachers.base import TeacherScores
 
 @dataclass(frozen=True)
 class SampledReverseKL(Objective):
-    """Negative per-token reverse KL as the advantage of a policy-gradient loss (the reference recipe)."""
+    """Negative per-token reverse KL as the advantage of a policy-gradient loss (the reference
+    recipe)."""
 
     name = "sampled_reverse_kl"
     teacher_signal = "logprobs"

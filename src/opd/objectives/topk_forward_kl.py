@@ -24,7 +24,8 @@ class TopKForwardKL(Objective):
     teacher_signal = "topk"
 
     topk: int = 32
-    """Teacher tokens kept per position (the rest is one bucket); a server's ``--max-logprobs`` caps it."""
+    """Teacher tokens kept per position (the rest is one bucket); a server's ``--max-logprobs`` caps
+    it."""
 
     def option_problems(self) -> Iterator[tuple[str, str]]:
         if self.topk <= 0:

@@ -64,7 +64,8 @@ def _gradient_from_probs_(
 
 
 class _ChunkedTopKForwardKL(torch.autograd.Function):
-    """Per-row top-k forward KL, the student's log-prob of each token and its entropy, chunk by chunk."""
+    """Per-row top-k forward KL, the student's log-prob of each token and its entropy, chunk by
+    chunk."""
 
     @staticmethod
     def forward(
@@ -88,7 +89,9 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
         teacher_tail_log_N = tail_logprob(teacher_topk_log_NK)
         teacher_tail_N = teacher_tail_log_N.exp()
         ctx.kept = None
-        for start, end, shifted in logit_chunks(hidden_ND, weight_VD, bias_V, transform, chunk_size):
+        for start, end, shifted in logit_chunks(
+            hidden_ND, weight_VD, bias_V, transform, chunk_size
+        ):
             ids = topk_ids_NK[start:end]
             row_max = shifted.amax(dim=-1)
             selected = shifted.gather(-1, token_ids_N[start:end, None]).squeeze(-1)
@@ -98,7 +101,9 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
             weighted = row_dot(exps, shifted)
             del shifted
             topk_exps = exps.gather(-1, ids)
-            tail_sum = exps.scatter_(-1, ids, 0.0).sum(-1)  # exact, where 1 - sum(top-k) would cancel
+            tail_sum = exps.scatter_(-1, ids, 0.0).sum(
+                -1
+            )  # exact, where 1 - sum(top-k) would cancel
             total = exps.scatter_(-1, ids, topk_exps).sum(-1)
             log_total = torch.log(total)
             logsumexp = row_max + log_total
@@ -108,11 +113,17 @@ class _ChunkedTopKForwardKL(torch.autograd.Function):
             floored = student_tail_log < LOG_TAIL_FLOOR
             student_tail_log = student_tail_log.clamp(min=LOG_TAIL_FLOOR)
             student_topk_log = topk_shifted - log_total[:, None]
-            teacher_log, teacher_prob = teacher_topk_log_NK[start:end], teacher_topk_prob_NK[start:end]
-            teacher_tail_log, teacher_tail = teacher_tail_log_N[start:end], teacher_tail_N[start:end]
-            loss_N[start:end] = (teacher_prob * (teacher_log - student_topk_log)).sum(-1) + teacher_tail * (
-                teacher_tail_log - student_tail_log
+            teacher_log, teacher_prob = (
+                teacher_topk_log_NK[start:end],
+                teacher_topk_prob_NK[start:end],
             )
+            teacher_tail_log, teacher_tail = (
+                teacher_tail_log_N[start:end],
+                teacher_tail_N[start:end],
+            )
+            loss_N[start:end] = (teacher_prob * (teacher_log - student_topk_log)).sum(
+                -1
+            ) + teacher_tail * (teacher_tail_log - student_tail_log)
             tail_ratio = torch.where(floored, 0.0, teacher_tail / student_tail_log.exp())
             weight_total = teacher_prob.sum(-1) + torch.where(floored, 0.0, teacher_tail)
             logsumexp_N[start:end], weight_total_N[start:end], tail_ratio_N[start:end] = (
@@ -192,10 +203,13 @@ def chunked_topk_forward_kl(
     """
     check_head_rows(hidden_ND, token_ids_N, chunk_size)
     rows = hidden_ND.shape[0]
-    if teacher_topk_ids_NK.shape != teacher_topk_log_NK.shape or teacher_topk_ids_NK.shape[:1] != (rows,):
+    if teacher_topk_ids_NK.shape != teacher_topk_log_NK.shape or teacher_topk_ids_NK.shape[:1] != (
+        rows,
+    ):
         raise ValueError(
             f"the teacher's top-k ids and log-probs must both be ({rows}, k), one row per scored "
-            f"position; got {tuple(teacher_topk_ids_NK.shape)} and {tuple(teacher_topk_log_NK.shape)}"
+            f"position; got {tuple(teacher_topk_ids_NK.shape)} and "
+            f"{tuple(teacher_topk_log_NK.shape)}"
         )
     weight, bias = head_weights(lm_head, vocab_size)
     refuse_ids_outside(teacher_topk_ids_NK, weight.shape[0], "teacher top-k id")

@@ -7,7 +7,8 @@ __all__ = ["Policy", "StudentConfig"]
 
 
 def __getattr__(name: str) -> object:
-    """:class:`Policy` on first use: it imports peft and transformers, which a config check does not need."""
+    """:class:`Policy` on first use: it imports peft and transformers, which a config check does not
+    need."""
     if name == "Policy":
         from opd.policy.policy import Policy
 

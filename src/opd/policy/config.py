@@ -12,8 +12,8 @@ from opd.locations import device_problem, missing_path_problem
 
 @dataclass
 class StudentConfig:
-    """The model being trained (the engine that samples its rollouts declares its own settings beside
-    it, in :mod:`opd.sampling`, and the ``student`` section holds both)."""
+    """The model being trained (the engine that samples its rollouts declares its own settings
+    beside it, in :mod:`opd.sampling`, and the ``student`` section holds both)."""
 
     model: str
     """Hugging Face model id or local directory."""
@@ -24,13 +24,15 @@ class StudentConfig:
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch."""
     lora_target_modules: list[str] | str = "all-linear"
-    """Modules that get adapters: PEFT's ``all-linear`` (every linear layer but the lm head) or names."""
+    """Modules that get adapters: PEFT's ``all-linear`` (every linear layer but the lm head) or
+    names."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype; ``auto`` is bfloat16 on a GPU that supports it, float32 otherwise."""
     device: str = "auto"
     """``auto`` (CUDA if available, else CPU), or a torch device string such as ``cuda:1``."""
     chat_template: str | None = None
-    """A Jinja chat template replacing the tokenizer's own (required for base models without one)."""
+    """A Jinja chat template replacing the tokenizer's own (required for base models without
+    one)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Variables the chat template reads, e.g. ``{enable_thinking: false}`` to turn off Qwen3's
     thinking mode (its template thinks unless told not to)."""

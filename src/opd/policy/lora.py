@@ -47,8 +47,17 @@ def _is_plain_lora_layer(module: nn.Module) -> bool:
     if not hasattr(module, "get_delta_weight") or not isinstance(base_weight, nn.Parameter):
         return False
     adapters = list(module.active_adapters)
-    special = [getattr(module, flag, {}).get(name) for flag in ("use_dora", "lora_bias") for name in adapters]
-    return bool(adapters) and not any(special) and not module.merged_adapters and not module.disable_adapters
+    special = [
+        getattr(module, flag, {}).get(name)
+        for flag in ("use_dora", "lora_bias")
+        for name in adapters
+    ]
+    return (
+        bool(adapters)
+        and not any(special)
+        and not module.merged_adapters
+        and not module.disable_adapters
+    )
 
 
 def mergeable_lora_layers(model: nn.Module, only: set[str] | None = None) -> dict[str, nn.Module]:
@@ -59,7 +68,9 @@ def mergeable_lora_layers(model: nn.Module, only: set[str] | None = None) -> dic
     already merged or disabled, or when it uses DoRA or a LoRA bias (not a plain weight sum).
     ``only``: look only at layers whose base weight's name is in it (the rest may be sharded).
     """
-    use_count = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    use_count = Counter(
+        id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False)
+    )
     layers = {}
     for name, module in model.named_modules():
         if only is not None and f"{name}.base_layer.weight" not in only:
@@ -92,7 +103,8 @@ def sampler_weights(
     merged: dict[str, nn.Module] | None = None,
     only: set[str] | None = None,
 ):
-    """``(name, tensor)`` for every floating-point weight a sampler of ``model`` needs, in ``dtype``.
+    """``(name, tensor)`` for every floating-point weight a sampler of ``model`` needs, in
+    ``dtype``.
 
     Names are those of the model without PEFT's wrapper, with the ``merged`` layers (default: every
     mergeable one) folded: their weight is ``W + scale * B @ A``. Other weights are cast, which

@@ -49,7 +49,8 @@ class Policy:
         self.device = module_device(model)
         self.version = 0
         self.parallel: ParallelMode = parallel_mode("none")
-        """How :meth:`parallelize` shares the student among processes (:mod:`opd.policy.parallel`)."""
+        """How :meth:`parallelize` shares the student among processes
+        (:mod:`opd.policy.parallel`)."""
 
     @classmethod
     def load(cls, student: StudentConfig, vocab_size: int) -> Policy:
@@ -122,7 +123,8 @@ class Policy:
         return self.base_model.dtype
 
     def generation_stop_ids(self) -> list[int]:
-        """The end-of-sequence ids the checkpoint's generation config names (none when it names none)."""
+        """The end-of-sequence ids the checkpoint's generation config names (none when it names
+        none)."""
         config = self.base_model.generation_config
         eos = config.eos_token_id if config is not None else None
         return [i for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
@@ -148,7 +150,8 @@ class Policy:
         *,
         autocast_dtype: torch.dtype | None = None,
     ):
-        """``(rows_function(hidden_ND, token_ids_N, lm_head), selected_BT)`` over the scored positions.
+        """``(rows_function(hidden_ND, token_ids_N, lm_head), selected_BT)`` over the scored
+        positions.
 
         The body runs under ``torch.autocast(autocast_dtype)`` when given; the hidden states come
         back in the head's dtype (:func:`opd.logprobs.scored_hidden_states`).
@@ -209,10 +212,13 @@ class Policy:
         def weights(only: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
             return sampler_weights(self.model, dtype, only=only)
 
-        yield from self.parallel.streamed_weights(self.module, weights, names, bucket_bytes, dtype.itemsize)
+        yield from self.parallel.streamed_weights(
+            self.module, weights, names, bucket_bytes, dtype.itemsize
+        )
 
     def save(self, directory: Path) -> None:
-        """The weights as safetensors: a PEFT adapter under LoRA, a full Hugging Face model otherwise."""
+        """The weights as safetensors: a PEFT adapter under LoRA, a full Hugging Face model
+        otherwise."""
         self.model.save_pretrained(directory, safe_serialization=True)
 
     def save_adapter(self, directory: Path) -> None:

@@ -27,7 +27,9 @@ def load_weights(model, model_dir: Path) -> None:
     try:
         if adapter.exists():
             if not hasattr(model, "peft_config"):
-                raise CheckpointError(f"{model_dir} holds a LoRA adapter but the student is not a LoRA model")
+                raise CheckpointError(
+                    f"{model_dir} holds a LoRA adapter but the student is not a LoRA model"
+                )
             set_peft_model_state_dict(model, load_file(adapter))
             return
         files = sorted(model_dir.glob("*.safetensors"))
@@ -41,15 +43,19 @@ def load_weights(model, model_dir: Path) -> None:
     except Exception as error:
         path = adapter if adapter.exists() else model_dir
         raise CheckpointError(
-            f"weights in {path} are corrupt or truncated ({error}); load another checkpoint or model "
-            "directory"
+            f"weights in {path} are corrupt or truncated ({error}); load another checkpoint or "
+            "model directory"
         ) from error
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {name for name in missing if "lm_head" in name} if model.config.tie_word_embeddings else set()
+    tied = (
+        {name for name in missing if "lm_head" in name}
+        if model.config.tie_word_embeddings
+        else set()
+    )
     if unexpected or set(missing) - tied:
         raise CheckpointError(
-            f"{model_dir}: weights do not match the student (missing {sorted(set(missing) - tied)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]})"
+            f"{model_dir}: weights do not match the student (missing "
+            f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
     with torch.no_grad():
         model.tie_weights()

@@ -63,7 +63,8 @@ def _fsync_tree(directory: Path) -> None:
 
 
 class WholeWrites(io.RawIOBase):
-    """A file ``torch.save`` writes through, so that a full disk raises OSError (ENOSPC) in its chain.
+    """A file ``torch.save`` writes through, so that a full disk raises OSError (ENOSPC) in its
+    chain.
 
     Given a path, torch writes with C++ streams and reports a full disk as a bare RuntimeError;
     given this, every write goes through ``os.write``, retried until whole or refused.
@@ -139,14 +140,18 @@ def save_checkpoint(
         if main:
             _commit(log_path, staging, record, tokenizer, trainer_state)
     except BaseException:
-        if main:  # a save that failed (disk full, interrupted) leaves the previous checkpoints alone
+        if (
+            main
+        ):  # a save that failed (disk full, interrupted) leaves the previous checkpoints alone
             shutil.rmtree(staging, ignore_errors=True)
         raise
     barrier()
     return record
 
 
-def _commit(log_path: Path, staging: Path, record: CheckpointRecord, tokenizer, trainer_state: dict) -> None:
+def _commit(
+    log_path: Path, staging: Path, record: CheckpointRecord, tokenizer, trainer_state: dict
+) -> None:
     """Finish a staged checkpoint: tokenizer, trainer state, marker; fsync; rename; index."""
     name, step, final = record.name, record.step, record.path
     tokenizer.save_pretrained(staging / "model")
@@ -160,7 +165,8 @@ def _commit(log_path: Path, staging: Path, record: CheckpointRecord, tokenizer, 
     _fsync_tree(final.parent)
     with (log_path / INDEX_NAME).open("a", encoding="utf-8") as handle:
         handle.write(
-            json.dumps({"name": name, "step": step, "path": str(final.relative_to(log_path))}) + "\n"
+            json.dumps({"name": name, "step": step, "path": str(final.relative_to(log_path))})
+            + "\n"
         )
         handle.flush()
         os.fsync(handle.fileno())
@@ -201,11 +207,13 @@ def load_trainer_state(record: CheckpointRecord, older: list[CheckpointRecord]) 
         raise corrupt_checkpoint_error(path, error, older) from error
 
 
-def corrupt_checkpoint_error(path: Path, error: Exception, older: list[CheckpointRecord]) -> CheckpointError:
+def corrupt_checkpoint_error(
+    path: Path, error: Exception, older: list[CheckpointRecord]
+) -> CheckpointError:
     """The error for an unreadable checkpoint file, naming the next older good checkpoint."""
     offer = (
-        f"The next older checkpoint is {older[-1].path} (step {older[-1].step}): remove {path.parent} "
-        "and its line in checkpoints.jsonl to resume from it."
+        f"The next older checkpoint is {older[-1].path} (step {older[-1].step}): remove "
+        f"{path.parent} and its line in checkpoints.jsonl to resume from it."
         if older
         else "No older checkpoint exists; start again with on_existing_log_path: overwrite."
     )

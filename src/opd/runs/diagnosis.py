@@ -18,7 +18,8 @@ MEANINGS: dict[str, str] = {
         "share of groups whose rewards are all equal: those carry no reward signal (centred within "
         "the group, their reward term is 0). At 1 the reward teaches nothing"
     ),
-    "reward/mean": "the task's mean reward on the student's own samples (graded, or the episode's sum)",
+    "reward/mean": "the task's mean reward on the student's own samples (graded, or the episode's "
+    "sum)",
     "reward_share": (
         "the reward's share of the advantage: mean |reward term| / (mean |reward term| + mean "
         "|teacher term|) per completion token"
@@ -32,9 +33,9 @@ MEANINGS: dict[str, str] = {
         "(teacher_kl/reasoning): where the student and teacher still disagree"
     ),
     "diag/first_wrong_teacher_prob": (
-        "the teacher's probability of the student's token where a wrong answer first parts from the "
-        "right one: near 0, the teacher's signal points at the mistake; near 1, the teacher agreed "
-        "with it (the error came earlier, or the teacher makes it too)"
+        "the teacher's probability of the student's token where a wrong answer first parts from "
+        "the right one: near 0, the teacher's signal points at the mistake; near 1, the teacher "
+        "agreed with it (the error came earlier, or the teacher makes it too)"
     ),
     "teacher/topk_mass": (
         "the probability the teacher's top-k tokens hold at the student's positions: well below 1, "
@@ -58,7 +59,8 @@ def _first_last(rows: list[dict], key: str) -> tuple[float, float] | None:
 
 
 def diagnosis_lines(rows: list[dict]) -> list[tuple[str, str]]:
-    """(figure, what it means with the run's first and last value) for each figure the run logged."""
+    """(figure, what it means with the run's first and last value) for each figure the run
+    logged."""
     train_rows = [row | {"reward_share": reward_share(row)} for row in rows if "loss" in row]
     lines = []
     for key, meaning in MEANINGS.items():
@@ -79,10 +81,10 @@ def batch_shape_advice(config: dict) -> list[str]:
         size, prompts = dataset.get("group_size"), dataset.get("groups_per_batch")
         if isinstance(size, int) and isinstance(prompts, int) and size > 1:
             advice.append(
-                f"datasets[{index}] samples {size} completions of each of {prompts} prompts a step, "
-                "and no reward compares them: the same samples on more prompts "
-                f"(groups_per_batch: {prompts * size}, group_size: 1) learned far more per step and "
-                "per FLOP on the lab's tasks (docs/quality.md)"
+                f"datasets[{index}] samples {size} completions of each of {prompts} prompts a "
+                "step, and no reward compares them: the same samples on more prompts "
+                f"(groups_per_batch: {prompts * size}, group_size: 1) learned far more per step "
+                "and per FLOP on the lab's tasks (docs/quality.md)"
             )
     return advice
 
@@ -102,7 +104,8 @@ def diagnosis_html(rows: list[dict], config: dict) -> str:
     """The report's section: the diagnostic figures' meaning with the run's values, then what to
     try (the watchdog's rules replayed, the measured rules about the run's settings)."""
     lines = "".join(
-        f"<tr><td>{html.escape(key)}</td><td>{text}</td></tr>" for key, text in diagnosis_lines(rows)
+        f"<tr><td>{html.escape(key)}</td><td>{text}</td></tr>"
+        for key, text in diagnosis_lines(rows)
     )
     advice = what_to_try(rows, config)
     tried = (

@@ -16,7 +16,8 @@ KL_THRESHOLDS = (0.1, 1.0)
 def colorize_example(
     tokenizer, input_ids: list[int], mask: list[float], reverse_kl: torch.Tensor | None
 ) -> str:
-    """Prompt tokens dim; trained tokens green / yellow / red as their reverse KL is <0.1, <1, >=1 nats.
+    """Prompt tokens dim; trained tokens green / yellow / red as their reverse KL is <0.1, <1, >=1
+    nats.
 
     Without a KL (SFT has no teacher forward) trained tokens are shown plain.
     """
@@ -48,9 +49,14 @@ def first_row_per_dataset(dataset_index_B: torch.Tensor) -> dict[int, int]:
 
 
 def sample_records(
-    tokenizer, dataset_names: list[str], step: int, batch: RolloutBatch, reverse_kl_BT: torch.Tensor | None
+    tokenizer,
+    dataset_names: list[str],
+    step: int,
+    batch: RolloutBatch,
+    reverse_kl_BT: torch.Tensor | None,
 ) -> list[dict]:
-    """One sample per dataset for ``samples.jsonl``: prompt, completion tokens, their KL (None in SFT)."""
+    """One sample per dataset for ``samples.jsonl``: prompt, completion tokens, their KL (None in
+    SFT)."""
     records = []
     for dataset_index, row in first_row_per_dataset(batch.dataset_index_B).items():
         length = int(batch.attention_mask_BT[row].sum())

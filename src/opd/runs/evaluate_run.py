@@ -24,7 +24,9 @@ from opd.runs.sharded_state import load_checkpoint_weights
 RESULTS_NAME = "eval.jsonl"
 
 
-def evaluate_run(run_dir: str | Path, *, checkpoint: str | Path | None = None, base: bool = False) -> dict:
+def evaluate_run(
+    run_dir: str | Path, *, checkpoint: str | Path | None = None, base: bool = False
+) -> dict:
     """``test/*`` metrics of the latest checkpoint (or ``checkpoint``, or the untrained student).
 
     The result is printed by the CLI and appended to ``<run_dir>/eval.jsonl``.
@@ -36,8 +38,8 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | Path | None = None, b
     config = config_from_dict(yaml.safe_load(config_file.read_text()))
     if not any(eval_source_of(d)[0] for d in config.datasets):
         raise ConfigError(
-            "datasets: no held-out prompts; set datasets[i].eval_source "
-            "(generated sources have a @test split)"
+            "datasets: no held-out prompts; set datasets[i].eval_source (generated sources have a "
+            "@test split)"
         )
     model_dir = None if base else Path(checkpoint) if checkpoint else latest_model_dir(run_dir)
     student = load_student(config)

@@ -16,7 +16,10 @@ from opd.sampling.episodes import play_episodes
 
 
 def grades(
-    renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader | None
+    renderer: ChatRenderer,
+    completions: list[Completion],
+    prompts: list[Prompt],
+    grader: Grader | None,
 ) -> list[float]:
     """The grade of each completion (special tokens removed) against its prompt; an episode's grade
     is its reward, the sum of its steps' (0 when its environment gave none)."""
@@ -27,7 +30,10 @@ def grades(
 
 
 def graded_sum(
-    renderer: ChatRenderer, completions: list[Completion], prompts: list[Prompt], grader: Grader | None
+    renderer: ChatRenderer,
+    completions: list[Completion],
+    prompts: list[Prompt],
+    grader: Grader | None,
 ) -> float:
     """Sum of the grades of completions against their prompts (:func:`grades`)."""
     return sum(grades(renderer, completions, prompts, grader))
@@ -55,7 +61,8 @@ def accuracy(
     max_tokens: int,
     rendered: list[list[int]] | None = None,
 ) -> float:
-    """Mean grade of greedy completions; ``rendered`` (the prompts' token ids) if already at hand."""
+    """Mean grade of greedy completions; ``rendered`` (the prompts' token ids) if already at
+    hand."""
     if rendered is None:
         rendered = [renderer.prompt_ids(p.messages) for p in prompts]
     completions = sampler.sample(rendered, temperature=1.0, max_tokens=max_tokens, greedy=True)
@@ -101,12 +108,13 @@ def evaluate(
     seed: int,
     pad_id: int,
 ) -> dict[str, float]:
-    """``test/<name>/accuracy`` (greedy: the share of answers graded fully right), ``test/<name>/score``
-    (greedy: the grader's mean, partial credit included), ``test/<name>/pass@1`` (the share fully right
-    at the sampling temperature) and ``test/<name>/teacher_kl`` (sampled),
-    ``test/<name>/turns`` (an environment's sets: turns of the greedy episodes; their accuracy is
-    the success rate, the episode's reward),
-    and ``test/<name>/num_prompts``, the set's size, which says how far apart two accuracies can be by chance.
+    """``test/<name>/accuracy`` (greedy: the share of answers graded fully right),
+    ``test/<name>/score`` (greedy: the grader's mean, partial credit included),
+    ``test/<name>/pass@1`` (the share fully right at the sampling temperature) and
+    ``test/<name>/teacher_kl`` (sampled), ``test/<name>/turns`` (an environment's sets: turns of the
+    greedy episodes; their accuracy is the success rate, the episode's reward),
+    and ``test/<name>/num_prompts``, the set's size, which says how far apart two accuracies can be
+    by chance.
 
     Among several processes each evaluates every N-th prompt (each sampled with its own row's
     seed) and the sums are added up over processes: the figures are those one process gets. A
@@ -127,12 +135,16 @@ def evaluate(
 
         graded = eval_set.grader is not None or eval_set.environment is not None
         if graded:
-            greedy = play(sampler, renderer, eval_set, prompts, rendered, seeds, 1.0, max_tokens, greedy=True)
+            greedy = play(
+                sampler, renderer, eval_set, prompts, rendered, seeds, 1.0, max_tokens, greedy=True
+            )
             greedy_grades = grades(renderer, greedy, prompts, eval_set.grader)
             sums["accuracy"], sums["score"] = right(greedy_grades), sum(greedy_grades)
             if eval_set.environment is not None:
                 sums["turns"] = sum(len(c.trajectory.turns) for c in greedy)
-        sampled = play(sampler, renderer, eval_set, prompts, rendered, seeds, temperature, max_tokens)
+        sampled = play(
+            sampler, renderer, eval_set, prompts, rendered, seeds, temperature, max_tokens
+        )
         if graded:
             sums["pass@1"] = right(grades(renderer, sampled, prompts, eval_set.grader))
         if eval_set.score is not None:
@@ -143,9 +155,13 @@ def evaluate(
                 pad_id,
                 prompts,
             )
-            kl = reverse_kl_per_token(batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT)
+            kl = reverse_kl_per_token(
+                batch.sampled_logprobs_BT, eval_set.score(batch), batch.mask_BT
+            )
             sums["kl"], sums["tokens"] = float(kl.sum()), float(batch.mask_BT.sum())
-        totals = dict(zip(sums, all_reduce([weight * value for value in sums.values()]), strict=True))
+        totals = dict(
+            zip(sums, all_reduce([weight * value for value in sums.values()]), strict=True)
+        )
         for key in ("accuracy", "score", "pass@1", "turns"):
             if key in totals:
                 metrics[f"{prefix}/{key}"] = totals[key] / totals["prompts"]

@@ -28,7 +28,11 @@ class MetricsLogger(Protocol):
 
 
 def _numeric(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 class TensorBoardLogger:
@@ -56,7 +60,9 @@ class WandbLogger:
 
         log_path = Path(config.log_path)
         run_id_file = log_path / "wandb_run_id"
-        run_id = run_id_file.read_text().strip() if run_id_file.exists() else wandb.util.generate_id()
+        run_id = (
+            run_id_file.read_text().strip() if run_id_file.exists() else wandb.util.generate_id()
+        )
         run_id_file.write_text(run_id)
         self.run = wandb.init(
             project=config.wandb_project,
@@ -78,7 +84,8 @@ MLFLOW_KEY = re.compile(r"[^\w\-./ ]")
 
 
 class MlflowLogger:
-    """An MLflow run in ``mlflow_tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else ``<log_path>/mlruns``.
+    """An MLflow run in ``mlflow_tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else
+    ``<log_path>/mlruns``.
 
     The last is MLflow's file store, which MLflow 3 keeps in maintenance mode and only opens
     when ``MLFLOW_ALLOW_FILE_STORE`` is set: opd sets it for that fallback alone.

@@ -53,5 +53,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             if number < len(lines):
                 raise
-            # the last line of a run killed (or out of disk) mid-write: that step is redone on resume
+            # the last line of a run killed (or out of disk) mid-write: that step is redone on
+            # resume
     return records

@@ -12,18 +12,11 @@ import statistics
 from pathlib import Path
 
 from opd.runs.diagnosis import diagnosis_html, reward_share
+from opd.runs.figures import PHASES, distinct, gantt, line_figure, series, time_split
 from opd.runs.metrics import read_jsonl
 from opd.runs.resume import CONFIG_NAME, METRICS_NAME, SAMPLES_NAME, TIMING_NAME
 
-PHASES = ("sample", "teacher", "train", "eval", "checkpoint")
 LEGEND = ((0.1, "0.1"), (0.5, "0.5"), (1.0, "1"), (2.0, "2+ nats"))
-PHASE_COLOURS = {
-    "sample": "#4c72b0",
-    "teacher": "#dd8452",
-    "train": "#55a868",
-    "eval": "#8172b3",
-    "checkpoint": "#937860",
-}
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }
 h1 { font-size: 1.6rem; } h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
@@ -37,119 +30,6 @@ td, th { border: 1px solid #ddd; padding: .35rem .5rem; vertical-align: top; tex
 .completion { white-space: pre-wrap; font-family: ui-monospace, monospace; }
 .legend span { padding: 0 .4rem; }
 """
-
-
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
-    return [p[0] for p in points], [p[1] for p in points]
-
-
-def _figure(title: str, curves: dict[str, tuple[list, list]], ylabel: str, path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    curves = {name: xy for name, xy in curves.items() if xy[0]}
-    if not curves:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
-    for name, (steps, values) in curves.items():
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-STEP_PHASES = ("sample", "teacher", "train")
-"""Phases every step has, drawn as smoothed stacked areas; the occasional ones (evaluation,
-checkpoint) are drawn as points at the steps they ran, where an average would hide them."""
-
-
-def smoothed(values: list[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` values (fewer at the start)."""
-    out, total = [], 0.0
-    for index, value in enumerate(values):
-        total += value - (values[index - window] if index >= window else 0.0)
-        out.append(total / min(index + 1, window))
-    return out
-
-
-def _time_split(rows: list[dict], path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [row for row in rows if "time/total" in row]
-    if not rows:
-        return None
-    window = max(1, len(rows) // 40)
-    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
-    steps = [row["step"] for row in rows]
-    stacked = {
-        phase: smoothed([row.get(f"time/{phase}") or 0.0 for row in rows], window) for phase in STEP_PHASES
-    }
-    stacked = {phase: values for phase, values in stacked.items() if any(values)}
-    ax.stackplot(
-        steps,
-        *stacked.values(),
-        labels=list(stacked),
-        colors=[PHASE_COLOURS[phase] for phase in stacked],
-        alpha=0.85,
-    )
-    for phase in PHASES:
-        if phase in STEP_PHASES:
-            continue
-        marked = [(row["step"], row[f"time/{phase}"]) for row in rows if row.get(f"time/{phase}")]
-        if marked:
-            ax.scatter(
-                *zip(*marked, strict=True), s=14, color=PHASE_COLOURS[phase], label=f"{phase} (when run)"
-            )
-    smoothing = f", mean of {window} steps" if window > 1 else ""
-    ax.set_title(f"seconds per step, by phase{smoothing}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _gantt(spans: list[dict], step: int, path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    chosen = [span for span in spans if span["step"] == step]
-    if not chosen:
-        return None
-    origin = min(span["start"] for span in chosen)
-    fig, ax = plt.subplots(figsize=(6, 2.2), dpi=110)
-    names = [name for name in PHASES if any(span["name"] == name for span in chosen)]
-    for span in chosen:
-        ax.barh(
-            names.index(span["name"]),
-            span["end"] - span["start"],
-            left=span["start"] - origin,
-            color=PHASE_COLOURS.get(span["name"], "#999"),
-        )
-    ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("seconds from the start of the step")
-    ax.set_title(f"timeline of step {step}")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def _kl_colour(kl: float) -> str:
@@ -169,13 +49,15 @@ def _sample_rows(samples: list[dict], steps: list[int]) -> str:
             tokens, mean_kl = html.escape("".join(sample["tokens"])), "-"
         else:
             tokens = "".join(
-                f'<span style="background:{_kl_colour(kl)}" title="KL {kl:.3f}">{html.escape(token)}</span>'
+                f'<span style="background:{_kl_colour(kl)}" title="KL '
+                f'{kl:.3f}">{html.escape(token)}</span>'
                 for token, kl in zip(sample["tokens"], sample["token_kl"], strict=True)
             )
             mean_kl = f"{sum(sample['token_kl']) / max(len(sample['token_kl']), 1):.3f}"
         rows.append(
             f"<tr><td>{sample['step']}</td><td>{html.escape(sample['dataset'])}</td>"
-            f'<td class="prompt">{html.escape(sample["prompt"])}</td><td class="completion">{tokens}</td>'
+            f'<td class="prompt">{html.escape(sample["prompt"])}</td><td '
+            f'class="completion">{tokens}</td>'
             f"<td>{mean_kl}</td></tr>"
         )
     return "\n".join(rows)
@@ -192,16 +74,6 @@ def _embed(path: Path | None, caption: str) -> str:
     )
 
 
-def distinct(curves: dict[str, tuple[list, list]]) -> dict[str, tuple[list, list]]:
-    """The curves less any that repeats one before it (one dataset's ``teacher_kl/<name>`` is
-    ``teacher_kl``: drawn twice, one hides the other)."""
-    kept: dict[str, tuple[list, list]] = {}
-    for key, curve in curves.items():
-        if curve not in kept.values():
-            kept[key] = curve
-    return kept
-
-
 def build_report(
     run_dir: str | Path, out: str | Path | None = None, sample_steps: list[int] | None = None
 ) -> Path:
@@ -209,7 +81,9 @@ def build_report(
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_NAME
     if not metrics_path.exists():
-        raise FileNotFoundError(f"{run_dir}: no {METRICS_NAME}; is this a run directory (a log_path)?")
+        raise FileNotFoundError(
+            f"{run_dir}: no {METRICS_NAME}; is this a run directory (a log_path)?"
+        )
     rows = read_jsonl(metrics_path)
     out = Path(out) if out else run_dir / "report.html"
     figures = out.parent / f"{out.stem}_files"
@@ -219,27 +93,46 @@ def build_report(
 
     split = ("teacher_kl/answer", "teacher_kl/reasoning")
     kl_curves = distinct(
-        {key: _series(train_rows, key) for key in keys if key.startswith("teacher_kl") and key not in split}
+        {
+            key: series(train_rows, key)
+            for key in keys
+            if key.startswith("teacher_kl") and key not in split
+        }
     )
     share_rows = [{"step": row["step"], "reward_share": reward_share(row)} for row in train_rows]
-    group_curves = {key: _series(train_rows, key) for key in ("group/distinct", "reward/constant_groups")}
-    reward_keys = sorted((k for k in keys if k.startswith("reward/")), key=lambda k: k != "reward/mean")
-    reward_curves = {key: _series(train_rows, key) for key in reward_keys}  # the mean drawn, not its twin
+    group_curves = {
+        key: series(train_rows, key) for key in ("group/distinct", "reward/constant_groups")
+    }
+    reward_keys = sorted(
+        (k for k in keys if k.startswith("reward/")), key=lambda k: k != "reward/mean"
+    )
+    reward_curves = {
+        key: series(train_rows, key) for key in reward_keys
+    }  # the mean drawn, not its twin
     reward_curves = distinct(
         {k: v for k, v in reward_curves.items() if k not in group_curves and "kept" not in k}
     )
-    reward_curves["reward share of the advantage"] = _series(share_rows, "reward_share")
-    split_curves = {key: _series(train_rows, key) for key in split}
+    reward_curves["reward share of the advantage"] = series(share_rows, "reward_share")
+    split_curves = {key: series(train_rows, key) for key in split}
     teacher_view = {
-        key: _series(train_rows, key) for key in ("diag/first_wrong_teacher_prob", "teacher/topk_mass")
+        key: series(train_rows, key)
+        for key in ("diag/first_wrong_teacher_prob", "teacher/topk_mass")
     }
-    objective_curves = {key: _series(train_rows, key) for key in keys if key.startswith("objective/")}
-    accuracy_curves = {key: _series(rows, key) for key in keys if key.endswith(("/accuracy", "/pass@1"))}
+    objective_curves = {
+        key: series(train_rows, key) for key in keys if key.startswith("objective/")
+    }
+    accuracy_curves = {
+        key: series(rows, key) for key in keys if key.endswith(("/accuracy", "/pass@1"))
+    }
     test_kl_curves = {
-        key: _series(rows, key) for key in keys if key.startswith("test/") and key.endswith("/teacher_kl")
+        key: series(rows, key)
+        for key in keys
+        if key.startswith("test/") and key.endswith("/teacher_kl")
     }
     health_curves = {
-        key: _series(train_rows, key) for key in ("entropy", "kl_sample_train", "post_kl") if key in keys
+        key: series(train_rows, key)
+        for key in ("entropy", "kl_sample_train", "post_kl")
+        if key in keys
     }
     spans = read_jsonl(run_dir / TIMING_NAME)
     step_totals = [row["time/total"] for row in train_rows if "time/total" in row]
@@ -251,43 +144,69 @@ def build_report(
     sections = [
         (
             "Teacher KL (training batches)",
-            _figure("teacher KL per token", kl_curves, "nats / token", figures / "teacher_kl.png"),
+            line_figure(
+                "teacher KL per token", kl_curves, "nats / token", figures / "teacher_kl.png"
+            ),
         ),
         (
             "Objective",
-            _figure("objective per token", objective_curves, "loss / token", figures / "objective.png"),
+            line_figure(
+                "objective per token", objective_curves, "loss / token", figures / "objective.png"
+            ),
         ),
         (
             "Held-out accuracy",
-            _figure("held-out accuracy", accuracy_curves, "fraction correct", figures / "accuracy.png"),
+            line_figure(
+                "held-out accuracy", accuracy_curves, "fraction correct", figures / "accuracy.png"
+            ),
         ),
         (
             "Held-out teacher KL",
-            _figure("held-out teacher KL", test_kl_curves, "nats / token", figures / "test_teacher_kl.png"),
+            line_figure(
+                "held-out teacher KL",
+                test_kl_curves,
+                "nats / token",
+                figures / "test_teacher_kl.png",
+            ),
         ),
         (
             "Entropy and health checks",
-            _figure(
-                "student entropy, sampler-trainer KL", health_curves, "nats / token", figures / "health.png"
+            line_figure(
+                "student entropy, sampler-trainer KL",
+                health_curves,
+                "nats / token",
+                figures / "health.png",
             ),
         ),
         (
             "Group diversity",
-            _figure("samples of a prompt", group_curves, "share", figures / "groups.png"),
+            line_figure("samples of a prompt", group_curves, "share", figures / "groups.png"),
         ),
-        ("Reward", _figure("the task's reward", reward_curves, "reward / share", figures / "reward.png")),
+        (
+            "Reward",
+            line_figure(
+                "the task's reward", reward_curves, "reward / share", figures / "reward.png"
+            ),
+        ),
         (
             "Teacher KL at the answer and before it",
-            _figure("teacher KL: answer vs the rest", split_curves, "nats / token", figures / "split.png"),
+            line_figure(
+                "teacher KL: answer vs the rest",
+                split_curves,
+                "nats / token",
+                figures / "split.png",
+            ),
         ),
         (
             "The teacher's view of the student's tokens",
-            _figure("teacher probabilities", teacher_view, "probability", figures / "teacher_view.png"),
+            line_figure(
+                "teacher probabilities", teacher_view, "probability", figures / "teacher_view.png"
+            ),
         ),
-        ("Time per phase", _time_split(train_rows, figures / "time_split.png")),
+        ("Time per phase", time_split(train_rows, figures / "time_split.png")),
         (
             f"Timeline of step {typical} (median duration)",
-            _gantt(spans, typical, figures / "gantt.png") if typical is not None else None,
+            gantt(spans, typical, figures / "gantt.png") if typical is not None else None,
         ),
     ]
     samples_path = run_dir / SAMPLES_NAME
@@ -307,20 +226,21 @@ def build_report(
         "<h2>Curves</h2>",
         '<div class="grid">' + "".join(_embed(path, title) for title, path in sections) + "</div>",
         "<h2>Sample completions</h2>",
-        '<p class="legend">Each completion token is shaded by its sampled reverse KL to the teacher: '
+        '<p class="legend">Each completion token is shaded by its sampled reverse KL to the '
+        "teacher: "
         + "".join(f'<span style="background:{_kl_colour(v)}">{label}</span>' for v, label in LEGEND)
-        + "; hover a token for its value. Each value is the sampled estimate log p<sub>student</sub> "
-        "&minus; log p<sub>teacher</sub> of one token: negative where the teacher likes the token more "
-        "than the student does, so a sample's mean can be below zero; averaged over many samples it "
-        "estimates the KL, which never is.</p>",
-        "<table><tr><th>step</th><th>dataset</th><th>prompt</th><th>completion</th><th>mean KL</th></tr>"
-        + _sample_rows(samples, sample_steps or [])
-        + "</table>",
+        + "; hover a token for its value. Each value is the sampled estimate log "
+        "p<sub>student</sub> &minus; log p<sub>teacher</sub> of one token: negative where the "
+        "teacher likes the token more than the student does, so a sample's mean can be below zero; "
+        "averaged over many samples it estimates the KL, which never is.</p>",
+        "<table><tr><th>step</th><th>dataset</th><th>prompt</th><th>completion</th><th>mean "
+        "KL</th></tr>" + _sample_rows(samples, sample_steps or []) + "</table>",
     ]
     title = f"opd report: {html.escape(run_dir.name)}"
     head = f'<head><meta charset="utf-8"><title>{title}</title><style>{STYLE}</style></head>'
     out.write_text(
-        f'<!doctype html><html lang="en">{head}<body>{"".join(body)}</body></html>', encoding="utf-8"
+        f'<!doctype html><html lang="en">{head}<body>{"".join(body)}</body></html>',
+        encoding="utf-8",
     )
     return out
 
@@ -339,7 +259,9 @@ def _objective_text(objective) -> str:
     if not isinstance(objective, dict):
         return str(objective)
     options = ", ".join(f"{k} {v}" for k, v in objective.items() if k != "name")
-    return f"{objective.get('name', '?')} ({options})" if options else str(objective.get("name", "?"))
+    return (
+        f"{objective.get('name', '?')} ({options})" if options else str(objective.get("name", "?"))
+    )
 
 
 def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
@@ -360,7 +282,12 @@ def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
             f"{series[0]:.4f} &rarr; {series[-1]:.4f}"
         )
     for key in sorted(
-        {k for row in rows for k in row if k.startswith("test/") and k.endswith(("/accuracy", "/teacher_kl"))}
+        {
+            k
+            for row in rows
+            for k in row
+            if k.startswith("test/") and k.endswith(("/accuracy", "/teacher_kl"))
+        }
     ):
         series = [row[key] for row in rows if row.get(key) is not None]
         sizes = [
@@ -379,7 +306,9 @@ def _summary(run_dir: Path, rows: list[dict], train_rows: list[dict]) -> str:
     totals = {phase: sum(row.get(f"time/{phase}") or 0.0 for row in rows) for phase in PHASES}
     overall = sum(totals.values())
     if overall:
-        facts["time split"] = ", ".join(f"{p} {100 * t / overall:.0f}%" for p, t in totals.items() if t)
+        facts["time split"] = ", ".join(
+            f"{p} {100 * t / overall:.0f}%" for p, t in totals.items() if t
+        )
     return "".join(
         f"<tr><td>{html.escape(k)}</td><td>{v if '&rarr;' in v else html.escape(v)}</td></tr>"
         for k, v in facts.items()

@@ -66,8 +66,8 @@ def check_resumable(saved: dict, config: Config) -> None:
         if _lookup(saved, field) != _lookup(current, field):
             raise ConfigError(
                 f"{field}: differs from the run being resumed in {config.log_path} "
-                f"({_lookup(saved, field)!r} there, {_lookup(current, field)!r} now). Use another log_path, "
-                "or on_existing_log_path: overwrite to start over."
+                f"({_lookup(saved, field)!r} there, {_lookup(current, field)!r} now). Use another "
+                "log_path, or on_existing_log_path: overwrite to start over."
             )
 
 
@@ -91,7 +91,11 @@ def resume_point(config: Config) -> StartPoint:
     log_path = Path(config.log_path)
     if log_path.exists() and not log_path.is_dir():
         raise ConfigError(f"log_path: '{log_path}' exists and is not a directory")
-    if not log_path.exists() or _is_empty_run(log_path) or config.on_existing_log_path == "overwrite":
+    if (
+        not log_path.exists()
+        or _is_empty_run(log_path)
+        or config.on_existing_log_path == "overwrite"
+    ):
         return StartPoint()
     if config.on_existing_log_path == "fail":
         raise ConfigError(
@@ -111,7 +115,8 @@ def resume_point(config: Config) -> StartPoint:
 
 
 def prepare_log_path(config: Config) -> None:
-    """Create ``log_path``, or empty it under ``on_existing_log_path: overwrite`` (once nothing can fail)."""
+    """Create ``log_path``, or empty it under ``on_existing_log_path: overwrite`` (once nothing can
+    fail)."""
     log_path = Path(config.log_path)
     if log_path.exists() and not log_path.is_dir():
         raise ConfigError(f"log_path: '{log_path}' exists and is not a directory")
@@ -139,7 +144,8 @@ def keep_metrics_before(path: Path, step: int) -> None:
 
 
 def _step_of(line: str) -> float:
-    """A JSONL row's step; a row torn by a crash mid-write counts as after every step (dropped, redone)."""
+    """A JSONL row's step; a row torn by a crash mid-write counts as after every step (dropped,
+    redone)."""
     try:
         return json.loads(line).get("step", -1)
     except (json.JSONDecodeError, AttributeError):

@@ -1,4 +1,5 @@
-"""Weights and optimizer state as ``torch.distributed.checkpoint`` writes them: sharded, resharded on load.
+"""Weights and optimizer state as ``torch.distributed.checkpoint`` writes them: sharded, resharded
+on load.
 
 Entries are keyed by parameter name (``get_state_dict`` removes the DDP and FSDP wrappers from
 the names), so a state written by N processes loads into M processes, or into one process
@@ -37,13 +38,18 @@ def has_sharded_state(checkpoint: Path) -> bool:
 
 
 def _options(policy: Policy, **extra) -> StateDictOptions:
-    return StateDictOptions(ignore_frozen_params=policy.has_adapters, strict=not policy.has_adapters, **extra)
+    return StateDictOptions(
+        ignore_frozen_params=policy.has_adapters, strict=not policy.has_adapters, **extra
+    )
 
 
 def save_sharded_state(directory: Path, policy: Policy, optimizer: torch.optim.Optimizer) -> None:
-    """Write ``directory/state`` (every process its shards), and the model's config in ``model/``."""
+    """Write ``directory/state`` (every process its shards), and the model's config in
+    ``model/``."""
     model_state, optimizer_state = get_state_dict(policy.model, optimizer, options=_options(policy))
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / STATE_DIR)
+    dcp.save(
+        {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / STATE_DIR
+    )
     if policy.has_adapters:
         policy.model.peft_config["default"].save_pretrained(directory / "model")
     else:
@@ -60,7 +66,9 @@ def load_sharded_state(
     if optimizer is None:
         state = {"model": get_model_state_dict(policy.model, options=_options(policy))}
     else:
-        model_state, optimizer_state = get_state_dict(policy.model, optimizer, options=_options(policy))
+        model_state, optimizer_state = get_state_dict(
+            policy.model, optimizer, options=_options(policy)
+        )
         state = {"model": model_state, "optimizer": optimizer_state}
     try:
         dcp.load(state, checkpoint_id=checkpoint / STATE_DIR)
@@ -71,17 +79,23 @@ def load_sharded_state(
         ) from error
     set_model_state_dict(policy.model, state["model"], options=_options(policy))
     if "optimizer" in state:
-        set_optimizer_state_dict(policy.model, optimizer, state["optimizer"], options=_options(policy))
+        set_optimizer_state_dict(
+            policy.model, optimizer, state["optimizer"], options=_options(policy)
+        )
 
 
-def load_indexed_optimizer_state(policy: Policy, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_indexed_optimizer_state(
+    policy: Policy, optimizer: torch.optim.Optimizer, saved: dict
+) -> None:
     """Load a one-process checkpoint's optimizer state (keyed by parameter index) into any world.
 
     Index i is the i-th trainable parameter, in the order the optimizer was given them
     (:meth:`opd.policy.Policy.trainable_parameters`).
     """
     if world().size > 1:
-        names = [name for name, parameter in policy.model.named_parameters() if parameter.requires_grad]
+        names = [
+            name for name, parameter in policy.model.named_parameters() if parameter.requires_grad
+        ]
         by_name = {
             "state": {names[index]: value for index, value in saved["state"].items()},
             "param_groups": [

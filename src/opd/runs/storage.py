@@ -10,8 +10,14 @@ from opd.errors import StorageError
 from opd.runs.resume import CONFIG_NAME
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-"""OSErrors that mean the run's files no longer fit: out of space, over quota, over a file size limit."""
-DISK_FULL_MESSAGES = ("No space left on device", "os error 28", "Disk quota exceeded", "File too large")
+"""OSErrors that mean the run's files no longer fit: out of space, over quota, over a file size
+limit."""
+DISK_FULL_MESSAGES = (
+    "No space left on device",
+    "os error 28",
+    "Disk quota exceeded",
+    "File too large",
+)
 """The same, as libraries that wrap the OSError word it (safetensors)."""
 
 
@@ -27,7 +33,9 @@ def out_of_space(error: BaseException) -> Exception | None:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno in DISK_FULL:
             return current
-        if isinstance(current, Exception) and any(marker in str(current) for marker in DISK_FULL_MESSAGES):
+        if isinstance(current, Exception) and any(
+            marker in str(current) for marker in DISK_FULL_MESSAGES
+        ):
             return current
         current = current.__cause__ or current.__context__
     return None
@@ -35,11 +43,17 @@ def out_of_space(error: BaseException) -> Exception | None:
 
 def disk_full_error(log_path: Path, error: Exception, last_saved: int) -> StorageError:
     """What a run says when its files stop fitting: where, and what it kept."""
-    kept = f"the last complete checkpoint is step {last_saved}" if last_saved else "no checkpoint was saved"
-    detail = f"{error.strerror}: {error.filename}" if isinstance(error, OSError) else str(error)[:200]
+    kept = (
+        f"the last complete checkpoint is step {last_saved}"
+        if last_saved
+        else "no checkpoint was saved"
+    )
+    detail = (
+        f"{error.strerror}: {error.filename}" if isinstance(error, OSError) else str(error)[:200]
+    )
     return StorageError(
-        f"{log_path}: no space left for the run's files ({detail}); {kept}. "
-        "Free space (or set log_path elsewhere) and run the same command again to resume"
+        f"{log_path}: no space left for the run's files ({detail}); {kept}. Free space (or set "
+        "log_path elsewhere) and run the same command again to resume"
     )
 
 
@@ -47,7 +61,7 @@ def check_log_path(log_path: Path, done: int) -> None:
     """Stop when the run's directory was removed under it: what it writes next would go nowhere."""
     if not (log_path / CONFIG_NAME).is_file():
         raise StorageError(
-            f"{log_path}: the run's directory (or its {CONFIG_NAME}) was removed during the run; stopped "
-            f"after step {done}, nothing more saved. Run the same command again: it resumes from a "
-            "surviving checkpoint, or starts over"
+            f"{log_path}: the run's directory (or its {CONFIG_NAME}) was removed during the run; "
+            f"stopped after step {done}, nothing more saved. Run the same command again: it "
+            "resumes from a surviving checkpoint, or starts over"
         )

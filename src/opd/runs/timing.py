@@ -22,7 +22,8 @@ class SpanRecorder:
         self._handle = None
         self._lock = threading.Lock()
         if path is not None:
-            self._handle = Path(path).open("a", encoding="utf-8")  # noqa: SIM115 - held for the whole run
+            # held open for the whole run, closed by close()
+            self._handle = Path(path).open("a", encoding="utf-8")  # noqa: SIM115
 
     @contextmanager
     def span(self, step: int, name: str):
@@ -50,7 +51,13 @@ def chrome_trace(spans: list[dict]) -> dict:
     origin = min(span["start"] for span in spans)
     phases = sorted({span["name"] for span in spans})
     events = [
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": phases.index(name), "args": {"name": name}}
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": 0,
+            "tid": phases.index(name),
+            "args": {"name": name},
+        }
         for name in phases
     ]
     for span in spans:

@@ -42,18 +42,26 @@ class Symptom:
 
 def _values(history: list[dict], key: str) -> list[float]:
     """The finite values ``key`` took, in step order (rows without it skipped)."""
-    return [row[key] for row in history if isinstance(row.get(key), int | float) and math.isfinite(row[key])]
+    return [
+        row[key]
+        for row in history
+        if isinstance(row.get(key), int | float) and math.isfinite(row[key])
+    ]
 
 
 def entropy_collapse(history: list[dict], config: Config | None = None) -> Symptom | None:
     """The entropy below a tenth of the first step's, after at least WINDOW steps."""
     entropies = _values(history, "entropy")
-    if len(entropies) > WINDOW and entropies[0] > 0 and entropies[-1] < ENTROPY_FLOOR * entropies[0]:
+    if (
+        len(entropies) > WINDOW
+        and entropies[0] > 0
+        and entropies[-1] < ENTROPY_FLOOR * entropies[0]
+    ):
         return Symptom(
             "entropy_collapse",
-            f"entropy fell from {entropies[0]:.3g} to {entropies[-1]:.3g} nats/token: the student is "
-            "settling on a few tokens. Fine if its teacher is as sure (short exact answers) and "
-            "held-out accuracy rises; if not, the updates are too large (lower "
+            f"entropy fell from {entropies[0]:.3g} to {entropies[-1]:.3g} nats/token: the student "
+            "is settling on a few tokens. Fine if its teacher is as sure (short exact answers) "
+            "and held-out accuracy rises; if not, the updates are too large (lower "
             "training.learning_rate) or the sampled reverse KL is pulling a far-off student onto "
             "answers of its own (training.objective: topk_forward_kl; docs/defaults.md)",
         )
@@ -66,8 +74,8 @@ def teacher_kl_rising(history: list[dict], config: Config | None = None) -> Symp
     if len(kls) == WINDOW + 1 and all(a < b for a, b in pairwise(kls)):
         return Symptom(
             "teacher_kl_rising",
-            f"teacher_kl rose for {WINDOW} steps in a row ({kls[0]:.3g} -> {kls[-1]:.3g}): the student "
-            "is moving away from the teacher. Lower training.learning_rate, or try "
+            f"teacher_kl rose for {WINDOW} steps in a row ({kls[0]:.3g} -> {kls[-1]:.3g}): the "
+            "student is moving away from the teacher. Lower training.learning_rate, or try "
             "training.objective: jsd",
         )
     return None
@@ -84,11 +92,15 @@ def sampler_apart(history: list[dict], config: Config | None = None) -> Symptom 
             causes.append("training.max_staleness (samples from older weights; lower it)")
         if config is None or config.student.sampler != "hf":
             causes.append("the rollout engine's weight sync (student.sampler)")
-        check = f"Check {', or '.join(causes)}" if causes else "Check the student's weights reach the sampler"
+        check = (
+            f"Check {', or '.join(causes)}"
+            if causes
+            else "Check the student's weights reach the sampler"
+        )
         return Symptom(
             "kl_sample_train",
-            f"kl_sample_train is {values[0]:.3g} nats/token: the sampler's log-probs are far from the "
-            f"trainer's on the same tokens, so the importance ratios are off. {check}",
+            f"kl_sample_train is {values[0]:.3g} nats/token: the sampler's log-probs are far from "
+            f"the trainer's on the same tokens, so the importance ratios are off. {check}",
         )
     return None
 
@@ -105,9 +117,9 @@ def _spike(norms: list[float], at: int) -> float | None:
 
 
 def grad_norm_exploding(history: list[dict], config: Config | None = None) -> Symptom | None:
-    """The gradient norm GRAD_NORM_FACTOR times its median so far on two steps in a row, or once with
-    the teacher KL (the loss without a teacher) more than doubled on the step after it. One spike
-    that the next step forgets is no divergence, the more so when every step is clipped."""
+    """The gradient norm GRAD_NORM_FACTOR times its median so far on two steps in a row, or once
+    with the teacher KL (the loss without a teacher) more than doubled on the step after it. One
+    spike that the next step forgets is no divergence, the more so when every step is clipped."""
     norms = _values(history, "grad_norm")
     if len(norms) < 2:
         return None
@@ -121,23 +133,31 @@ def grad_norm_exploding(history: list[dict], config: Config | None = None) -> Sy
             return None
     clip = config.training.max_grad_norm if config is not None else None
     advice = (
-        f"every step is already clipped to training.max_grad_norm {clip:g}: lower training.learning_rate"
+        f"every step is already clipped to training.max_grad_norm {clip:g}: lower "
+        "training.learning_rate"
         if clip is not None
-        else "Lower training.learning_rate, or set training.max_grad_norm (1.0 clips most runs' spikes)"
+        else "Lower training.learning_rate, or set training.max_grad_norm (1.0 clips most runs' "
+        "spikes)"
     )
     return Symptom(
         "grad_norm_exploding",
-        f"grad_norm {norms[-1]:.3g} is {norms[-1] / statistics.median(norms[:-1]):.0f}x its median so far "
-        f"({statistics.median(norms[:-1]):.3g}), after {norms[-2]:.3g} the step before: the update is "
-        f"blowing up. {advice[0].upper()}{advice[1:]}",
+        f"grad_norm {norms[-1]:.3g} is {norms[-1] / statistics.median(norms[:-1]):.0f}x its median "
+        f"so far ({statistics.median(norms[:-1]):.3g}), after {norms[-2]:.3g} the step before: the "
+        f"update is blowing up. {advice[0].upper()}{advice[1:]}",
     )
 
 
 def accuracy_falling(history: list[dict], config: Config | None = None) -> Symptom | None:
     """A held-out accuracy below its first evaluation by ACCURACY_DROP and by more than the noise of
-    two evaluations on ``test/<name>/num_prompts`` prompts (runs that did not log it: the drop alone)."""
+    two evaluations on ``test/<name>/num_prompts`` prompts (runs that did not log it: the drop
+    alone)."""
     keys = sorted(
-        {key for row in history for key in row if key.startswith("test/") and key.endswith("/accuracy")}
+        {
+            key
+            for row in history
+            for key in row
+            if key.startswith("test/") and key.endswith("/accuracy")
+        }
     )
     for key in keys:
         accuracies = _values(history, key)
@@ -151,11 +171,16 @@ def accuracy_falling(history: list[dict], config: Config | None = None) -> Sympt
             else 0.0
         )
         if first - last > max(ACCURACY_DROP, noise):
-            beyond = f", beyond the noise of {sizes[-1]:.0f} held-out prompts (±{noise:.1%})" if noise else ""
+            beyond = (
+                f", beyond the noise of {sizes[-1]:.0f} held-out prompts (±{noise:.1%})"
+                if noise
+                else ""
+            )
             return Symptom(
                 "accuracy_falling",
                 f"{key} fell from {first:.1%} to {last:.1%}{beyond}: training is making the "
-                "student worse on held-out prompts. Lower training.learning_rate, or check the teacher",
+                "student worse on held-out prompts. Lower training.learning_rate, or check the "
+                "teacher",
             )
     return None
 
@@ -171,7 +196,8 @@ def reward_signal_gone(history: list[dict], config: Config | None = None) -> Sym
     ):
         return Symptom(
             "reward_signal_gone",
-            f"every group's samples got the same reward for {WINDOW} steps (reward/constant_groups 1): "
+            f"every group's samples got the same reward for {WINDOW} steps (reward/constant_groups "
+            "1): "
             "the reward term is 0 and teaches nothing. A student that never gets it right learns "
             "the task from the teacher's samples first (training.data_source: mixed with "
             "training.lmbda: {start: 0, end: 1, steps: N}: 0% -> 31% on the calculator task, "
@@ -192,8 +218,8 @@ CHECKS: list[Callable[[list[dict], Config | None], Symptom | None]] = [
 
 @dataclass
 class Watchdog:
-    """Reads every step's metrics; reports each symptom the first time it shows, its advice fitted to
-    the run's ``config`` (never a setting to set that is set already)."""
+    """Reads every step's metrics; reports each symptom the first time it shows, its advice fitted
+    to the run's ``config`` (never a setting to set that is set already)."""
 
     config: Config | None = None
     history: list[dict] = field(default_factory=list)

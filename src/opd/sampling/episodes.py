@@ -86,10 +86,13 @@ def _checked(step: object, spec: EpisodeSpec, turn: int) -> Step:
         for m in messages
     ):
         raise EpisodeError(
-            f"{where}: messages must be a list of {{role, content}} (roles {VALID_ROLES}), got {messages!r}"
+            f"{where}: messages must be a list of {{role, content}} (roles {VALID_ROLES}), got "
+            f"{messages!r}"
         )
     if not step.done and not messages:
-        raise EpisodeError(f"{where} neither ends the episode nor gives the student messages to answer")
+        raise EpisodeError(
+            f"{where} neither ends the episode nor gives the student messages to answer"
+        )
     if step.reward is not None and not isinstance(step.reward, int | float):
         raise EpisodeError(f"{where}: reward must be a number or None, got {step.reward!r}")
     return step
@@ -102,7 +105,9 @@ def _limit(played: _Played, max_tokens: int) -> int:
     return min(max_tokens, played.spec.max_episode_tokens - len(played.token_ids))
 
 
-def _end_turn(played: _Played, completion: Completion, limit: int, renderer: ChatRenderer) -> str | None:
+def _end_turn(
+    played: _Played, completion: Completion, limit: int, renderer: ChatRenderer
+) -> str | None:
     """Add a sampled turn to its episode: the text its environment is to answer, or None when the
     episode ends with it (a plain row, a turn cut by its limit)."""
     spec = played.spec
@@ -163,13 +168,15 @@ class _Answers:
     def ask(self, row: int, spec: EpisodeSpec, text: str) -> None:
         """Have ``row``'s environment answer ``text`` in one of its threads."""
         if spec.where not in self.pools:
-            self.pools[spec.where] = ThreadPoolExecutor(spec.step_workers, thread_name_prefix="opd-env")
+            self.pools[spec.where] = ThreadPoolExecutor(
+                spec.step_workers, thread_name_prefix="opd-env"
+            )
         pool = self.pools[spec.where]
         self.pending[pool.submit(spec.episode.step, text)] = (row, text)
 
     def answered(self, timeout: float | None) -> list[tuple[int, object, str]]:
-        """``(row, answer, text)`` of the answers that came, waiting up to ``timeout`` for a first one
-        (None: until it comes); an environment's error is raised here."""
+        """``(row, answer, text)`` of the answers that came, waiting up to ``timeout`` for a first
+        one (None: until it comes); an environment's error is raised here."""
         if not self.pending:
             return []
         done, _ = wait(self.pending, timeout=timeout, return_when=FIRST_COMPLETED)
@@ -184,7 +191,9 @@ class _Answers:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _ask(answers: _Answers, row: int, played: _Played, text: str | None, renderer: ChatRenderer) -> bool:
+def _ask(
+    answers: _Answers, row: int, played: _Played, text: str | None, renderer: ChatRenderer
+) -> bool:
     """Ask the row's environment about its ended turn; whether its answer is already in."""
     if text is None:
         return True
@@ -204,7 +213,8 @@ def _result(played: _Played) -> Completion:
         if final is not None:
             if not isinstance(final, int | float) or isinstance(final, bool):
                 raise EpisodeError(
-                    f"{played.spec.where}: the episode's cut() must return a number or None, got {final!r}"
+                    f"{played.spec.where}: the episode's cut() must return a number or None, got "
+                    f"{final!r}"
                 )
             played.reward = (played.reward or 0.0) + float(final)
     return Completion(
@@ -213,7 +223,11 @@ def _result(played: _Played) -> Completion:
         finished=played.ended == "done",
         policy_version=played.version,
         trajectory=Trajectory(
-            tuple(played.turns), tuple(played.replies), played.reward, played.ended or "done", played.metrics
+            tuple(played.turns),
+            tuple(played.replies),
+            played.reward,
+            played.ended or "done",
+            played.metrics,
         ),
     )
 
@@ -228,7 +242,8 @@ def play_episodes(
     *,
     lockstep: bool = False,
 ) -> list[Completion]:
-    """Every row's completion: one turn for a plain row, a whole episode for one with an environment.
+    """Every row's completion: one turn for a plain row, a whole episode for one with an
+    environment.
 
     ``max_tokens`` bounds each turn. ``lockstep``: every process makes as many engine calls (a
     sharded student's sampling is a collective), a process whose episodes have ended sampling a
@@ -291,7 +306,9 @@ def play_episodes_streamed(
         if played.ended is None:
             limits[row] = _limit(played, max_tokens)
             turn = len(played.turns)
-            stream.submit(row, prompts[row] + played.token_ids, turn_seed(seeds[row], turn), limits[row])
+            stream.submit(
+                row, prompts[row] + played.token_ids, turn_seed(seeds[row], turn), limits[row]
+            )
             sampling += 1
 
     for row, prompt in enumerate(prompts):

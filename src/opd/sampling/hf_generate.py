@@ -19,51 +19,7 @@ from opd.models import module_device
 from opd.policy.policy import Policy
 from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
 from opd.sampling.precision import SamplingCopy
-
-
-def inverse_cdf_sample(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
-    """One token per row, drawn from ``probs_BV`` (rows need not sum to 1) with the given U[0, 1) draws.
-
-    Token i is taken when ``u * total`` falls in ``[cdf[i-1], cdf[i])``, so zero-probability
-    tokens are never taken. The cumulative sum runs in float64, so its rounding is far below
-    any probability a float32 softmax can express. One uniform number per row, where
-    ``torch.multinomial`` draws one exponential per vocabulary entry (for a vocabulary of tens
-    of thousands, most of a CPU decode step's sampling time). A row with no finite distribution (NaN
-    logits) gets the last token, whose NaN log-prob makes the trainer skip the step.
-    """
-    cdf_BV = probs_BV.double().cumsum(-1)
-    targets_B1 = uniform_B.double()[:, None] * cdf_BV[:, -1:]
-    tokens_B = torch.searchsorted(cdf_BV, targets_B1, right=True).squeeze(-1)
-    return tokens_B.clamp_(max=probs_BV.shape[-1] - 1)
-
-
-def _signed(value: int) -> int:
-    """A 64-bit pattern (0 <= value < 2**64) as the int64 that has its bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX_1 = _signed(0xBF58476D1CE4E5B9)
-_MIX_2 = _signed(0x94D049BB133111EB)
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's ``>>`` copies the sign bit)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def counter_uniform(seeds_B: torch.Tensor, step: int) -> torch.Tensor:
-    """U[0, 1) per row at decode step ``step``: SplitMix64 output ``step`` of the row's seed.
-
-    A row's draws depend on its own seed and the step only (not on which rows share its batch,
-    nor on any generator's state), so a batch split across processes draws what one process
-    would. int64 arithmetic wraps, as SplitMix64's unsigned arithmetic does.
-    """
-    z = seeds_B + _signed((step + 1) * _GOLDEN % (1 << 64))
-    z = (z ^ _shift_right(z, 30)) * _MIX_1
-    z = (z ^ _shift_right(z, 27)) * _MIX_2
-    z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 11).double() * 2.0**-53
+from opd.sampling.seeded import counter_uniform, inverse_cdf_sample
 
 
 def _contiguous_input(_module: torch.nn.Module, args: tuple) -> tuple:
@@ -90,7 +46,8 @@ def contiguous_head_input(model):
 
 
 class _SampledLogprobRecorder(LogitsProcessor):
-    """Applies the temperature, remembers log-softmax of each step and, unless greedy, draws the token.
+    """Applies the temperature, remembers log-softmax of each step and, unless greedy, draws the
+    token.
 
     At step t+1 ``input_ids`` ends with the token sampled at step t, so that token's
     log-prob is read from the previous step's distribution: only one B x V row is held.
@@ -117,12 +74,16 @@ class _SampledLogprobRecorder(LogitsProcessor):
 
     def _gather_previous(self, last_tokens: torch.Tensor) -> None:
         if self.previous_logprobs is not None:
-            self.recorded.append(self.previous_logprobs.gather(-1, last_tokens[:, None]).squeeze(-1))
+            self.recorded.append(
+                self.previous_logprobs.gather(-1, last_tokens[:, None]).squeeze(-1)
+            )
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.between_steps is not None:
             self.between_steps()
-        self._gather_previous(input_ids[:, -1])  # after it, len(recorded) is this decode step's index
+        self._gather_previous(
+            input_ids[:, -1]
+        )  # after it, len(recorded) is this decode step's index
         scores = scores.float() / self.temperature
         if self.vocab_size is not None and self.vocab_size < scores.shape[-1]:
             scores[:, self.vocab_size :] = float("-inf")
@@ -202,7 +163,9 @@ class HFGenerateSampler:
             stop_strings=self.stop_strings or None,
         )
 
-    def _sample_batch(self, prompts, temperature, max_tokens, seeds: list[int] | None) -> list[Completion]:
+    def _sample_batch(
+        self, prompts, temperature, max_tokens, seeds: list[int] | None
+    ) -> list[Completion]:
         device = self.device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -237,7 +200,10 @@ class HFGenerateSampler:
             base.generation_config = model_defaults
         generated = sequences[:, width:].cpu()
         logprobs = recorder.finish(sequences).cpu()
-        return [self._cut(generated[row].tolist(), logprobs[row].tolist()) for row in range(len(prompts))]
+        return [
+            self._cut(generated[row].tolist(), logprobs[row].tolist())
+            for row in range(len(prompts))
+        ]
 
     def _cut(self, token_ids: list[int], logprobs: list[float]) -> Completion:
         """Keep tokens up to and including the first stop token or completed stop string."""
@@ -278,9 +244,14 @@ class HFEngine:
         needs_copy = (
             copy
             or policy.sharded
-            or (sampling_dtype is not None and (sampling_dtype != policy.dtype or policy.has_adapters))
+            or (
+                sampling_dtype is not None
+                and (sampling_dtype != policy.dtype or policy.has_adapters)
+            )
         )
-        self.copy = SamplingCopy(policy.model, sampling_dtype or policy.dtype) if needs_copy else None
+        self.copy = (
+            SamplingCopy(policy.model, sampling_dtype or policy.dtype) if needs_copy else None
+        )
         self.model = self.copy.model if self.copy else policy.model
         self.sampler = HFGenerateSampler(
             self.model, tokenizer, stop_token_ids=stop_token_ids, stop_strings=stop_strings
@@ -303,7 +274,9 @@ class HFEngine:
     def sync(self, source) -> None:
         """Take the next rollout's weights from ``source``: the policy, or published weights."""
         if self.copy is None and source is not self.policy:
-            raise ValueError("an in-process HFEngine without a copy samples the policy it was built for")
+            raise ValueError(
+                "an in-process HFEngine without a copy samples the policy it was built for"
+            )
         self.source = source
         self.version = source.version
 

@@ -21,7 +21,8 @@ from opd.policy.lora import mergeable_lora_layers, sampler_weights
 
 
 class SamplingCopy:
-    """``model`` with its floating-point parameters cast to ``dtype`` and LoRA merged, for rollouts only.
+    """``model`` with its floating-point parameters cast to ``dtype`` and LoRA merged, for rollouts
+    only.
 
     The weights are cast (and merged) in by :meth:`rollout` and freed when it ends, so the copy
     costs no memory outside sampling (the update's peak never holds it); a LoRA student's
@@ -35,7 +36,9 @@ class SamplingCopy:
         self.source = model
         base = unwrap_peft(model)
         placeholders = {
-            id(p): nn.Parameter(self._empty(p), False) for p in base.parameters() if p.is_floating_point()
+            id(p): nn.Parameter(self._empty(p), False)
+            for p in base.parameters()
+            if p.is_floating_point()
         }
         # deepcopy takes a memo entry as the copy of that object: the parameters are not
         # copied, and ties between them are kept.
@@ -51,7 +54,9 @@ class SamplingCopy:
         return torch.empty(0, dtype=self.dtype, device=parameter.device)
 
     @contextmanager
-    def rollout(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> Iterator[nn.Module]:
+    def rollout(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | None = None
+    ) -> Iterator[nn.Module]:
         """The copy holding the student's current weights (or the given sampler ``weights``),
         freed again on exit."""
         filled = []

@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 WEIGHTS_DIR_ENV = "OPD_ROLLOUT_WEIGHTS_DIR"
-"""The directory a rollout server loads weight files from, set by ``opd rollout-server --weights-dir``."""
+"""The directory a rollout server loads weight files from, set by ``opd rollout-server
+--weights-dir``."""
 KEY_ENV = "VLLM_API_KEY"
 """The server's API key: vLLM reads it for its ``/v1`` routes, :class:`RolloutAuth` for the rest."""
 OPEN_PATHS = ("/health",)
@@ -35,7 +36,8 @@ def default_weights_root() -> Path:
 
 
 def weights_root() -> Path:
-    """The directory this server loads weights from: ``OPD_ROLLOUT_WEIGHTS_DIR``, else the default."""
+    """The directory this server loads weights from: ``OPD_ROLLOUT_WEIGHTS_DIR``, else the
+    default."""
     return Path(os.environ.get(WEIGHTS_DIR_ENV) or default_weights_root()).resolve()
 
 

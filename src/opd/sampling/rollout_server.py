@@ -1,7 +1,7 @@
 """One vLLM rollout server: the command that starts it with what opd needs (``opd
-rollout-server``), and the HTTP client that checks it against the student (:meth:`RolloutServer.handshake`)
-and drives its OpenAI and RL routes. :mod:`opd.sampling.vllm_server` samples the student's
-rollouts on several of them.
+rollout-server``), and the HTTP client that checks it against the student
+(:meth:`RolloutServer.handshake`) and drives its OpenAI and RL routes.
+:mod:`opd.sampling.vllm_server` samples the student's rollouts on several of them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from opd.data.sequences import Completion
 from opd.errors import ConfigError, RolloutServerError
 from opd.policy.config import StudentConfig
 from opd.sampling.rollout_guard import KEY_ENV, MIDDLEWARE, is_loopback
@@ -19,8 +20,9 @@ from opd.sampling.rollout_guard import KEY_ENV, MIDDLEWARE, is_loopback
 WEIGHT_BACKEND = "opd_safetensors"
 """The weight-transfer backend the servers must run (``opd.sampling.vllm_weight_files``)."""
 SERVER_FLAGS = (
-    "opd rollout-server STUDENT (or: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server "
-    "--model STUDENT --logprobs-mode processed_logprobs --generation-config vllm "
+    "opd rollout-server STUDENT (or: VLLM_SERVER_DEV_MODE=1 python -m "
+    "vllm.entrypoints.openai.api_server --model STUDENT --logprobs-mode processed_logprobs "
+    "--generation-config vllm "
     f'--weight-transfer-config \'{{"backend": "{WEIGHT_BACKEND}"}}\')'
 )
 SERVER_OPTIONS = {
@@ -39,14 +41,16 @@ def rollout_server_command(model: str, host: str, port: int, vllm_args: list[str
     given = {arg.split("=", 1)[0] for arg in vllm_args if arg.startswith("--")}
     if "--api-key" in given:
         raise ConfigError(
-            f"opd rollout-server: give the key in the environment variable {KEY_ENV}, not --api-key "
-            "(a command line shows in every user's process list); opd guards every route with it"
+            f"opd rollout-server: give the key in the environment variable {KEY_ENV}, not "
+            "--api-key (a command line shows in every user's process list); opd guards every "
+            "route with it"
         )
     if not is_loopback(host) and not os.environ.get(KEY_ENV):
         raise ConfigError(
-            f"opd rollout-server: --host {host} lets other machines reach the server's weight-update "
-            f"routes; set an API key in the environment variable {KEY_ENV} first (the trainer sends "
-            "it from the variable student.rollout_api_key_env names), or bind 127.0.0.1"
+            f"opd rollout-server: --host {host} lets other machines reach the server's "
+            f"weight-update routes; set an API key in the environment variable {KEY_ENV} first "
+            "(the trainer sends it from the variable student.rollout_api_key_env names), or bind "
+            "127.0.0.1"
         )
     if clashes := sorted(given & {*SERVER_OPTIONS, "--model", "--host", "--port"}):
         flag = clashes[0]
@@ -78,10 +82,15 @@ class RolloutServer:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
 
-    def call(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
-        """The route's JSON answer; a refusal, a dead server or a slow one raises naming the server."""
+    def call(
+        self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None
+    ) -> Any:
+        """The route's JSON answer; a refusal, a dead server or a slow one raises naming the
+        server."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self.headers)
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers=self.headers
+        )
         limit = timeout_s or self.timeout_s
         try:
             with urllib.request.urlopen(request, timeout=limit) as response:
@@ -90,8 +99,8 @@ class RolloutServer:
             detail = " ".join(error.read().decode(errors="replace").split())[:400]
             if error.code == 401:
                 detail += (
-                    " (the server wants its API key: set student.rollout_api_key_env to the name of "
-                    "the environment variable that holds it)"
+                    " (the server wants its API key: set student.rollout_api_key_env to the name "
+                    "of the environment variable that holds it)"
                 )
             raise RolloutServerError(
                 f"rollout server {self.url}: {method} {path} answered HTTP {error.code}: {detail}",
@@ -116,7 +125,8 @@ class RolloutServer:
             return json.loads(text) if text else None
         except json.JSONDecodeError:
             raise RolloutServerError(
-                f"rollout server {self.url}: {method} {path} answered what is not JSON: {text[:200]!r}",
+                f"rollout server {self.url}: {method} {path} answered what is not JSON: "
+                f"{text[:200]!r}",
                 fault="answer",
             ) from None
 
@@ -137,11 +147,13 @@ class RolloutServer:
         problems = []
         if model_config.get("logprobs_mode") != "processed_logprobs":
             problems.append(
-                f"--logprobs-mode is {model_config.get('logprobs_mode')} (its log-probs would not be "
-                "those of the distribution it samples)"
+                f"--logprobs-mode is {model_config.get('logprobs_mode')} (its log-probs would not "
+                "be those of the distribution it samples)"
             )
         if model_config.get("generation_config") != "vllm":
-            problems.append("--generation-config is not vllm (the checkpoint's sampling defaults apply)")
+            problems.append(
+                "--generation-config is not vllm (the checkpoint's sampling defaults apply)"
+            )
         backend = (config.get("weight_transfer_config") or {}).get("backend")
         if backend != WEIGHT_BACKEND:
             problems.append(f"its weight-transfer backend is {backend!r}, not {WEIGHT_BACKEND!r}")
@@ -154,9 +166,9 @@ class RolloutServer:
         expected = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
         if ids["tokens"] != expected:
             raise RolloutServerError(
-                f"rollout server {self.url} serves '{self.model}', whose tokenizer is not the student's "
-                f"({student.model}): the probe text tokenizes to {ids['tokens'][:8]}... there and "
-                f"{expected[:8]}... here"
+                f"rollout server {self.url} serves '{self.model}', whose tokenizer is not the "
+                f"student's ({student.model}): the probe text tokenizes to {ids['tokens'][:8]}... "
+                f"there and {expected[:8]}... here"
             )
         self.call("POST", "/init_weight_transfer_engine", {"init_info": {}})
 
@@ -175,3 +187,19 @@ class RolloutServer:
 
     def served_version(self) -> str | None:
         return self.call("GET", "/weight_info")["weight_version"]
+
+    def complete(self, prompt: list[int], seed: int | None, body: dict, version: int) -> Completion:
+        """One completion of ``prompt`` with its log-probs, tagged with the pushed ``version``
+        (the caller checks before and after that the server still serves it)."""
+        answer = self.call(
+            "POST", "/v1/completions", body | {"model": self.model, "prompt": prompt, "seed": seed}
+        )
+        choice = answer["choices"][0]
+        token_ids = list(choice["token_ids"])
+        logprobs = [float(value) for value in choice["logprobs"]["token_logprobs"]]
+        if len(logprobs) != len(token_ids):
+            raise RolloutServerError(
+                f"rollout server {self.url}: {len(token_ids)} tokens but {len(logprobs)} log-probs"
+            )
+        finished = choice["finish_reason"] == "stop"
+        return Completion(token_ids, logprobs, finished=finished, policy_version=version)

@@ -75,7 +75,11 @@ class ServerPool:
         """Servers out of rotation whose rest is over; their rest starts again (one try each)."""
         now = self.clock()
         with self._lock:
-            due = [s for s in self.servers if s.url in self._out and now - self._out[s.url][0] >= self.rest_s]
+            due = [
+                s
+                for s in self.servers
+                if s.url in self._out and now - self._out[s.url][0] >= self.rest_s
+            ]
             for server in due:
                 self._out[server.url] = (now, self._out[server.url][1])
         return due
@@ -85,8 +89,8 @@ class ServerPool:
             self._out.pop(server.url, None)
             live = len(self.servers) - len(self._out)
         self.warn(
-            f"rollout server {server.url} is back in rotation, serving {version} "
-            f"({live} of {len(self.servers)} live)"
+            f"rollout server {server.url} is back in rotation, serving {version} ({live} of "
+            f"{len(self.servers)} live)"
         )
 
     def keep(self, urls: list[str]) -> None:
@@ -98,6 +102,29 @@ class ServerPool:
                     self._out.pop(server.url, None)
                 elif server.url not in self._out:
                     self._out[server.url] = (now, "the main process could not push to it")
+
+    def verify(self, servers: list[RolloutServer], expected: str) -> set[str]:
+        """The URLs of ``servers`` that no longer serve the weights tagged ``expected`` (or do not
+        answer), taken out of rotation."""
+        stale = set()
+        for server in servers:
+            try:
+                served = server.served_version()
+            except RolloutServerError as error:
+                if error.fault is None:
+                    raise
+                self.take_out(server, error)
+                stale.add(server.url)
+                continue
+            if served != expected:
+                message = (
+                    f"rollout server {server.url} serves weight version {served!r}, not this run's "
+                    f"{expected!r}: it was restarted or another run pushed to it; give each run "
+                    "its own servers, then run the same command again to resume"
+                )
+                self.take_out(server, RolloutServerError(message, fault="weights"))
+                stale.add(server.url)
+        return stale
 
     def _none_left(self) -> RolloutServerError:
         with self._lock:

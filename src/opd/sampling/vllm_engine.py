@@ -1,4 +1,5 @@
-"""The student's rollouts sampled by an in-process ``vllm.LLM``, its weights synced after every update.
+"""The student's rollouts sampled by an in-process ``vllm.LLM``, its weights synced after every
+update.
 
 The engine runs in the trainer's process (vLLM's engine core in process, as TRL's colocate
 mode does), so a sync hands vLLM the trainer's tensors directly: no disk round trip and no
@@ -87,7 +88,9 @@ class VLLMEngine:
         self.llm = self._build(student, seed)
         self.sleep_mode = bool(student.sampler_options.get("enable_sleep_mode"))
         model_vocab = self.llm.llm_engine.model_config.get_vocab_size()
-        self.allowed_token_ids = list(range(self.vocab_size)) if model_vocab > self.vocab_size else None
+        self.allowed_token_ids = (
+            list(range(self.vocab_size)) if model_vocab > self.vocab_size else None
+        )
         self.adapter_dir: Path | None = None
         self.lora_request = None
         if self.adapter_sync:
@@ -98,7 +101,9 @@ class VLLMEngine:
         for key, problem in student.sampler_problems():
             raise ConfigError(f"student.{key}: {problem}")
         config = self.policy.base_model.config
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_size = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         if problem := attention_head_problem(head_size):
             raise ConfigError(f"student.sampler: '{student.model}': {problem}")
         # The engine core must live in this process: a sync hands it the trainer's tensors.
@@ -121,7 +126,8 @@ class VLLMEngine:
         except Exception as error:  # vLLM raises ValueError, TypeError, pydantic and runtime errors
             raise ConfigError(
                 f"student.sampler: vLLM could not build an engine for '{student.model}' with "
-                f"sampler_options {student.sampler_options}: {type(error).__name__}: {vllm_message(error)}"
+                f"sampler_options {student.sampler_options}: {type(error).__name__}: "
+                f"{vllm_message(error)}"
             ) from error
 
     def sync(self, source) -> None:
@@ -141,7 +147,9 @@ class VLLMEngine:
             self.policy.save_adapter(self.adapter_dir)
             from vllm.lora.request import LoRARequest
 
-            self.lora_request = LoRARequest("opd-student", 1, str(self.adapter_dir), load_inplace=True)
+            self.lora_request = LoRARequest(
+                "opd-student", 1, str(self.adapter_dir), load_inplace=True
+            )
         else:
             weights = (
                 self.policy.streamed_sampler_weights(self.dtype, self.bucket_bytes)
@@ -187,8 +195,8 @@ class VLLMEngine:
         greedy: bool = False,
         seed: int | list[int] | None = None,
     ) -> list[Completion]:
-        """One completion per prompt from the engine's current weights (greedy ignores the temperature);
-        ``seed`` as :meth:`opd.sampling.base.Sampler.sample` takes it."""
+        """One completion per prompt from the engine's current weights (greedy ignores the
+        temperature); ``seed`` as :meth:`opd.sampling.base.Sampler.sample` takes it."""
         if self.version is None:
             raise RuntimeError("VLLMEngine.sample before the first sync: call sync(policy) first")
         seeds = [None] * len(prompts) if seed is None else row_seeds(seed, len(prompts))
@@ -200,7 +208,9 @@ class VLLMEngine:
             share = (start, start + len(prompts))
             prompts = [row for rows, _ in shares for row in rows]
             seeds = [row for _, rows in shares for row in rows]
-        params = [self._params(temperature, max_tokens, greedy, seed_of_row) for seed_of_row in seeds]
+        params = [
+            self._params(temperature, max_tokens, greedy, seed_of_row) for seed_of_row in seeds
+        ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts],
             params,
@@ -235,7 +245,9 @@ class VLLMEngine:
         the engine is sharded over a tensor-parallel group, whose processes must submit together);
         turns still pending at exit (an environment failed) are aborted."""
         if self.version is None:
-            raise RuntimeError("VLLMEngine.turn_stream before the first sync: call sync(policy) first")
+            raise RuntimeError(
+                "VLLMEngine.turn_stream before the first sync: call sync(policy) first"
+            )
         if self.group is not None:
             yield None
             return
@@ -250,7 +262,8 @@ class VLLMEngine:
     def _completion(self, output) -> Completion:
         token_ids = list(output.token_ids)
         logprobs = [
-            float(step[token].logprob) for step, token in zip(output.logprobs, token_ids, strict=True)
+            float(step[token].logprob)
+            for step, token in zip(output.logprobs, token_ids, strict=True)
         ]
         return Completion(token_ids, logprobs, finished=output.finish_reason == "stop")
 
@@ -269,7 +282,10 @@ class _EngineTurns:
         engine, params = self.engine, self.params
         request = engine._params(params.temperature, max_tokens, params.greedy, seed)
         (internal,) = engine.llm.enqueue(
-            [{"prompt_token_ids": list(prompt)}], [request], use_tqdm=False, lora_request=engine.lora_request
+            [{"prompt_token_ids": list(prompt)}],
+            [request],
+            use_tqdm=False,
+            lora_request=engine.lora_request,
         )
         # vLLM answers with the id it was given; the one enqueue returns has a random suffix
         self.pending[internal.rsplit("-", 1)[0]] = key
@@ -300,7 +316,11 @@ def refresh_shared_weight_layers(model) -> None:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         method = getattr(module, "quant_method", None)
-        if weight is not None and uses[id(weight)] > 1 and hasattr(method, "process_weights_after_loading"):
+        if (
+            weight is not None
+            and uses[id(weight)] > 1
+            and hasattr(method, "process_weights_after_loading")
+        ):
             method.process_weights_after_loading(module)
 
 

@@ -81,8 +81,11 @@ class VLLMServerEngine:
         self.pad_id = pad_id_for(tokenizer, stop_token_ids)
         self.vocab_size = len(tokenizer)
         embedding = getattr(policy.base_model.config, "vocab_size", self.vocab_size)
-        # a checkpoint's embedding padded past the tokenizer: never sample (or normalise over) the padding
-        self.allowed_token_ids = list(range(self.vocab_size)) if embedding > self.vocab_size else None
+        # a checkpoint's embedding padded past the tokenizer: never sample (or normalise over) the
+        # padding
+        self.allowed_token_ids = (
+            list(range(self.vocab_size)) if embedding > self.vocab_size else None
+        )
         self.dtype = DTYPES.get(student.sampling_dtype, policy.dtype)
         self.bucket_bytes = int(student.sync_bucket_mb * 2**20)
         key = None
@@ -90,10 +93,12 @@ class VLLMServerEngine:
             key = os.environ.get(student.rollout_api_key_env)
             if not key:
                 raise ConfigError(
-                    f"student.rollout_api_key_env: the environment variable "
+                    "student.rollout_api_key_env: the environment variable "
                     f"{student.rollout_api_key_env} is not set or empty"
                 )
-        self.servers = [RolloutServer(url, student.rollout_timeout_s, key) for url in student.rollout_servers]
+        self.servers = [
+            RolloutServer(url, student.rollout_timeout_s, key) for url in student.rollout_servers
+        ]
         self.processes = world()
         self.pool = ServerPool(self.servers, student.rollout_rest_s, rank=self.processes.rank)
         self.student, self.tokenizer = student, tokenizer
@@ -125,8 +130,8 @@ class VLLMServerEngine:
         return f"opd-{self.run_tag}-v{version}"
 
     def sync(self, source) -> None:
-        """Push ``source``'s weights (the policy, or weights published for collection ahead) to every
-        server if their version is not the one pushed last."""
+        """Push ``source``'s weights (the policy, or weights published for collection ahead) to
+        every server if their version is not the one pushed last."""
         if self.version == source.version:
             return
         weights = (
@@ -202,7 +207,9 @@ class VLLMServerEngine:
             served = server.served_version()
         except RolloutServerError as error:
             if error.fault != "silent":
-                self.pool.warn(f"rollout server {server.url} answers again but is kept out: {error}")
+                self.pool.warn(
+                    f"rollout server {server.url} answers again but is kept out: {error}"
+                )
             return False
         if served != self.tag(version):
             return False
@@ -212,7 +219,8 @@ class VLLMServerEngine:
     def rollout(
         self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]
     ) -> list[Completion]:
-        """One completion per prompt from the pushed weights, each recording their policy version."""
+        """One completion per prompt from the pushed weights, each recording their policy
+        version."""
         return self.sample(
             prompts,
             temperature=params.temperature,
@@ -232,23 +240,30 @@ class VLLMServerEngine:
     ) -> list[Completion]:
         """One completion per prompt, row ``i`` on server ``i mod servers`` (offset by rank)."""
         if self.version is None:
-            raise RuntimeError("VLLMServerEngine.sample before the first sync: call sync(policy) first")
+            raise RuntimeError(
+                "VLLMServerEngine.sample before the first sync: call sync(policy) first"
+            )
         seeds = [None] * len(prompts) if seed is None else row_seeds(seed, len(prompts))
         body = self._body(temperature, max_tokens, greedy)
-        self._verify(self.pool.live())
+        self.pool.verify(self.pool.live(), self.tag(self.version))
         done: dict[int, tuple[RolloutServer, Completion]] = {}
         rows = list(range(len(prompts)))
         while rows:  # rows of a server found on other weights afterwards are sampled again
             with ThreadPoolExecutor(max_workers=min(32, max(1, len(rows)))) as pool:
-                answers = pool.map(lambda row: self._sample_row(row, prompts[row], seeds[row], body), rows)
+                answers = pool.map(
+                    lambda row: self._sample_row(row, prompts[row], seeds[row], body), rows
+                )
                 done |= dict(zip(rows, answers, strict=True))
-            stale = self._verify(list({server.url: server for server, _ in done.values()}.values()))
+            used = list({server.url: server for server, _ in done.values()}.values())
+            stale = self.pool.verify(used, self.tag(self.version))
             rows = [row for row, (server, _) in done.items() if server.url in stale]
         return [done[row][1] for row in range(len(prompts))]
 
     def pool_metrics(self) -> dict[str, float]:
         """``rollout/servers_live``: the servers in rotation (logged with several only)."""
-        return {"rollout/servers_live": float(len(self.pool.live()))} if len(self.servers) > 1 else {}
+        return (
+            {"rollout/servers_live": float(len(self.pool.live()))} if len(self.servers) > 1 else {}
+        )
 
     @contextmanager
     def turn_stream(self, params: SamplingParams) -> Iterator[TurnStream]:
@@ -256,8 +271,10 @@ class VLLMServerEngine:
         :meth:`sample` would give the row; the servers' weight versions are checked before the
         first request and after the last."""
         if self.version is None:
-            raise RuntimeError("VLLMServerEngine.turn_stream before the first sync: call sync(policy) first")
-        self._verify(self.pool.live())
+            raise RuntimeError(
+                "VLLMServerEngine.turn_stream before the first sync: call sync(policy) first"
+            )
+        self.pool.verify(self.pool.live(), self.tag(self.version))
         with ThreadPoolExecutor(max_workers=32) as pool:
             stream = _ServerTurns(self, pool, params)
             try:
@@ -280,7 +297,7 @@ class VLLMServerEngine:
         while True:
             server = self.pool.server_for(row)
             try:
-                return server, self._sample_one(server, prompt, seed, body)
+                return server, server.complete(prompt, seed, body, self.version)
             except RolloutServerError as error:
                 if error.fault is None:
                     raise
@@ -293,52 +310,10 @@ class VLLMServerEngine:
         body["allowed_token_ids"] = self.allowed_token_ids
         return body
 
-    def _sample_one(
-        self, server: RolloutServer, prompt: list[int], seed: int | None, body: dict
-    ) -> Completion:
-        """One completion of ``prompt`` from ``server``, with its log-probs and the pushed version."""
-        answer = server.call(
-            "POST", "/v1/completions", body | {"model": server.model, "prompt": prompt, "seed": seed}
-        )
-        choice = answer["choices"][0]
-        token_ids = list(choice["token_ids"])
-        logprobs = [float(value) for value in choice["logprobs"]["token_logprobs"]]
-        if len(logprobs) != len(token_ids):
-            raise RolloutServerError(
-                f"rollout server {server.url}: {len(token_ids)} tokens but {len(logprobs)} log-probs"
-            )
-        finished = choice["finish_reason"] == "stop"
-        return Completion(token_ids, logprobs, finished=finished, policy_version=self.version)
-
-    def _verify(self, servers: list[RolloutServer]) -> set[str]:
-        """The URLs of ``servers`` that no longer serve the pushed weights (or do not answer),
-        taken out of rotation."""
-        expected, stale = self.tag(self.version), set()
-        for server in servers:
-            try:
-                served = server.served_version()
-            except RolloutServerError as error:
-                if error.fault is None:
-                    raise
-                self.pool.take_out(server, error)
-                stale.add(server.url)
-                continue
-            if served != expected:
-                self.pool.take_out(
-                    server,
-                    RolloutServerError(
-                        f"rollout server {server.url} serves weight version {served!r}, not this "
-                        f"run's {expected!r}: it was restarted or another run pushed to it; give each "
-                        "run its own servers, then run the same command again to resume",
-                        fault="weights",
-                    ),
-                )
-                stale.add(server.url)
-        return stale
-
 
 class _ServerTurns:
-    """A :class:`TurnStream` on the rollout servers: each turn one request on a thread of its own."""
+    """A :class:`TurnStream` on the rollout servers: each turn one request on a thread of its
+    own."""
 
     def __init__(self, engine: VLLMServerEngine, pool: ThreadPoolExecutor, params: SamplingParams):
         self.engine, self.pool, self.params = engine, pool, params

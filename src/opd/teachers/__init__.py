@@ -1,4 +1,5 @@
-"""Teacher backends: score the student's sampled tokens (:mod:`opd.teachers.base` is the I/O type)."""
+"""Teacher backends: score the student's sampled tokens (:mod:`opd.teachers.base` is the I/O
+type)."""
 
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest, TeacherScores
 from opd.teachers.config import TeacherConfig
@@ -15,7 +16,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """The backends on first use: a local teacher imports transformers, which a config check does not need."""
+    """The backends on first use: a local teacher imports transformers, which a config check does
+    not need."""
     if name == "LocalTeacher":
         from opd.teachers.local import LocalTeacher
 

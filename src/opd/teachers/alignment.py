@@ -93,12 +93,16 @@ def character_logprobs(
                 logsumexp([own] + [lp for other, lp in others if other.startswith(text[start:cut])])
                 for cut in range(start + 1, end + 1)
             ]
-            piece = [mass - previous for mass, previous in zip(masses, [0.0, *masses[:-1]], strict=True)]
+            piece = [
+                mass - previous for mass, previous in zip(masses, [0.0, *masses[:-1]], strict=True)
+            ]
         if ending is not None and ending.at == start:
             piece[0] = ending.next_character(text[start], piece[0])
         for position, value in enumerate(piece, start):
             add(position, value)
-        ending = None if others is None else _TokenEnd(end, text[start:end], own, others, masses[-1])
+        ending = (
+            None if others is None else _TokenEnd(end, text[start:end], own, others, masses[-1])
+        )
     end_logprob = 0.0 if ending is None else ending.ends_here
     return [UNCOVERED_CHAR_LOGPROB if value is None else value for value in chars], end_logprob
 
@@ -156,7 +160,8 @@ class TurnPiece:
 
 @dataclass
 class TeacherInput:
-    """What the teacher scores for one rollout (one turn, or an episode's), and where its turns lie."""
+    """What the teacher scores for one rollout (one turn, or an episode's), and where its turns
+    lie."""
 
     token_ids: list[int]
     score_mask: list[bool]
@@ -217,7 +222,9 @@ class TeacherFormat:
             if index + 1 < len(spans):
                 replies = trajectory.replies[index]
                 reply = self.renderer.reply_ids(history, body, replies)
-                text = self.student_tokenizer.decode(completion_ids[start:end], skip_special_tokens=True)
+                text = self.student_tokenizer.decode(
+                    completion_ids[start:end], skip_special_tokens=True
+                )
                 history += [{"role": "assistant", "content": text}, *replies]
                 token_ids += reply
                 score_mask += [False] * len(reply)
@@ -234,8 +241,13 @@ class TeacherFormat:
         text = self.student_tokenizer.decode(body_ids)
         teacher_body, teacher_offsets = [], []
         if text:
-            encoded = self.renderer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            teacher_body, teacher_offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+            encoded = self.renderer.tokenizer(
+                text, add_special_tokens=False, return_offsets_mapping=True
+            )
+            teacher_body, teacher_offsets = (
+                list(encoded["input_ids"]),
+                list(encoded["offset_mapping"]),
+            )
         body = [*teacher_body, teacher_stop] if ends_with_stop else teacher_body
         piece = TurnPiece(
             start,
@@ -300,7 +312,9 @@ class TeacherFormat:
                 start,
                 end,
                 teacher_logprobs[p],
-                self._candidates(body_ids[p], teacher_logprobs[p], teacher_topk[p], text[start:end]),
+                self._candidates(
+                    body_ids[p], teacher_logprobs[p], teacher_topk[p], text[start:end]
+                ),
             )
             for p, (start, end) in enumerate(offsets)
         ]
@@ -310,7 +324,9 @@ class TeacherFormat:
             candidates = self._candidates(stop, teacher_logprobs[p], teacher_topk[p], own)
             steps.append(TeacherStep(len(text), len(text) + 1, teacher_logprobs[p], candidates))
         reading = TeacherReading(text, steps)
-        turn_ends = [*piece.student_ends, len(text) + 1][: len(piece.student_ends) + piece.ends_with_stop]
+        turn_ends = [*piece.student_ends, len(text) + 1][
+            : len(piece.student_ends) + piece.ends_with_stop
+        ]
         rows, start = [], 0
         for j, end in enumerate(turn_ends):
             row = student_topk(reading.ways(start), vocabulary, k) if end > start else None

@@ -1,9 +1,11 @@
 """What a teacher server answers, read and checked: one log-prob per token, the same ids, finite
 values, k top entries. A check that fails raises :class:`BadAnswer`, which the request loop turns
-into an error naming the server (or, with several replicas, a reason to ask another)."""
+into an error naming the server (or, with several replicas, a reason to ask another). A refusal
+is read too: the server's message, and what to change for the refusals users meet most."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -13,7 +15,8 @@ from opd.errors import RemoteTeacherError
 LOGPROB_ROUNDING = 1e-4
 """How far above 0 a server's log-prob may be (float rounding of a near-certain token)."""
 FLOAT32_LOWEST = -3.4028234663852886e38
-"""Below it a log-prob cannot be held in the float32 tensors the scores go into: refused as infinite."""
+"""Below it a log-prob cannot be held in the float32 tensors the scores go into: refused as
+infinite."""
 MAX_TOKEN_ID = 2**31
 """No vocabulary is larger; a bigger id in an answer is garbage (and would overflow a tensor)."""
 
@@ -56,7 +59,9 @@ def parse_openai(ids: list[int], entries, topk: int) -> Scored:
                     f"requested {topk} (is the server's --max-logprobs below {topk}?)",
                 )
             top_ids[position] = torch.tensor([r[1] for r in ranked[:topk]])
-            top_values[position] = torch.tensor([read_logprob(r[2], ids, position) for r in ranked[:topk]])
+            top_values[position] = torch.tensor(
+                [read_logprob(r[2], ids, position) for r in ranked[:topk]]
+            )
     return logprobs, top_ids, top_values
 
 
@@ -75,13 +80,17 @@ def parse_sglang(ids: list[int], meta: dict, topk: int) -> Scored:
     for position in range(1, len(ids)):
         value, token = _pair(token_logprobs[position], ids, position)
         if token != ids[position]:
-            raise _fail(ids, f"answered for token id {token} at position {position}, not {ids[position]}")
+            raise _fail(
+                ids, f"answered for token id {token} at position {position}, not {ids[position]}"
+            )
         logprobs[position] = read_logprob(value, ids, position)
         if topk:
             entries = top[position] or []
             if not isinstance(entries, list) or len(entries) < topk:
                 count = len(entries) if isinstance(entries, list) else "no"
-                raise _fail(ids, f"sent {count} top log-probs at position {position}, fewer than {topk}")
+                raise _fail(
+                    ids, f"sent {count} top log-probs at position {position}, fewer than {topk}"
+                )
             pairs = [_pair(e, ids, position) for e in entries[:topk]]
             top_ids[position] = torch.tensor([token_id for _, token_id in pairs])
             top_values[position] = torch.tensor([read_logprob(v, ids, position) for v, _ in pairs])
@@ -91,7 +100,9 @@ def parse_sglang(ids: list[int], meta: dict, topk: int) -> Scored:
 def _pair(entry, ids: list[int], position: int) -> tuple[object, int]:
     """SGLang's ``[logprob, token_id, text]`` at ``position``, its id checked."""
     if not isinstance(entry, list | tuple) or len(entry) < 2 or not is_id(entry[1]):
-        raise _fail(ids, f"sent {str(entry)[:80]} at position {position}, not [logprob, token_id, text]")
+        raise _fail(
+            ids, f"sent {str(entry)[:80]} at position {position}, not [logprob, token_id, text]"
+        )
     return entry[0], entry[1]
 
 
@@ -122,7 +133,9 @@ def read_logprob(value, ids: list[int], position: int) -> float:
     ):
         raise _fail(ids, f"log-prob {value!r} at position {position} is not a finite number")
     if value > LOGPROB_ROUNDING:
-        raise _fail(ids, f"log-prob {value!r} at position {position} is above 0 (not a log-probability)")
+        raise _fail(
+            ids, f"log-prob {value!r} at position {position} is above 0 (not a log-probability)"
+        )
     return min(float(value), 0.0)
 
 
@@ -156,7 +169,8 @@ def parse_sampled(prompt: list[int], answer) -> tuple[list[int], list[float], bo
     if not isinstance(token_ids, list) or not all(is_id(t) for t in token_ids):
         raise _fail(
             prompt,
-            "sent no 'token_ids' with its completion (return_token_ids: vLLM 0.10 or later, or opd serve)",
+            "sent no 'token_ids' with its completion (return_token_ids: vLLM 0.10 or later, or opd "
+            "serve)",
         )
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
     if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
@@ -164,3 +178,35 @@ def parse_sampled(prompt: list[int], answer) -> tuple[list[int], list[float], bo
         raise _fail(prompt, f"sent {count} log-probs for {len(token_ids)} sampled tokens")
     values = [read_logprob(value, prompt, position) for position, value in enumerate(logprobs)]
     return list(token_ids), values, choice.get("finish_reason") == "stop"
+
+
+def server_message(body: str) -> str:
+    """The message of a vLLM / SGLang / opd serve error body (``{"error": {"message"}}`` or
+    ``{"message"}``), or the body itself, cut to 500 characters."""
+    try:
+        answer = json.loads(body)
+    except json.JSONDecodeError:
+        return body[:500]
+    inner = answer.get("error", answer) if isinstance(answer, dict) else None
+    message = inner.get("message") if isinstance(inner, dict) else None
+    return str(message)[:500] if message else body[:500]
+
+
+def refusal_hint(status: int, message: str) -> str:
+    """What to change in opd or on the server for the refusals users meet most."""
+    lowered = message.lower()
+    if status == 404 and "model" in lowered:
+        return "; set teacher.model to the name the server serves (GET /v1/models lists it)"
+    if "max allowed" in lowered or "max_logprobs" in lowered:
+        return (
+            "; start the server with a larger --max-logprobs, or ask for fewer "
+            "(training.objective.topk; teacher.character_topk for a cross_tokenizer teacher)"
+        )
+    if "out of vocabulary" in lowered:
+        return (
+            "; the server's model has fewer ids than the student's tokenizer: serve a teacher that "
+            "shares it, or set cross_tokenizer: true with teacher.tokenizer"
+        )
+    if "maximum context length" in lowered or "max_model_len" in lowered or "too long" in lowered:
+        return "; start the server with a larger --max-model-len, or lower training.max_tokens"
+    return ""

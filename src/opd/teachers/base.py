@@ -1,4 +1,5 @@
-"""What a teacher is asked and what it answers: the same padded tensors for local and remote teachers.
+"""What a teacher is asked and what it answers: the same padded tensors for local and remote
+teachers.
 
 A teacher reads (B, T) token ids with a score mask and answers, per scored position t, the
 log-prob of token t (``log q(x_t | x_<t)``), and when asked the k most likely tokens there or
@@ -28,7 +29,8 @@ class TeacherRequest:
     topk: int = 0
     """The k most likely tokens and their log-probs (0: none)."""
     hidden: bool = False
-    """The final hidden states and the teacher's lm head: its full distribution (local teachers only)."""
+    """The final hidden states and the teacher's lm head: its full distribution (local teachers
+    only)."""
     temperature: float = 1.0
     """Top-k and the full distribution are taken at this temperature; log-probs always at 1."""
 
@@ -40,14 +42,19 @@ class TeacherInput:
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     score_mask_BT: torch.Tensor
-    """True where the teacher's log-prob of the token is wanted; position 0 never is (nothing predicts it)."""
+    """True where the teacher's log-prob of the token is wanted; position 0 never is (nothing
+    predicts it)."""
 
     @classmethod
     def from_sequences(cls, sequences: list[list[int]], score_masks: list[list[bool]], pad_id: int):
         """Pad unpadded sequences and masks (one mask entry per token) into a batch."""
         ids, attention = pad_right(sequences, pad_id)
         mask, _ = pad_right(
-            [[int(m) for m in mask[: len(seq)]] for mask, seq in zip(score_masks, sequences, strict=True)], 0
+            [
+                [int(m) for m in mask[: len(seq)]]
+                for mask, seq in zip(score_masks, sequences, strict=True)
+            ],
+            0,
         )
         return cls(ids, attention, mask.bool())
 
@@ -93,7 +100,8 @@ class HeadShare:
     weight; 0: not its position)."""
 
     owner: object
-    """What wrote it (one share per teacher reading per mixture member): never two answers in one share."""
+    """What wrote it (one share per teacher reading per mixture member): never two answers in one
+    share."""
     hidden_BTD: torch.Tensor
     head: nn.Module
     head_transform: LogitTransform
@@ -124,7 +132,8 @@ class TeacherScores:
     head: nn.Module | None = None
     head_transform: LogitTransform | None = None
     member_logprobs_MBT: torch.Tensor | None = None
-    """A mixture's rows: each teacher's own log-probs (NaN on rows no mixture scored), for the KL to each."""
+    """A mixture's rows: each teacher's own log-probs (NaN on rows no mixture scored), for the KL to
+    each."""
     shares: list[HeadShare] | None = None
 
     @classmethod
@@ -171,7 +180,8 @@ class TeacherScores:
         heads = None
         if self.shares is not None:
             heads = [
-                HeadRows(flat(s.hidden_BTD), s.head, s.head_transform, flat(s.weight_BT)) for s in self.shares
+                HeadRows(flat(s.hidden_BTD), s.head, s.head_transform, flat(s.weight_BT))
+                for s in self.shares
             ]
         elif self.hidden_BTD is not None:
             heads = [HeadRows(flat(self.hidden_BTD), self.head, self.head_transform)]
@@ -188,13 +198,15 @@ class TeacherScores:
         source_positions,
         owner: object,
     ) -> None:
-        """Copy the top-k and hidden states of ``source``'s row at ``source_positions`` into row ``row``
-        at ``positions`` (boolean masks with as many positions set, or slices of one length); the
-        hidden states go to ``owner``'s share (its teacher reading: rows of several teachers each
-        keep their own lm head)."""
+        """Copy the top-k and hidden states of ``source``'s row at ``source_positions`` into row
+        ``row`` at ``positions`` (boolean masks with as many positions set, or slices of one
+        length); the hidden states go to ``owner``'s share (its teacher reading: rows of several
+        teachers each keep their own lm head)."""
         if self.topk_ids_BTK is not None:
             self.topk_ids_BTK[row, positions] = source.topk_ids_BTK[source_row, source_positions]
-            self.topk_logprobs_BTK[row, positions] = source.topk_logprobs_BTK[source_row, source_positions]
+            self.topk_logprobs_BTK[row, positions] = source.topk_logprobs_BTK[
+                source_row, source_positions
+            ]
         if source.hidden_BTD is None:
             return
         self.shares = self.shares or []

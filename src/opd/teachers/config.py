@@ -1,4 +1,5 @@
-"""A teacher's settings, as the config's ``teacher`` (and ``datasets[i].teacher``) sections hold them."""
+"""A teacher's settings, as the config's ``teacher`` (and ``datasets[i].teacher``) sections hold
+them."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ class TeacherConfig:
     ``http://127.0.0.1:30000`` (SGLang); or a list of replicas of one teacher, which requests go
     round (a replica that fails leaves the rotation until it answers a probe as before)."""
     api_key_env: str | None = None
-    """Name of the environment variable holding the server's API key (the key is never logged or saved)."""
+    """Name of the environment variable holding the server's API key (the key is never logged or
+    saved)."""
     tokenizer: str | None = None
-    """The teacher's tokenizer (id or path), checked against the student's; default: ``model`` when local."""
+    """The teacher's tokenizer (id or path), checked against the student's; default: ``model`` when
+    local."""
     chat_template: str | None = None
     """Render prompts for the teacher in its own format: a Jinja template, or ``tokenizer`` for
     the teacher tokenizer's template. Unset: the teacher sees the student's rendering."""
@@ -52,7 +55,8 @@ class TeacherConfig:
     timeout_s: float = 60.0
     """Remote: seconds to wait for one answer before retrying."""
     max_retries: int = 4
-    """Remote: retries after a connection error, timeout or 5xx (exponential backoff with jitter)."""
+    """Remote: retries after a connection error, timeout or 5xx (exponential backoff with
+    jitter)."""
     max_concurrency: int = 4
     """Remote: scoring requests in flight at once."""
     request_batch_size: int = 8
@@ -90,7 +94,8 @@ class TeacherConfig:
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, problem)`` for this teacher's own settings, found before any model loads or
-        server is asked (what it is asked for, by the objective, is checked in ``opd.config.rules``)."""
+        server is asked (what it is asked for, by the objective, is checked in
+        ``opd.config.rules``)."""
         if self.mixture is not None:
             yield from self._mixture_problems()
             return
@@ -98,14 +103,17 @@ class TeacherConfig:
             yield (
                 "model",
                 (
-                    "required: a Hugging Face id or directory (local), the served model's name (remote) "
-                    "or student; or give mixture: [{model: ..., weight: ...}, ...]"
+                    "required: a Hugging Face id or directory (local), the served model's name "
+                    "(remote) or student; or give mixture: [{model: ..., weight: ...}, ...]"
                 ),
             )
         if self.context is not None:
             try:
                 if not template_fields(self.context) and not self.context.strip():
-                    yield "context", "is empty: give a template such as 'The correct answer is {answer}.'"
+                    yield (
+                        "context",
+                        "is empty: give a template such as 'The correct answer is {answer}.'",
+                    )
             except ValueError as error:
                 yield "context", str(error)
         places = [("tokenizer", missing_path_problem)]
@@ -133,8 +141,8 @@ class TeacherConfig:
             yield (
                 "chat_template_kwargs",
                 (
-                    "read by the teacher's own template only; set chat_template (tokenizer, or a Jinja "
-                    "template), or remove them (the teacher sees the student's rendering, "
+                    "read by the teacher's own template only; set chat_template (tokenizer, or a "
+                    "Jinja template), or remove them (the teacher sees the student's rendering, "
                     "student.chat_template_kwargs included)"
                 ),
             )
@@ -189,7 +197,9 @@ class TeacherConfig:
         """The context it is shown, where it goes (None: it reads the student's conversation)."""
         return None if self.context is None else PrivilegedContext(self.context, self.context_role)
 
-    def of_student(self, model: str, tokenizer: str | None, trust_remote_code: bool) -> TeacherConfig:
+    def of_student(
+        self, model: str, tokenizer: str | None, trust_remote_code: bool
+    ) -> TeacherConfig:
         """This teacher (each member of a mixture) with ``model: student`` (local) read as the
         student's own checkpoint."""
         if self.mixture is not None:
@@ -198,7 +208,10 @@ class TeacherConfig:
         if self.backend != "local" or self.model != STUDENT:
             return self
         return replace(
-            self, model=model, tokenizer=self.tokenizer or tokenizer, trust_remote_code=trust_remote_code
+            self,
+            model=model,
+            tokenizer=self.tokenizer or tokenizer,
+            trust_remote_code=trust_remote_code,
         )
 
 

@@ -31,9 +31,12 @@ def template_fields(template: str) -> list[str]:
             raise ValueError(
                 f"{{{name}}}: write a field as {{answer}} or {{metadata.key}}, with no format spec"
             )
-        if name not in FIELDS and not (name.startswith("metadata.") and len(name) > len("metadata.")):
+        if name not in FIELDS and not (
+            name.startswith("metadata.") and len(name) > len("metadata.")
+        ):
             raise ValueError(
-                f"{{{name}}} is not a prompt field: use {{answer}}, {{completion}} or {{metadata.<key>}}"
+                f"{{{name}}} is not a prompt field: use {{answer}}, {{completion}} or "
+                f"{{metadata.<key>}}"
             )
         fields.append(name)
     return fields
@@ -105,5 +108,8 @@ class PrivilegedContext:
             lacking = [name for name in fields if _value(prompt, name) is None]
             if lacking:
                 has = ", ".join(available_fields(prompt)) or "none"
-                return f"{{{lacking[0]}}} is not a field of prompt {index} of {where}; its fields: {has}"
+                return (
+                    f"{{{lacking[0]}}} is not a field of prompt {index} of {where}; its fields: "
+                    f"{has}"
+                )
         return None

@@ -46,7 +46,10 @@ class TeacherLoading:
 
 
 def load_local(
-    teacher_cfg: TeacherConfig, where: str, loading: TeacherLoading, teacher_format: TeacherFormat | None
+    teacher_cfg: TeacherConfig,
+    where: str,
+    loading: TeacherLoading,
+    teacher_format: TeacherFormat | None,
 ) -> Teacher:
     """The model in this process (the student's own base with its adapters off, where the teacher
     is the LoRA student's starting model), scoring over the teacher's vocabulary when it has its
@@ -68,14 +71,18 @@ def load_local(
     teacher = LocalTeacher(model, vocab_size=vocab_size, **options)
     if teacher.packing_problem and launched_world().is_main:
         warnings.warn(
-            f"training.packing: {teacher.packing_problem}; the teacher {teacher_cfg.model} scores padded",
+            f"training.packing: {teacher.packing_problem}; the teacher {teacher_cfg.model} scores "
+            "padded",
             stacklevel=2,
         )
     return teacher
 
 
 def load_remote(
-    teacher_cfg: TeacherConfig, where: str, loading: TeacherLoading, teacher_format: TeacherFormat | None
+    teacher_cfg: TeacherConfig,
+    where: str,
+    loading: TeacherLoading,
+    teacher_format: TeacherFormat | None,
 ) -> Teacher:
     """A vLLM or SGLang server (or replicas of one), each replica probed before any work."""
     remote = RemoteTeacher.from_config(teacher_cfg)
@@ -96,11 +103,16 @@ TEACHER_BACKENDS: dict[str, Loader] = {
 
 
 def load_teacher(
-    teacher_cfg: TeacherConfig, where: str, loading: TeacherLoading, teacher_format: TeacherFormat | None
+    teacher_cfg: TeacherConfig,
+    where: str,
+    loading: TeacherLoading,
+    teacher_format: TeacherFormat | None,
 ) -> Teacher:
     """The teacher of ``teacher_cfg`` (``where`` names its section in errors), its tokenizer
     checked against the student's first where it reads the student's token ids."""
-    tokenizer_name = teacher_cfg.tokenizer or (teacher_cfg.model if teacher_cfg.backend == "local" else None)
+    tokenizer_name = teacher_cfg.tokenizer or (
+        teacher_cfg.model if teacher_cfg.backend == "local" else None
+    )
     if tokenizer_name is not None and not teacher_cfg.cross_tokenizer:
         field_name = f"{where}.tokenizer" if teacher_cfg.tokenizer else f"{where}.model"
         teacher_tokenizer = load_tokenizer(

@@ -52,7 +52,8 @@ class LocalTeacher:
         self.token_budget = token_budget
         """Most tokens per forward (None: ``batch_size`` rows whatever their length)."""
         self.packing_problem: str | None = None
-        """Why the teacher's forwards are padded although packing was asked for (None: they are not)."""
+        """Why the teacher's forwards are padded although packing was asked for (None: they are
+        not)."""
         self.set_packing(packing)
         self.sharded = False
 
@@ -67,7 +68,8 @@ class LocalTeacher:
         """Shard the teacher over the processes as the run's sharding ``mode`` shards the student
         (FSDP2: each holds 1/N of it, gathered a block at a time while it scores). Its forwards
         become collectives: :meth:`score` then runs as many forwards on every process (padding
-        with one-token forwards), and every process must call it as many times, in the same order."""
+        with one-token forwards), and every process must call it as many times, in the same
+        order."""
         mode.wrap(self.module, self.model, module_device(self.model))
         self.sharded = True
 
@@ -110,7 +112,9 @@ class LocalTeacher:
             return logprobs_N, top, hidden_ND if request.hidden else None
 
         lengths = [int(n) for n in inputs.attention_mask_BT.sum(-1).tolist()]
-        forwards = token_bins(lengths, self.token_budget, self.batch_size, padded=not self.module.packed)
+        forwards = token_bins(
+            lengths, self.token_budget, self.batch_size, padded=not self.module.packed
+        )
         if self.sharded:
             (most,) = all_reduce([float(len(forwards))], op="max")
             for _ in range(int(most) - len(forwards)):
@@ -134,13 +138,21 @@ class LocalTeacher:
             if hidden_ND is not None:
                 if scores.hidden_BTD is None:
                     scores.hidden_BTD = hidden_ND.new_zeros(batch, width, hidden_ND.shape[-1])
-                _place(scores.hidden_BTD, rows.to(hidden_ND.device), selected.to(hidden_ND.device), hidden_ND)
+                _place(
+                    scores.hidden_BTD,
+                    rows.to(hidden_ND.device),
+                    selected.to(hidden_ND.device),
+                    hidden_ND,
+                )
         return scores
 
     def _forward_in_step(self, answer) -> None:
-        """A one-token forward whose answer is dropped: keeps a sharded teacher's collectives in step."""
+        """A one-token forward whose answer is dropped: keeps a sharded teacher's collectives in
+        step."""
         ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
-        self.module(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device), answer)
+        self.module(
+            ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device), answer
+        )
 
 
 class AdaptersOffTeacher(LocalTeacher):

@@ -20,7 +20,11 @@ def mixed_logprobs(logprobs_MN: torch.Tensor, weights_M: torch.Tensor) -> torch.
 
 
 def mixed_topk(
-    ids_MNK: torch.Tensor, logprobs_MNK: torch.Tensor, weights_M: torch.Tensor, k: int, vocab_size: int
+    ids_MNK: torch.Tensor,
+    logprobs_MNK: torch.Tensor,
+    weights_M: torch.Tensor,
+    k: int,
+    vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mixture's k most likely tokens per row and their log-probs, from each teacher's top-k.
 

@@ -56,7 +56,9 @@ class TokenTexts:
 
     def __call__(self, token_id: int) -> str:
         if token_id not in self._texts:
-            self._texts[token_id] = self.tokenizer.decode([*self._anchor, token_id])[self._anchor_length :]
+            self._texts[token_id] = self.tokenizer.decode([*self._anchor, token_id])[
+                self._anchor_length :
+            ]
         return self._texts[token_id]
 
 
@@ -119,7 +121,9 @@ class TeacherReading:
         teacher's own token there is a way only if it ends past ``at`` (else the next position's
         tokens go on from it)."""
         found = []
-        first = bisect_left(self.starts, at - self.longest + 1)  # no likely token reaches past from before
+        first = bisect_left(
+            self.starts, at - self.longest + 1
+        )  # no likely token reaches past from before
         for step, before in zip(self.steps[first:], self.before[first:], strict=True):
             if step.start > at:
                 break
@@ -133,7 +137,9 @@ class TeacherReading:
                     found.append((candidate, "", before + candidate.logprob))
                     continue
                 if len(candidate.text) > len(prefix) and candidate.text.startswith(prefix):
-                    found.append((candidate, candidate.text[len(prefix) :], before + candidate.logprob))
+                    found.append(
+                        (candidate, candidate.text[len(prefix) :], before + candidate.logprob)
+                    )
         return found
 
 
@@ -154,7 +160,9 @@ def student_topk(
     return pad_topk([i for _, i in ranked], [lp for lp, _ in ranked], k, vocabulary.size)
 
 
-def pad_topk(ids: list[int], logprobs: list[float], k: int, vocab_size: int) -> tuple[list[int], list[float]]:
+def pad_topk(
+    ids: list[int], logprobs: list[float], k: int, vocab_size: int
+) -> tuple[list[int], list[float]]:
     """``ids`` and ``logprobs`` filled to ``k`` with other ids of no mass (each its own bucket)."""
     ids, logprobs = list(ids), [min(lp, 0.0) for lp in logprobs]
     used, spare = set(ids), iter(range(vocab_size))

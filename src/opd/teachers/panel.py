@@ -87,7 +87,8 @@ class TeacherPanel:
         return Reading(self._loaded[key], teacher_format, teacher_cfg.privileged_context)
 
     def _teacher_format(self, teacher_cfg: TeacherConfig) -> TeacherFormat | None:
-        """How a teacher with its own template or tokenizer sees the rollouts (None: as the student)."""
+        """How a teacher with its own template or tokenizer sees the rollouts (None: as the
+        student)."""
         renderer = teacher_renderer(teacher_cfg, self.renderer)
         if renderer is None:
             return None
@@ -103,7 +104,9 @@ class TeacherPanel:
     def replica_metrics(self) -> dict[str, float]:
         """``teacher/replicas_live``: the replicas in rotation over every remote teacher given
         several (none logged without one)."""
-        pools = [t.pool for t in self._loaded.values() if isinstance(t, RemoteTeacher) and t.pool.several]
+        pools = [
+            t.pool for t in self._loaded.values() if isinstance(t, RemoteTeacher) and t.pool.several
+        ]
         return {"teacher/replicas_live": float(sum(pool.live for pool in pools))} if pools else {}
 
     def writers(self) -> list[TeacherWriter]:
@@ -132,10 +135,14 @@ class TeacherPanel:
         the panel's) asks for."""
         request = request or self.request or TeacherRequest()
         inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT.bool())
-        groups = rows_by_identity([self.readings[index] for index in batch.dataset_index_B.tolist()])
+        groups = rows_by_identity(
+            [self.readings[index] for index in batch.dataset_index_B.tolist()]
+        )
         members = self.readings[int(batch.dataset_index_B[0])]
         if len(groups) == 1 and len(members) == 1 and members[0][0].format is None:
-            return members[0][0].teacher.score(inputs, request)  # one teacher reading the student's tokens
+            return members[0][0].teacher.score(
+                inputs, request
+            )  # one teacher reading the student's tokens
         scores = TeacherScores.zeros(*batch.mask_BT.shape, request)
         for rows in groups:
             members = self.readings[int(batch.dataset_index_B[rows[0]])]
@@ -200,9 +207,13 @@ class TeacherPanel:
             scores.member_logprobs_MBT = kept
         for number, answer in enumerate(answers):
             scores.member_logprobs_MBT[number][selected] = answer.logprobs_BT[selected]
-        for answer, weight in zip(answers, weights, strict=True):  # full distributions: each its share
+        for answer, weight in zip(
+            answers, weights, strict=True
+        ):  # full distributions: each its share
             for share in answer.shares or []:
-                scores.shares = (scores.shares or []) + [replace(share, weight_BT=share.weight_BT * weight)]
+                scores.shares = (scores.shares or []) + [
+                    replace(share, weight_BT=share.weight_BT * weight)
+                ]
 
     def _put_formatted(
         self,
@@ -213,7 +224,8 @@ class TeacherPanel:
         request: TeacherRequest,
     ) -> None:
         """Score the rows in the teacher's own format, then map its answer back onto the student's
-        tokens, turn by turn (an episode's environment replies are the teacher's to render, not to score)."""
+        tokens, turn by turn (an episode's environment replies are the teacher's to render, not to
+        score)."""
         teacher, teacher_format, context = reading.teacher, reading.format, reading.context
         sequences = batch.sequences
         trajectories = batch.trajectories or [None] * len(sequences)
@@ -262,12 +274,17 @@ class TeacherPanel:
                         rows_K = teacher_format.student_next_tokens(
                             built[i], piece, logprobs, topk, turn_ids, view, request.topk
                         )
-                        scores.topk_ids_BTK[row, student_span] = torch.tensor([ids for ids, _ in rows_K])
-                        scores.topk_logprobs_BTK[row, student_span] = torch.tensor([lps for _, lps in rows_K])
+                        scores.topk_ids_BTK[row, student_span] = torch.tensor(
+                            [ids for ids, _ in rows_K]
+                        )
+                        scores.topk_logprobs_BTK[row, student_span] = torch.tensor(
+                            [lps for _, lps in rows_K]
+                        )
                     taught = torch.tensor(view)
                 scores.logprobs_BT[row, student_span] = taught
             if teacher_format.cross_tokenizer:
-                continue  # its top-k is in the student's tokens above, and it sends no hidden states
+                # its top-k is in the student's tokens above, and it sends no hidden states
+                continue
             scored = batch.mask_BT[row].bool()
             teacher_scored = torch.zeros(answer.logprobs_BT.shape[1], dtype=torch.bool)
             teacher_scored[: len(built[i].token_ids)] = torch.tensor(built[i].score_mask)
@@ -275,7 +292,8 @@ class TeacherPanel:
             scores.put(row, scored, answer, i, teacher_scored, reading)
 
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers applied)."""
+        """The teachers' log-probs of a batch's sampled tokens (templates and tokenizers
+        applied)."""
         return self.score(batch, TeacherRequest()).logprobs_BT
 
 
@@ -284,13 +302,23 @@ def teacher_renderer(teacher_cfg: TeacherConfig, student: ChatRenderer) -> ChatR
     (its own template or tokenizer, or a privileged context to insert); None when it does. A
     teacher without a template of its own renders as the student does, the student's template
     variables included."""
-    if not teacher_cfg.chat_template and not teacher_cfg.cross_tokenizer and teacher_cfg.context is None:
+    if (
+        not teacher_cfg.chat_template
+        and not teacher_cfg.cross_tokenizer
+        and teacher_cfg.context is None
+    ):
         return None
     name = teacher_cfg.tokenizer or teacher_cfg.model
     own = teacher_cfg.cross_tokenizer or teacher_cfg.chat_template == "tokenizer"
-    tokenizer = load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(student.tokenizer)
-    template = None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
-    variables = teacher_cfg.chat_template_kwargs if teacher_cfg.chat_template else student.template_kwargs
+    tokenizer = (
+        load_tokenizer(name, "teacher.tokenizer") if own else copy.deepcopy(student.tokenizer)
+    )
+    template = (
+        None if teacher_cfg.chat_template in (None, "tokenizer") else teacher_cfg.chat_template
+    )
+    variables = (
+        teacher_cfg.chat_template_kwargs if teacher_cfg.chat_template else student.template_kwargs
+    )
     return ChatRenderer(tokenizer, template, template_kwargs=variables)
 
 
@@ -311,7 +339,9 @@ def _teacher_sample(teacher: Teacher, renderer: ChatRenderer) -> TeacherSample:
             )
 
         return sample_remote
-    sampler = HFGenerateSampler(teacher.model, renderer.tokenizer, stop_token_ids=stops, stop_strings=strings)
+    sampler = HFGenerateSampler(
+        teacher.model, renderer.tokenizer, stop_token_ids=stops, stop_strings=strings
+    )
 
     def sample_local(prompts, temperature, max_tokens, seeds):
         return sampler.sample(prompts, temperature=temperature, max_tokens=max_tokens, seed=seeds)

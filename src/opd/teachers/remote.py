@@ -28,46 +28,22 @@ from opd.data.sequences import Completion
 from opd.errors import RemoteTeacherError
 from opd.sampling.base import neutral_sampling_body
 from opd.secrets import redact
-from opd.teachers.answers import BadAnswer, Scored, parse_prompt_choices, parse_sampled, parse_sglang
+from opd.teachers.answers import (
+    BadAnswer,
+    Scored,
+    parse_prompt_choices,
+    parse_sampled,
+    parse_sglang,
+    refusal_hint,
+    server_message,
+)
 from opd.teachers.base import TeacherInput, TeacherRequest, TeacherScores
 from opd.teachers.config import TeacherConfig
 from opd.teachers.replicas import DISAGREEMENT_NATS, Replica, ReplicaPool, probe_gap
 
-
-def server_message(body: str) -> str:
-    """The message of a vLLM / SGLang / opd serve error body (``{"error": {"message"}}`` or
-    ``{"message"}``), or the body itself, cut to 500 characters."""
-    try:
-        answer = json.loads(body)
-    except json.JSONDecodeError:
-        return body[:500]
-    inner = answer.get("error", answer) if isinstance(answer, dict) else None
-    message = inner.get("message") if isinstance(inner, dict) else None
-    return str(message)[:500] if message else body[:500]
-
-
-def refusal_hint(status: int, message: str) -> str:
-    """What to change in opd or on the server for the refusals users meet most."""
-    lowered = message.lower()
-    if status == 404 and "model" in lowered:
-        return "; set teacher.model to the name the server serves (GET /v1/models lists it)"
-    if "max allowed" in lowered or "max_logprobs" in lowered:
-        return (
-            "; start the server with a larger --max-logprobs, or ask for fewer (training.objective.topk; "
-            "teacher.character_topk for a cross_tokenizer teacher)"
-        )
-    if "out of vocabulary" in lowered:
-        return (
-            "; the server's model has fewer ids than the student's tokenizer: serve a teacher that "
-            "shares it, or set cross_tokenizer: true with teacher.tokenizer"
-        )
-    if "maximum context length" in lowered or "max_model_len" in lowered or "too long" in lowered:
-        return "; start the server with a larger --max-model-len, or lower training.max_tokens"
-    return ""
-
-
 BUSY_STATUSES = (429, 503)
-"""A server that is up but full: asked again after its ``Retry-After``, not taken out of rotation."""
+"""A server that is up but full: asked again after its ``Retry-After``, not taken out of
+rotation."""
 MOST_RETRY_AFTER_S = 30.0
 """The longest ``Retry-After`` obeyed (a server asking more is asked again after this)."""
 
@@ -82,7 +58,8 @@ class _Fault(Exception):
 
 
 class RemoteTeacher:
-    """Scores token ids through ``POST {base_url}/completions`` (openai) or ``/generate`` (sglang)."""
+    """Scores token ids through ``POST {base_url}/completions`` (openai) or ``/generate``
+    (sglang)."""
 
     @classmethod
     def from_config(cls, teacher: TeacherConfig) -> RemoteTeacher:
@@ -114,7 +91,9 @@ class RemoteTeacher:
         replica_rest_s: float = 30.0,
     ):
         self.backend = backend
-        self.pool = ReplicaPool([base_url] if isinstance(base_url, str) else list(base_url), replica_rest_s)
+        self.pool = ReplicaPool(
+            [base_url] if isinstance(base_url, str) else list(base_url), replica_rest_s
+        )
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -129,7 +108,8 @@ class RemoteTeacher:
             key = os.environ.get(api_key_env)
             if not key:
                 raise RemoteTeacherError(
-                    f"teacher.api_key_env: the environment variable {api_key_env} is not set or empty"
+                    f"teacher.api_key_env: the environment variable {api_key_env} is not set or "
+                    "empty"
                 )
             self._headers["Authorization"] = f"Bearer {key}"
 
@@ -164,8 +144,8 @@ class RemoteTeacher:
                 raise _Fault(f"HTTP {error.code}: {detail}", wait) from None
             if error.code < 500:
                 raise RemoteTeacherError(
-                    f"teacher server {self.endpoint_of(replica)} answered HTTP {error.code}: {detail}"
-                    f"{refusal_hint(error.code, detail)}"
+                    f"teacher server {self.endpoint_of(replica)} answered HTTP {error.code}: "
+                    f"{detail}{refusal_hint(error.code, detail)}"
                 ) from None
             raise _Fault(f"HTTP {error.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
@@ -236,7 +216,8 @@ class RemoteTeacher:
         return self.pool.choose(tried)
 
     def _probe(self, replica: Replica) -> None:
-        """A replica back from its rest answers the start's probe as the run started, or stays out."""
+        """A replica back from its rest answers the start's probe as the run started, or stays
+        out."""
         if self.probe is None:
             return
         ids, reference = self.probe
@@ -245,8 +226,8 @@ class RemoteTeacher:
         mean, most = probe_gap(answer, reference)
         if mean > DISAGREEMENT_NATS:
             raise _Fault(
-                f"it answers the probe {mean:.3f} nats a token apart from the run's start "
-                f"(at most {most:.3f}): other weights",
+                f"it answers the probe {mean:.3f} nats a token apart from the run's start (at most "
+                f"{most:.3f}): other weights",
                 other_weights=True,
             )
 
@@ -269,10 +250,14 @@ class RemoteTeacher:
             answered = list(pool.map(lambda batch: self._score_batch(batch, request.topk), batches))
         flat = [scores for batch_result in answered for scores in batch_result]
         scores = TeacherScores.zeros(*inputs.input_ids_BT.shape, request)
-        for row, (length, (logprobs, top_ids, top_values)) in enumerate(zip(lengths, flat, strict=True)):
+        for row, (length, (logprobs, top_ids, top_values)) in enumerate(
+            zip(lengths, flat, strict=True)
+        ):
             scored = inputs.score_mask_BT[row, :length].bool().clone()
             scored[0] = False
-            scores.logprobs_BT[row, :length] = torch.where(scored, logprobs, torch.zeros_like(logprobs))
+            scores.logprobs_BT[row, :length] = torch.where(
+                scored, logprobs, torch.zeros_like(logprobs)
+            )
             if request.topk:
                 scores.topk_ids_BTK[row, :length][scored] = top_ids[scored]
                 scores.topk_logprobs_BTK[row, :length][scored] = top_values[scored]
@@ -297,15 +282,18 @@ class RemoteTeacher:
         """
         if self.backend != "openai":
             raise RemoteTeacherError(
-                f"teacher server {self.endpoint}: backend '{self.backend}' only scores; a teacher that "
-                "writes completions is reached through the OpenAI completions route (backend: openai)"
+                f"teacher server {self.endpoint}: backend '{self.backend}' only scores; a teacher "
+                "that writes completions is reached through the OpenAI completions route "
+                "(backend: openai)"
             )
         sampling = neutral_sampling_body(max_tokens, temperature, stop_token_ids, stop_strings)
         body = {"model": self.model} | sampling
 
         def one(row: int) -> Completion:
             payload = body | {"prompt": prompts[row], "seed": seeds[row]}
-            return Completion(*self._post(payload, lambda answer: parse_sampled(prompts[row], answer)))
+            return Completion(
+                *self._post(payload, lambda answer: parse_sampled(prompts[row], answer))
+            )
 
         in_flight = self.max_concurrency * self.request_batch_size  # as many rows as scoring sends
         with ThreadPoolExecutor(max_workers=max(1, min(in_flight, len(prompts)))) as pool:
@@ -314,7 +302,9 @@ class RemoteTeacher:
     def score_sequence(self, ids: list[int], replica: Replica | None = None) -> torch.Tensor:
         """One sequence's log-prob of each token, alone in one request (position 0's is not read),
         from ``replica`` when given."""
-        return self._post(self._score_payload([ids], 0), self._parse_scores([ids], 0), replica)[0][0]
+        return self._post(self._score_payload([ids], 0), self._parse_scores([ids], 0), replica)[0][
+            0
+        ]
 
     def _score_payload(self, batch: list[list[int]], topk: int) -> dict:
         if self.backend == "openai":
@@ -341,7 +331,9 @@ class RemoteTeacher:
         def sglang(answer) -> list[Scored]:
             meta = answer.get("meta_info") if isinstance(answer, dict) else None
             if not isinstance(meta, dict):
-                raise BadAnswer(f"sent no 'meta_info' object (for a sequence of {len(batch[0])} tokens)")
+                raise BadAnswer(
+                    f"sent no 'meta_info' object (for a sequence of {len(batch[0])} tokens)"
+                )
             return [parse_sglang(batch[0], meta, topk)]
 
         return sglang

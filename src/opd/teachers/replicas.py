@@ -106,8 +106,8 @@ class ReplicaPool:
             left = sum(r.live for r in self.replicas)
         if (was_live or say) and self.several:
             self.warn(
-                f"teacher replica {replica.base_url} taken out of rotation ({reason}); "
-                f"{left} of {len(self.replicas)} left, it is probed again after {self.rest_s:g} s"
+                f"teacher replica {replica.base_url} taken out of rotation ({reason}); {left} of "
+                f"{len(self.replicas)} left, it is probed again after {self.rest_s:g} s"
             )
 
     def take_back(self, replica: Replica) -> None:
@@ -116,8 +116,8 @@ class ReplicaPool:
             live = sum(r.live for r in self.replicas)
         if not was_live and self.several:
             self.warn(
-                f"teacher replica {replica.base_url} answers again and is back in rotation "
-                f"({live} of {len(self.replicas)} live)"
+                f"teacher replica {replica.base_url} answers again and is back in rotation ({live} "
+                f"of {len(self.replicas)} live)"
             )
 
 
@@ -173,5 +173,7 @@ def check_replicas(teacher: RemoteTeacher, probe_ids: list[int], probes: int, wh
                     f"set {where}.replica_probes: 0 to skip this check)"
                 )
     if reference is None:
-        raise RemoteTeacherError(f"{where}.base_url: no teacher replica answered: {'; '.join(failures)}")
+        raise RemoteTeacherError(
+            f"{where}.base_url: no teacher replica answered: {'; '.join(failures)}"
+        )
     teacher.probe = (probe_ids, reference)

@@ -23,7 +23,8 @@ from opd.teachers.base import rows_by_identity
 from opd.teachers.context import PrivilegedContext
 
 TeacherSample = Callable[[list[list[int]], float, int, list[int]], list[Completion]]
-"""``(prompt ids, temperature, max_tokens, seeds)``: one completion per prompt, in the teacher's ids."""
+"""``(prompt ids, temperature, max_tokens, seeds)``: one completion per prompt, in the teacher's
+ids."""
 
 
 class TeacherWriter:
@@ -76,7 +77,9 @@ class TeacherWriter:
         """A completion in the teacher's ids as the student's: its body (re-tokenized when the
         tokenizers differ), then the student's end of turn if the teacher ended its turn."""
         ids = completion.token_ids
-        ended_turn = completion.finished and bool(ids) and ids[-1] in self.format.renderer.stop_token_ids
+        ended_turn = (
+            completion.finished and bool(ids) and ids[-1] in self.format.renderer.stop_token_ids
+        )
         body = ids[:-1] if ended_turn else ids
         if self.format.cross_tokenizer:
             text = self.format.renderer.tokenizer.decode(body)

@@ -47,7 +47,8 @@ class PublishedWeights:
     weights: dict[str, torch.Tensor]
 
     def sampler_weights(self, dtype: torch.dtype):
-        """``(name, tensor)`` in ``dtype``, as :meth:`opd.policy.Policy.sampler_weights` gives them."""
+        """``(name, tensor)`` in ``dtype``, as :meth:`opd.policy.Policy.sampler_weights` gives
+        them."""
         return ((name, tensor.to(dtype)) for name, tensor in self.weights.items())
 
 
@@ -97,12 +98,15 @@ class AheadCollector:
         with torch.no_grad():
             weights = {
                 name: tensor.clone()
-                for name, tensor in self.policy.streamed_sampler_weights(self.dtype, self.bucket_bytes)
+                for name, tensor in self.policy.streamed_sampler_weights(
+                    self.dtype, self.bucket_bytes
+                )
             }
         return PublishedWeights(self.policy.version, step, weights)
 
     def publish(self, next_step: int) -> float:
-        """Publish the weights after an update, for the batches handed out from now; seconds taken."""
+        """Publish the weights after an update, for the batches handed out from now; seconds
+        taken."""
         started = time.perf_counter()
         self.published = self._take(next_step)
         return time.perf_counter() - started
@@ -164,7 +168,9 @@ def save_in_flight(checkpoint: Path, in_flight: dict[int, PublishedWeights]) -> 
             )
             versions[name] = {"version": weights.version, "step": weights.step}
     steps = {str(step): f"v{w.version}-from{w.step}" for step, w in sorted(in_flight.items())}
-    (directory / "steps.json").write_text(json.dumps({"versions": versions, "steps": steps}, indent=1))
+    (directory / "steps.json").write_text(
+        json.dumps({"versions": versions, "steps": steps}, indent=1)
+    )
 
 
 def load_in_flight(checkpoint: Path) -> dict[int, PublishedWeights]:

@@ -22,14 +22,17 @@ class Batch:
     teacher: TeacherScores | None
     """The teachers' answer, as the objective asked for it (None: it needs none)."""
     seconds: dict[str, float]
-    """``time/sample`` (which includes ``time/weight_sync`` on student batches) and ``time/teacher``."""
+    """``time/sample`` (which includes ``time/weight_sync`` on student batches) and
+    ``time/teacher``."""
     staleness: int | None = None
-    """Collected ahead: how many updates the weights that sampled it lag behind (None: synchronous)."""
+    """Collected ahead: how many updates the weights that sampled it lag behind (None:
+    synchronous)."""
     rewards_B: torch.Tensor | None = None
     """The task's reward of each of the student's own samples (NaN where its dataset gives none;
     None: no dataset of the run gives rewards, or the student did not write the batch)."""
     groups_B: torch.Tensor | None = None
-    """Each row's group (the index of its prompt in the step), for centring rewards within groups."""
+    """Each row's group (the index of its prompt in the step), for centring rewards within
+    groups."""
 
     @property
     def on_policy(self) -> bool:
@@ -38,7 +41,8 @@ class Batch:
 
     @property
     def reverse_kl_BT(self) -> torch.Tensor | None:
-        """The sampled-token reverse KL ``log p - log q`` per completion token (None without a teacher)."""
+        """The sampled-token reverse KL ``log p - log q`` per completion token (None without a
+        teacher)."""
         if self.teacher is None:
             return None
         return reverse_kl_per_token(

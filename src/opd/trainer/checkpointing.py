@@ -26,7 +26,8 @@ class Checkpointer:
         self.parts = parts
         self.ahead: AheadCollector | None = None
         self.in_flight: dict[int, PublishedWeights] = {}
-        """A resumed run's batches in collection at its checkpoint, with their weights (:meth:`restore`)."""
+        """A resumed run's batches in collection at its checkpoint, with their weights
+        (:meth:`restore`)."""
 
     def restore(self, start: StartPoint) -> None:
         """Put back a checkpoint's optimizer, schedule, policy version and RNG states (and its
@@ -41,14 +42,16 @@ class Checkpointer:
                 self.parts.policy, self.parts.optimizer, start.trainer_state["optimizer"]
             )
         self.parts.scheduler.load_state_dict(start.trainer_state["scheduler"])
-        self.parts.policy.version = start.trainer_state.get("policy_version", self.parts.scheduler.last_epoch)
+        self.parts.policy.version = start.trainer_state.get(
+            "policy_version", self.parts.scheduler.last_epoch
+        )
         restore_rng_states(start.trainer_state["rng"])
         self.in_flight = load_in_flight(checkpoint)
 
     def save(self, steps_done: int) -> None:
-        """Weights, optimizer, scheduler and RNG states after ``steps_done`` steps, written atomically:
-        a Hugging Face model and an indexed optimizer state from one process, sharded state from
-        several (:mod:`opd.runs.sharded_state`)."""
+        """Weights, optimizer, scheduler and RNG states after ``steps_done`` steps, written
+        atomically: a Hugging Face model and an indexed optimizer state from one process, sharded
+        state from several (:mod:`opd.runs.sharded_state`)."""
         state = {
             "scheduler": self.parts.scheduler.state_dict(),
             "policy_version": self.parts.policy.version,
@@ -69,4 +72,6 @@ class Checkpointer:
                 self.parts.policy.save(directory / "model")
                 save_in_flight(directory, in_flight)
 
-        save_checkpoint(Path(self.parts.config.log_path), steps_done, save_model, self.parts.tokenizer, state)
+        save_checkpoint(
+            Path(self.parts.config.log_path), steps_done, save_model, self.parts.tokenizer, state
+        )

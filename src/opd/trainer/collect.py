@@ -53,7 +53,8 @@ class Sampled(NamedTuple):
     groups_B: torch.Tensor
     """Each row's group: the index of its prompt in the step."""
     sync_seconds: float | None = None
-    """Seconds spent bringing the run's engine to the trained weights first (None: not synced here)."""
+    """Seconds spent bringing the run's engine to the trained weights first (None: not synced
+    here)."""
 
 
 class Collector:
@@ -69,7 +70,9 @@ class Collector:
         """Who writes step ``step``'s completions: ``student``, ``teacher`` or ``dataset``."""
         return step_data_source(self.parts.config.training, self.parts.config.seed, step)
 
-    def sample_batch(self, step: int, engine: RolloutEngine | None = None) -> tuple[RolloutBatch, str]:
+    def sample_batch(
+        self, step: int, engine: RolloutEngine | None = None
+    ) -> tuple[RolloutBatch, str]:
         """This process's share of step ``step``'s rollouts and who wrote them (:meth:`sample`)."""
         sampled = self.sample(step, engine)
         return sampled.rollouts, sampled.source
@@ -89,7 +92,9 @@ class Collector:
         prompts, completions, dataset_indices, items, groups = [], [], [], [], []
         for group, item in enumerate(self.parts.batches.batch(step)):
             group_size = (
-                1 if source == "dataset" else self.parts.config.datasets[item.dataset_index].group_size
+                1
+                if source == "dataset"
+                else self.parts.config.datasets[item.dataset_index].group_size
             )
             if source == "dataset":
                 prompt_ids, target = completion_tokens(self.parts.renderer, item.prompt)
@@ -118,7 +123,9 @@ class Collector:
                     sync_seconds = time.perf_counter() - synced
                     lockstep = True
                 else:
-                    lockstep = False  # the worker collecting ahead: no collectives off the main thread
+                    lockstep = (
+                        False  # the worker collecting ahead: no collectives off the main thread
+                    )
 
                 def sample(turn_rows, turn_prompts, conversations, turn_seeds, max_tokens):
                     return engine.rollout(
@@ -150,9 +157,13 @@ class Collector:
                 )
             except EpisodeError as error:
                 raise EpisodeError(f"step {step}: {error}") from None
-        rollouts = build_rollout_batch(prompts, completions, dataset_indices, self.parts.engine.pad_id, items)
+        rollouts = build_rollout_batch(
+            prompts, completions, dataset_indices, self.parts.engine.pad_id, items
+        )
         rewards = self.rewards(completions, items, dataset_indices) if source == "student" else None
-        return Sampled(rollouts, source, rewards, torch.tensor(groups, dtype=torch.long), sync_seconds)
+        return Sampled(
+            rollouts, source, rewards, torch.tensor(groups, dtype=torch.long), sync_seconds
+        )
 
     def rewards(
         self, completions: list[Completion], items: list[Prompt], dataset_indices: list[int]
@@ -162,7 +173,8 @@ class Collector:
         either. Decided by the run's datasets, not by this process's rows: every process then
         reduces the reward metrics together, whatever share of the datasets its rows come from."""
         if all(
-            g is None and e is None for g, e in zip(self.parts.graders, self.parts.environments, strict=True)
+            g is None and e is None
+            for g, e in zip(self.parts.graders, self.parts.environments, strict=True)
         ):
             return None
         values = [
@@ -184,12 +196,18 @@ class Collector:
     ) -> list[Completion]:
         """Each row's completion from ``sample``: one turn, or its dataset's environment's episode.
         Episodes are played on ``engine``'s turn stream where it has one (the vLLM engines): each
-        row's next turn starts when its environment answered, not when the batch's slowest turn ends."""
+        row's next turn starts when its environment answered, not when the batch's slowest turn
+        ends."""
         training = self.parts.config.training
         max_tokens = training.max_tokens
         if not any(self.parts.environments):
-            return sample(list(range(len(prompts))), prompts, [p.messages for p in items], seeds, max_tokens)
-        specs = [self.episode_spec(index, item) for index, item in zip(dataset_indices, items, strict=True)]
+            return sample(
+                list(range(len(prompts))), prompts, [p.messages for p in items], seeds, max_tokens
+            )
+        specs = [
+            self.episode_spec(index, item)
+            for index, item in zip(dataset_indices, items, strict=True)
+        ]
         if (turn_stream := getattr(engine, "turn_stream", None)) is not None:
             params = SamplingParams(temperature=training.temperature, max_tokens=max_tokens)
             with turn_stream(params) as stream:
@@ -202,7 +220,8 @@ class Collector:
         )
 
     def episode_spec(self, dataset_index: int, prompt: Prompt) -> EpisodeSpec:
-        """How a row of dataset ``dataset_index`` is played: an episode of its environment, or one turn."""
+        """How a row of dataset ``dataset_index`` is played: an episode of its environment, or one
+        turn."""
         environment, dataset = (
             self.parts.environments[dataset_index],
             self.parts.config.datasets[dataset_index],
@@ -240,5 +259,11 @@ class Collector:
         if sampled.sync_seconds is not None:
             seconds["time/weight_sync"] = sampled.sync_seconds
         return Batch(
-            step, source, rollouts, teacher, seconds, rewards_B=sampled.rewards_B, groups_B=sampled.groups_B
+            step,
+            source,
+            rollouts,
+            teacher,
+            seconds,
+            rewards_B=sampled.rewards_B,
+            groups_B=sampled.groups_B,
         )

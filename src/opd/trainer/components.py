@@ -73,7 +73,11 @@ class RunComponents:
         self.world = init_from_env(training.dist_backend, device, training.dist_timeout_s)
         self.objective = training.objective
         student = load_student(process_config)
-        self.tokenizer, self.policy, self.renderer = student.tokenizer, student.policy, student.renderer
+        self.tokenizer, self.policy, self.renderer = (
+            student.tokenizer,
+            student.policy,
+            student.renderer,
+        )
         self.resumed_model_dir = resumed_model_dir(config)
         load_from = self.resumed_model_dir or (
             Path(config.load_checkpoint_path).expanduser() if config.load_checkpoint_path else None
@@ -93,7 +97,9 @@ class RunComponents:
         if training.reward_coef:
             self._check_rewards()
         self.batching = self._micro_batching()
-        warn_if_slow_on_this_cpu(DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype")
+        warn_if_slow_on_this_cpu(
+            DTYPES.get(student_cfg.sampling_dtype), device, "student.sampling_dtype"
+        )
         warn_if_slow_on_this_cpu(DTYPES.get(training.autocast), device, "training.autocast")
         self.policy.parallel = parallel_mode(parallel)
         self.engine = build_rollout_engine(
@@ -115,7 +121,11 @@ class RunComponents:
                 else self.engine
             )
         self.policy.parallelize()
-        if load_from is not None and self.resumed_model_dir is None and has_sharded_state(load_from):
+        if (
+            load_from is not None
+            and self.resumed_model_dir is None
+            and has_sharded_state(load_from)
+        ):
             load_sharded_state(load_from, self.policy)
         self.sampler = (
             self.engine if self.engine.serves_evaluation else student.sampler_for(self.policy.model)
@@ -168,7 +178,9 @@ class RunComponents:
                 f"training.packing: {problem}; the student's micro-batches run padded", stacklevel=2
             )
         if training.micro_batch_tokens is None and training.micro_batch_size is not None:
-            return MicroBatching(None, training.micro_batch_size, self.policy.packed)  # rows: no budget
+            return MicroBatching(
+                None, training.micro_batch_size, self.policy.packed
+            )  # rows: no budget
         longest_prompt = max(
             (
                 len(self.renderer.prompt_ids(prompt.messages))
@@ -186,7 +198,9 @@ class RunComponents:
             )
             return sized_budget(device_memory(self.policy.device), per_token)
 
-        tokens = resolve_token_budget(training, longest_prompt, size_for_device, self._longest_completion())
+        tokens = resolve_token_budget(
+            training, longest_prompt, size_for_device, self._longest_completion()
+        )
         return MicroBatching(tokens, training.micro_batch_size, self.policy.packed)
 
     def _longest_completion(self) -> tuple[int, str]:
@@ -204,11 +218,15 @@ class RunComponents:
         environment), before any step."""
         for index, dataset in enumerate(self.config.datasets):
             if self.graders[index] is None and self.environments[index] is None:
-                why = "grader: none" if dataset.grader == "none" else "some of its prompts have no answer"
+                why = (
+                    "grader: none"
+                    if dataset.grader == "none"
+                    else "some of its prompts have no answer"
+                )
                 raise ConfigError(
-                    f"datasets[{index}] ({dataset.name}): training.reward_coef > 0 needs a reward for its "
-                    f"samples, and it has no grader ({why}) and no env; give its prompts answers and a "
-                    "grader, or an env, or set reward_coef: 0"
+                    f"datasets[{index}] ({dataset.name}): training.reward_coef > 0 needs a reward "
+                    f"for its samples, and it has no grader ({why}) and no env; give its prompts "
+                    "answers and a grader, or an env, or set reward_coef: 0"
                 )
 
     def _environments(self) -> list[Environment | None]:
@@ -224,8 +242,8 @@ class RunComponents:
                 environment.start(self.datasets[index][0], self.graders[index])
             except Exception as error:
                 raise ConfigError(
-                    f"datasets[{index}].env: environment {dataset.env.name!r} cannot start an episode "
-                    f"of {dataset.source}: {type(error).__name__}: {error}"
+                    f"datasets[{index}].env: environment {dataset.env.name!r} cannot start an "
+                    f"episode of {dataset.source}: {type(error).__name__}: {error}"
                 ) from None
             environments.append(environment)
         return environments

@@ -86,7 +86,9 @@ def answer_sums(
         sums[1] += answer.numel()
         sums[2] += float(kl.sum()) - float(answer.sum())
         sums[3] += len(token_ids) - answer.numel()
-        wrong = rewards_B is not None and not math.isnan(rewards_B[row]) and float(rewards_B[row]) < 1.0
+        wrong = (
+            rewards_B is not None and not math.isnan(rewards_B[row]) and float(rewards_B[row]) < 1.0
+        )
         written = text[first_char:last_char]
         if not wrong or written == reference:
             continue
@@ -118,7 +120,9 @@ def diagnostic_metrics(
     teacher's top-k holds, where it sent them)."""
     mask = rollouts.mask_BT.bool()
     shares, groups = distinct_shares(rollouts, groups_B)
-    located = answer_sums(rollouts, reverse_kl_BT, teacher.logprobs_BT, rewards_B, graders, tokenizer)
+    located = answer_sums(
+        rollouts, reverse_kl_BT, teacher.logprobs_BT, rewards_B, graders, tokenizer
+    )
     mass = [0.0, 0.0]
     if teacher.topk_logprobs_BTK is not None:
         held = teacher.topk_logprobs_BTK.float().exp().sum(-1)[mask]

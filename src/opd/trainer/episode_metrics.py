@@ -33,12 +33,16 @@ def _sums(rollouts: RolloutBatch, reverse_kl_BT: torch.Tensor | None) -> dict[st
             continue
         offset = rollouts.prompt_lengths[row]
         for turn, (start, end) in enumerate(trajectory.turns, start=1):
-            sums[f"teacher_kl/turn_{turn}"] += float(reverse_kl_BT[row, offset + start : offset + end].sum())
+            sums[f"teacher_kl/turn_{turn}"] += float(
+                reverse_kl_BT[row, offset + start : offset + end].sum()
+            )
             sums[f"count/teacher_kl/turn_{turn}"] += end - start
     return sums
 
 
-def episode_metrics(rollouts: RolloutBatch, reverse_kl_BT: torch.Tensor | None = None) -> dict[str, float]:
+def episode_metrics(
+    rollouts: RolloutBatch, reverse_kl_BT: torch.Tensor | None = None
+) -> dict[str, float]:
     """``episode/{turns,len,reward,success,cut}`` means per episode (``len``: tokens after the
     prompt, the environment's included; ``cut``: the share that ran out of turns or tokens),
     ``env/<key>`` means of the environment's figures, and ``teacher_kl/turn_<k>`` per token of

@@ -33,7 +33,9 @@ def advantage_metrics(advantages_BT: torch.Tensor, mask_BT: torch.Tensor) -> dic
     total, squares, count = all_reduce(sums)
     if count == 0:
         return {}
-    extremes = [float(-selected.min()), float(selected.max())] if selected.numel() else [-math.inf] * 2
+    extremes = (
+        [float(-selected.min()), float(selected.max())] if selected.numel() else [-math.inf] * 2
+    )
     negated_min, most = all_reduce(extremes, op="max")
     mean = total / count
     return {
@@ -71,7 +73,9 @@ class Learner:
         for index in range(len(self.parts.config.datasets)):
             rows = rollouts.dataset_index_B == index
             sums += [float(reverse_kl[rows].sum()), float(rollouts.mask_BT[rows].sum())]
-        members = max(len(self.parts.config.teacher_for(d).members) for d in self.parts.config.datasets)
+        members = max(
+            len(self.parts.config.teacher_for(d).members) for d in self.parts.config.datasets
+        )
         kept = batch.teacher.member_logprobs_MBT
         for number in range(members if members > 1 else 0):
             if kept is None or number >= kept.shape[0]:
@@ -93,12 +97,14 @@ class Learner:
                 metrics[f"teacher_kl/mixture_{number}"] = kl / tokens
         return metrics
 
-    def reward_terms(self, batch: Batch) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
+    def reward_terms(
+        self, batch: Batch
+    ) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
         """The task's rewards of the student's samples: their metrics (over every process's rows;
         logged whatever ``reward_coef``), each completion token's reward advantage
         ``reward_coef * (R - group mean)`` (None with ``reward_coef: 0``), and which rows the update
-        keeps (None: all; ``remove_constant_reward_groups`` drops groups whose rewards are all equal).
-        A group's rows all lie on one process, so its mean is the whole group's."""
+        keeps (None: all; ``remove_constant_reward_groups`` drops groups whose rewards are all
+        equal). A group's rows all lie on one process, so its mean is the whole group's."""
         training, rollouts, rewards = self.parts.config.training, batch.rollouts, batch.rewards_B
         centred, group_std, constant = group_centred_rewards(
             rewards, batch.groups_B, std_normalization=training.reward_std_normalization
@@ -170,9 +176,9 @@ class Learner:
         if any(self.parts.environments):
             metrics |= episode_metrics(rollouts, batch.reverse_kl_BT if batch.on_policy else None)
         scored = mask.bool()
-        finite = (teacher is None or bool(torch.isfinite(teacher.logprobs_BT[scored]).all())) and bool(
-            torch.isfinite(rollouts.sampled_logprobs_BT[scored]).all()
-        )
+        finite = (
+            teacher is None or bool(torch.isfinite(teacher.logprobs_BT[scored]).all())
+        ) and bool(torch.isfinite(rollouts.sampled_logprobs_BT[scored]).all())
         tokens, sequences, truncated, not_finite = all_reduce(
             [
                 float(lengths.sum()),
@@ -192,7 +198,8 @@ class Learner:
             metrics["staleness_mean"] = batch.staleness
         if not_finite:
             warnings.warn(
-                f"step {batch.step}: non-finite log-probs from the sampler or teacher; step skipped",
+                f"step {batch.step}: non-finite log-probs from the sampler or teacher; step "
+                "skipped",
                 stacklevel=2,
             )
             return metrics | {"skipped": 1} | batch.seconds
@@ -200,17 +207,23 @@ class Learner:
         if batch.rewards_B is not None:
             rewards, reward_BT, kept_B = self.reward_terms(batch)
             metrics |= rewards
-        if kept_B is not None:  # what the constant-group filter leaves the update, over every process
+        if (
+            kept_B is not None
+        ):  # what the constant-group filter leaves the update, over every process
             rows, kept_tokens = all_reduce([float(kept_B.sum()), float(mask[kept_B].sum())])
             metrics |= {"reward/kept_rows": rows / sequences, "num_tokens_kept": int(kept_tokens)}
             if not rows:
-                return metrics | {"skipped": 1} | batch.seconds  # every group constant: nothing to learn
+                return (
+                    metrics | {"skipped": 1} | batch.seconds
+                )  # every group constant: nothing to learn
         shaped = None
         if teacher is not None:
             student_logprobs = rollouts.sampled_logprobs_BT
             if training.advantage_source == "current" and batch.on_policy:
                 student_logprobs = self.policy_logprobs(rollouts).to(student_logprobs.device)
-            shaped = objective.advantages(student_logprobs, teacher, mask, policy_gradient(training))
+            shaped = objective.advantages(
+                student_logprobs, teacher, mask, policy_gradient(training)
+            )
         if shaped is not None and reward_BT is not None:
             metrics |= magnitudes(
                 {"advantage/kl_abs_mean": shaped, "advantage/reward_abs_mean": reward_BT}, mask
@@ -225,7 +238,9 @@ class Learner:
                 if training.normalize_advantages and spread
                 else shaped
             )
-        elif reward_BT is not None:  # an objective without advantages: the reward as a policy gradient
+        elif (
+            reward_BT is not None
+        ):  # an objective without advantages: the reward as a policy gradient
             metrics |= magnitudes({"advantage/reward_abs_mean": reward_BT}, mask)
             advantages, reward_in_loss = reward_BT, True
         if kept_B is not None:
@@ -255,7 +270,9 @@ class Learner:
             "skipped": int(stats.applied_substeps == 0),
             **batch.seconds,
             "time/train": train_seconds,
-            "time/total": batch.seconds["time/sample"] + batch.seconds["time/teacher"] + train_seconds,
+            "time/total": batch.seconds["time/sample"]
+            + batch.seconds["time/teacher"]
+            + train_seconds,
         }
         if batch.on_policy:
             metrics["kl_sample_train"] = stats.kl_sample_train

@@ -55,7 +55,9 @@ from opd.trainer.stopping import StopOnSignal
 
 PROGRESS_KEYS = {"teacher_kl": "kl", "entropy": "H", "completion_len_mean": "len"}
 """The metrics the progress bar shows, by the short names that keep it within 80 columns."""
-PROGRESS_FORMAT = "{desc} |{bar:6}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+PROGRESS_FORMAT = (
+    "{desc} |{bar:6}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+)
 """A bar of fixed width, so a narrow terminal shortens nothing (tqdm's own shrinks the bar to a
 character and cuts the metrics)."""
 
@@ -69,7 +71,9 @@ def show_phase(bar, phase: str) -> None:
 
 def progress_postfix(metrics: dict) -> str:
     """``kl 0.123 H 0.456 len 4.5``: the step's main metrics for the bar."""
-    return " ".join(f"{short} {metrics[key]:.3g}" for key, short in PROGRESS_KEYS.items() if key in metrics)
+    return " ".join(
+        f"{short} {metrics[key]:.3g}" for key, short in PROGRESS_KEYS.items() if key in metrics
+    )
 
 
 @dataclass
@@ -91,7 +95,9 @@ class TrainResult:
         values = [row[key] for row in rows if key in row]
         if not values:
             known = sorted({name for row in rows for name in row})
-            raise KeyError(f"{key!r}: not a metric of the run in {self.log_path}; it logged {known}")
+            raise KeyError(
+                f"{key!r}: not a metric of the run in {self.log_path}; it logged {known}"
+            )
         return values[-1]
 
 
@@ -150,7 +156,8 @@ class Trainer(RunComponents):
         return metrics | {"time/eval": time.perf_counter() - started}
 
     def _evaluate_synced(self, weights) -> dict[str, float]:
-        """:func:`opd.runs.evaluation.evaluate` with the sampler, an engine synced to ``weights`` first."""
+        """:func:`opd.runs.evaluation.evaluate` with the sampler, an engine synced to ``weights``
+        first."""
         if self.sampler is self.engine:
             self.engine.sync(weights)
         return evaluate(
@@ -164,7 +171,8 @@ class Trainer(RunComponents):
         )
 
     def run(self) -> TrainResult:
-        """Train from the start point ``log_path`` dictates up to ``num_steps``, checkpointing on the way.
+        """Train from the start point ``log_path`` dictates up to ``num_steps``, checkpointing on
+        the way.
 
         Every process runs this loop on its share of each batch; rank 0 alone writes the run's
         files, logs and shows progress.
@@ -173,14 +181,17 @@ class Trainer(RunComponents):
         start = resume_point(self.config)
         if start.model_dir != self.resumed_model_dir:
             raise CheckpointError(
-                f"{log_path}: its checkpoints changed while the run was being set up; start it again"
+                f"{log_path}: its checkpoints changed while the run was being set up; start it "
+                "again"
             )
         if main:
             prepare_log_path(self.config)
         barrier()
         self.checkpointer.restore(start)
         if main:
-            (log_path / CONFIG_NAME).write_text(yaml.safe_dump(recorded_config(self.config), sort_keys=False))
+            (log_path / CONFIG_NAME).write_text(
+                yaml.safe_dump(recorded_config(self.config), sort_keys=False)
+            )
         result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
         if start.step >= self.num_steps:
             if main:
@@ -227,7 +238,9 @@ class Trainer(RunComponents):
         last_saved = start.step
         stop = StopOnSignal(
             lambda: (
-                f"the run then resumes from step {last_saved}" if last_saved else "the run then starts over"
+                f"the run then resumes from step {last_saved}"
+                if last_saved
+                else "the run then starts over"
             )
         )
 
@@ -240,8 +253,9 @@ class Trainer(RunComponents):
             for symptom in watchdog.check(metrics):
                 if self.config.training.stop_on_divergence:
                     raise DivergenceError(
-                        f"step {step}: {symptom.message}. Stopped (training.stop_on_divergence); the "
-                        "last checkpoint is kept: change the setting and run again to resume from it"
+                        f"step {step}: {symptom.message}. Stopped (training.stop_on_divergence); "
+                        "the last checkpoint is kept: change the setting and run again to resume "
+                        "from it"
                     )
                 if main:
                     tqdm.write(f"opd: warning: step {step}: {symptom.message}", file=sys.stderr)
@@ -257,10 +271,14 @@ class Trainer(RunComponents):
                 batch = ahead.batch(step) if ahead else self.collect(step)
                 if main:
                     samples.write(
-                        sample_records(self.tokenizer, names, step, batch.rollouts, batch.reverse_kl_BT)
+                        sample_records(
+                            self.tokenizer, names, step, batch.rollouts, batch.reverse_kl_BT
+                        )
                     )
                     if self.config.training.show_examples:
-                        tqdm.write(examples(self.tokenizer, names, batch.rollouts, batch.reverse_kl_BT))
+                        tqdm.write(
+                            examples(self.tokenizer, names, batch.rollouts, batch.reverse_kl_BT)
+                        )
                 metrics = self.learn(batch) | evaluation
                 if ahead:
                     metrics["time/weight_sync"] = ahead.publish(step + 1)
@@ -291,9 +309,9 @@ class Trainer(RunComponents):
                 if signal_number:
                     raise RunInterrupted(
                         f"stopped by {signal.Signals(signal_number).name} after step {done} of "
-                        f"{self.num_steps}; "
-                        f"checkpoint step_{done:06d} saved in {log_path / 'checkpoints'}. Run the same "
-                        f"command again to resume from step {done}",
+                        f"{self.num_steps}; checkpoint step_{done:06d} saved in "
+                        f"{log_path / 'checkpoints'}. Run the same command again to resume from "
+                        f"step {done}",
                         signal_number,
                     )
         except BaseException as error:
@@ -301,7 +319,11 @@ class Trainer(RunComponents):
             if (full := out_of_space(error)) is not None:
                 raise disk_full_error(log_path, full, last_saved) from None
             if isinstance(error, RemoteTeacherError | RolloutServerError):  # a server lost mid-run
-                again = f"resumes from step {last_saved}" if last_saved else "starts over (no checkpoint yet)"
+                again = (
+                    f"resumes from step {last_saved}"
+                    if last_saved
+                    else "starts over (no checkpoint yet)"
+                )
                 raise type(error)(f"{error}. Run the same command again: the run {again}") from None
             raise
         finally:
@@ -310,7 +332,8 @@ class Trainer(RunComponents):
                 ahead.close()
                 self.ahead = None
             bar.close()
-            # after a failure (a full disk above all), a close that fails too must not hide the first error
+            # after a failure (a full disk above all), a close that fails too must not hide the
+            # first error
             for handle in (writer, samples, *loggers, self.spans):
                 if handle is not None:
                     with contextlib.suppress(OSError) if failing else contextlib.nullcontext():

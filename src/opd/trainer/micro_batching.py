@@ -30,8 +30,11 @@ def activation_bytes_per_token(
     (the MLP's products and activation), the keys and values twice, and with LoRA each adapted
     input once more; with gradient checkpointing, each layer's input and one layer's all of
     that (recomputed in backward). The lm head is not counted: it works ``logprob_chunk_size``
-    positions at a time. Checked against a measured peak in docs/benchmarks.md#packed-micro-batches."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    positions at a time. Checked against a measured peak in
+    docs/benchmarks.md#packed-micro-batches."""
+    text = (
+        model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    )
     hidden = text.hidden_size
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
     heads = text.num_attention_heads
@@ -51,7 +54,8 @@ def device_memory(device: torch.device) -> int:
 
 
 def sized_budget(memory: int, bytes_per_token: int) -> int:
-    """``ACTIVATION_SHARE`` of ``memory`` in tokens, rounded down to ``BUDGET_STEP`` (at least one step)."""
+    """``ACTIVATION_SHARE`` of ``memory`` in tokens, rounded down to ``BUDGET_STEP`` (at least one
+    step)."""
     tokens = int(ACTIVATION_SHARE * memory / max(bytes_per_token, 1))
     return max(BUDGET_STEP, tokens // BUDGET_STEP * BUDGET_STEP)
 
@@ -72,9 +76,9 @@ def resolve_token_budget(
     if training.micro_batch_tokens is not None:
         if training.micro_batch_tokens < longest_row:
             raise ConfigError(
-                f"training.micro_batch_tokens: {training.micro_batch_tokens} tokens cannot hold the "
-                f"longest possible row, {longest_row} tokens (the longest prompt, {longest_prompt} "
-                f"tokens, plus {bound} {completion}); raise it to at least "
+                f"training.micro_batch_tokens: {training.micro_batch_tokens} tokens cannot hold "
+                f"the longest possible row, {longest_row} tokens (the longest prompt, "
+                f"{longest_prompt} tokens, plus {bound} {completion}); raise it to at least "
                 f"{longest_row} or shorten the prompts"
             )
         return training.micro_batch_tokens

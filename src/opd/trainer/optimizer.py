@@ -51,14 +51,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
         ids = [index for group in state_dict["param_groups"] for index in group["params"]]
         parameters = [parameter for group in self.param_groups for parameter in group["params"]]
         kept = {
-            parameter: {key: value for key, value in state_dict["state"][index].items() if key != "step"}
+            parameter: {
+                key: value for key, value in state_dict["state"][index].items() if key != "step"
+            }
             for index, parameter in zip(ids, parameters, strict=True)
             if parameter.dtype in HALF and "master" in state_dict["state"].get(index, {})
         }
         super().load_state_dict(state_dict)
         for parameter, values in kept.items():
             for key, value in values.items():
-                self.state[parameter][key] = value.to(device=parameter.device, dtype=torch.float32).clone()
+                self.state[parameter][key] = value.to(
+                    device=parameter.device, dtype=torch.float32
+                ).clone()
 
     def _master_step(self, group: dict, parameter: torch.Tensor, grad: torch.Tensor) -> None:
         state = self.state[parameter]
@@ -89,12 +93,15 @@ def adamw(
 ) -> torch.optim.AdamW:
     """AdamW; the fused kernel (one pass over each tensor, not ~10 elementwise ops) when every
     parameter is a floating tensor on a CPU or CUDA device: the same update rule, other rounding.
-    Half-precision parameters are updated through float32 master weights (:class:`MasterWeightAdamW`)."""
+    Half-precision parameters are updated through float32 master weights
+    (:class:`MasterWeightAdamW`)."""
     fused = bool(parameters) and all(
         p.device.type in FUSED_DEVICE_TYPES and p.dtype.is_floating_point for p in parameters
     )
     kind = MasterWeightAdamW if any(p.dtype in HALF for p in parameters) else torch.optim.AdamW
-    return kind(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
+    return kind(
+        parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None
+    )
 
 
 def lr_factor(optimizer_step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -126,6 +133,9 @@ def build_optimizer(
         weight_decay=training.weight_decay,
     )
     schedule = functools.partial(
-        lr_factor, warmup_steps=training.warmup_steps, total_steps=total_steps, schedule=training.lr_schedule
+        lr_factor,
+        warmup_steps=training.warmup_steps,
+        total_steps=total_steps,
+        schedule=training.lr_schedule,
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -24,7 +24,8 @@ from opd.trainer.processes import check_processes, shards_its_teacher, step_grou
 
 GB = 1e9
 ADAM_STATES = 2
-"""AdamW keeps two tensors per trainable weight (first and second moments), in the weight's dtype."""
+"""AdamW keeps two tensors per trainable weight (first and second moments), in the weight's
+dtype."""
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -63,7 +64,8 @@ def model_size(name: str, field: str, *, lora_rank: int, trust_remote_code: bool
 
 
 def dtype_name(dtype: str, device: str) -> str:
-    """The dtype ``auto`` means on ``device`` (``auto``: bfloat16 where a GPU is, float32 on a CPU)."""
+    """The dtype ``auto`` means on ``device`` (``auto``: bfloat16 where a GPU is, float32 on a
+    CPU)."""
     if dtype != "auto":
         return dtype
     gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -73,7 +75,9 @@ def dtype_name(dtype: str, device: str) -> str:
 def devices(device: str, processes: int) -> str:
     if device == "auto":
         where = "cuda" if torch.cuda.is_available() else "cpu (no GPU on this machine)"
-        return f"auto: {where}" + (", one GPU per process (cuda:LOCAL_RANK)" if processes > 1 else "")
+        return f"auto: {where}" + (
+            ", one GPU per process (cuda:LOCAL_RANK)" if processes > 1 else ""
+        )
     return device
 
 
@@ -83,13 +87,18 @@ def billions(count: int) -> str:
     return f"{count:,} ({short})"
 
 
-def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, student: StudentSection) -> str:
+def micro_batch_line(
+    training: TrainingConfig, size: ModelSize, dtype: str, student: StudentSection
+) -> str:
     """How the update's forwards are cut: the budget set, rows, or the budget a run would size."""
     how = "packed" if training.packing else "padded"
     if training.micro_batch_tokens is not None:
-        return f"at most {training.micro_batch_tokens} tokens each (training.micro_batch_tokens), {how}"
+        budget = training.micro_batch_tokens
+        return f"at most {budget} tokens each (training.micro_batch_tokens), {how}"
     if training.micro_batch_size is not None:
-        return f"at most {training.micro_batch_size} sequences each (training.micro_batch_size), {how}"
+        return (
+            f"at most {training.micro_batch_size} sequences each (training.micro_batch_size), {how}"
+        )
     element_bytes = 2 if training.autocast else BYTES[dtype]
     per_token = activation_bytes_per_token(
         size.config, element_bytes, student.lora_rank > 0, student.gradient_checkpointing
@@ -98,24 +107,29 @@ def micro_batch_line(training: TrainingConfig, size: ModelSize, dtype: str, stud
     if gpu and not torch.cuda.is_available():
         tokens = sized_budget(80 * 2**30, per_token)
         return (
-            f"sized when the run starts: a quarter of each GPU's memory at ~{per_token / 1e6:.2f} MB of "
-            f"activations a token (an 80 GiB GPU: {tokens} tokens), {how}"
+            f"sized when the run starts: a quarter of each GPU's memory at ~{per_token / 1e6:.2f} "
+            f"MB of activations a token (an 80 GiB GPU: {tokens} tokens), {how}"
         )
     where = torch.device("cuda" if gpu else "cpu")
     memory = device_memory(where)
     tokens = sized_budget(memory, per_token)
     return (
-        f"at most {tokens} tokens each: a quarter of this {where.type.upper()}'s {memory / 2**30:.0f} GiB "
-        f"at ~{per_token / 1e6:.2f} MB of activations a token (raised to the longest row if longer), {how}"
+        f"at most {tokens} tokens each: a quarter of this {where.type.upper()}'s "
+        f"{memory / 2**30:.0f} GiB at ~{per_token / 1e6:.2f} MB of activations a token (raised to "
+        f"the longest row if longer), {how}"
     )
 
 
-def teacher_line(teacher: TeacherConfig, size: ModelSize | None, sharded: bool, processes: int) -> str:
+def teacher_line(
+    teacher: TeacherConfig, size: ModelSize | None, sharded: bool, processes: int
+) -> str:
     if teacher.backend != "local":
         return f"{teacher.model} on {teacher.base_url} ({teacher.backend} server: no memory here)"
     dtype = dtype_name(teacher.dtype, teacher.device)
     how = (
-        f"sharded with the student over {processes} processes" if sharded else "a whole copy in every process"
+        f"sharded with the student over {processes} processes"
+        if sharded
+        else "a whole copy in every process"
     )
     count = f"{billions(size.parameters)} parameters, " if size else ""
     return f"{teacher.model}: {count}{dtype}, {how}"
@@ -126,7 +140,10 @@ def describe_plan(config: Config, processes: int) -> str:
     config that cannot run on them raises the error the launch would."""
     parallel = check_processes(config, processes)
     student, training = config.student, config.training
-    lines = [f"processes      {processes}" + (f" (training.parallel: {parallel})" if processes > 1 else "")]
+    lines = [
+        f"processes      {processes}"
+        + (f" (training.parallel: {parallel})" if processes > 1 else "")
+    ]
     lines.append(f"devices        {devices(student.device, processes)}")
     student_size = model_size(
         student.model,
@@ -158,14 +175,21 @@ def describe_plan(config: Config, processes: int) -> str:
         share = f"weight {weight:g} of a mixture: " if mixed else ""
         if shared and teacher.backend == "local" and teacher.model == student.model:
             teacher_sizes[key] = None
-            lines.append(f"teacher        {share}the student with its LoRA adapters off: no second copy")
+            lines.append(
+                f"teacher        {share}the student with its LoRA adapters off: no second copy"
+            )
             continue
         if teacher.backend == "local":
             size = model_size(
-                teacher.model, "teacher.model", lora_rank=0, trust_remote_code=teacher.trust_remote_code
+                teacher.model,
+                "teacher.model",
+                lora_rank=0,
+                trust_remote_code=teacher.trust_remote_code,
             )
         teacher_sizes[key] = size
-        lines.append(f"teacher        {share}{teacher_line(teacher, size, teacher_sharded, processes)}")
+        lines.append(
+            f"teacher        {share}{teacher_line(teacher, size, teacher_sharded, processes)}"
+        )
     sampler = student.sampler
     lines.append(f"sampler        {student.plan_line()}")
     sequences = sum(step_group_sizes(config))
@@ -176,8 +200,9 @@ def describe_plan(config: Config, processes: int) -> str:
     for dataset in config.datasets:
         if dataset.env is not None:
             lines.append(
-                f"episodes       {dataset.name}: {dataset.env.name}, up to {dataset.env.max_turns} turns and "
-                f"{dataset.env.episode_tokens(training.max_tokens)} tokens after the prompt"
+                f"episodes       {dataset.name}: {dataset.env.name}, up to {dataset.env.max_turns} "
+                f"turns and {dataset.env.episode_tokens(training.max_tokens)} tokens after the "
+                "prompt"
             )
     cut = micro_batch_line(training, student_size, dtype, student)
     lines.append(f"micro-batches  {cut}")
@@ -192,12 +217,13 @@ def describe_plan(config: Config, processes: int) -> str:
     optimizer = (ADAM_STATES + master) * trainable * BYTES["float32"] / split
     total = weights + gradients + optimizer
     lines.append(
-        "memory/device  (weights, gradients, optimizer state; activations and KV cache not included)"
+        "memory/device  (weights, gradients, optimizer state; activations and KV cache not "
+        "included)"
     )
     adam = "AdamW with float32 master weights" if master else "AdamW"
     lines.append(
-        f"  student      {total / GB:.2f} GB: weights {weights / GB:.2f} + gradients {gradients / GB:.2f} "
-        f"+ {adam} {optimizer / GB:.2f}"
+        f"  student      {total / GB:.2f} GB: weights {weights / GB:.2f} + gradients "
+        f"{gradients / GB:.2f} + {adam} {optimizer / GB:.2f}"
     )
     for key, (teacher, _, _) in teachers.items():
         size = teacher_sizes[key]
@@ -213,5 +239,7 @@ def describe_plan(config: Config, processes: int) -> str:
     if sampler == "vllm":
         share = student.sampler_options.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
         lines.append(f"  vllm         {share:g} of a GPU's memory (its weights and KV cache)")
-    lines.append(f"  total        {total / GB:.2f} GB" + (" + vLLM's share" if sampler == "vllm" else ""))
+    lines.append(
+        f"  total        {total / GB:.2f} GB" + (" + vLLM's share" if sampler == "vllm" else "")
+    )
     return "\n".join(lines)

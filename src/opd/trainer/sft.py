@@ -1,4 +1,5 @@
-"""Supervised fine-tuning on given completions: the off-policy baseline; also builds the demo models."""
+"""Supervised fine-tuning on given completions: the off-policy baseline; also builds the demo
+models."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def completion_tokens(renderer: ChatRenderer, prompt: Prompt) -> tuple[list[int]
     text = prompt.completion if prompt.completion is not None else prompt.answer
     if text is None:
         raise ValueError("supervised fine-tuning needs a 'completion' or 'answer' on every prompt")
-    target = renderer.tokenizer(text, add_special_tokens=False)["input_ids"] + [renderer.stop_token_ids[0]]
+    target = renderer.tokenizer(text, add_special_tokens=False)["input_ids"] + [
+        renderer.stop_token_ids[0]
+    ]
     return prompt_ids, target
 
 

@@ -1,4 +1,5 @@
-"""SIGTERM and Ctrl-C during training: finish the step under way, checkpoint, and say where the run resumes.
+"""SIGTERM and Ctrl-C during training: finish the step under way, checkpoint, and say where the run
+resumes.
 
 Schedulers (Slurm, Kubernetes) send SIGTERM before they kill a job; a user presses Ctrl-C. The
 first such signal asks the loop to stop after its current step; the loop checkpoints that
@@ -55,7 +56,11 @@ class StopOnSignal:
                 raise KeyboardInterrupt
             return
         self.received, self._received_at = number, now
-        after = "press Ctrl-C again to stop at once" if number == signal.SIGINT else "SIGKILL stops at once"
+        after = (
+            "press Ctrl-C again to stop at once"
+            if number == signal.SIGINT
+            else "SIGKILL stops at once"
+        )
         print(
             f"opd: {signal.Signals(number).name} received: finishing the current step and saving a "
             f"checkpoint ({after}; {self.describe_resume()})",
@@ -64,7 +69,8 @@ class StopOnSignal:
         )
 
     def requested(self) -> int | None:
-        """The signal that asked to stop (on any process), or None; every process gets the same answer."""
+        """The signal that asked to stop (on any process), or None; every process gets the same
+        answer."""
         number = self.received or 0
         if world().size > 1:
             number = int(all_reduce([float(number)], "max")[0])

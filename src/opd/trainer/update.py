@@ -58,7 +58,8 @@ def token_losses(
     *,
     reward_in_loss: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss (B, T) of ``objective``, and the student's log-probs and entropy, in one forward.
+    """Per-token loss (B, T) of ``objective``, and the student's log-probs and entropy, in one
+    forward.
 
     ``reward_in_loss``: ``advantages_BT`` are the task's reward term for an objective without
     advantages, added to its loss as ``training.loss_fn`` on the sampled tokens (a policy gradient
@@ -140,7 +141,8 @@ def policy_update(
             advantages_BT[substep],
         )
         num_tokens, num_sequences = (
-            int(count) for count in all_reduce([float(part.mask_BT.sum()), float(part.mask_BT.shape[0])])
+            int(count)
+            for count in all_reduce([float(part.mask_BT.sum()), float(part.mask_BT.shape[0])])
         )
         pieces = batching.split(part)
         for index, rows in enumerate(pieces):
@@ -156,15 +158,21 @@ def policy_update(
                     training,
                     reward_in_loss=reward_in_loss,
                 )
-                loss = aggregate(per_token, mask, training.loss_aggregation, num_tokens, num_sequences)
+                loss = aggregate(
+                    per_token, mask, training.loss_aggregation, num_tokens, num_sequences
+                )
                 (loss * processes if processes > 1 else loss).backward()
             totals["loss"] += float(loss.detach())
             totals["objective"] += float((per_token.detach() * mask).sum())
             totals["entropy"] += float((entropy * mask).sum())
-            totals["kl"] += float(((piece.sampled_logprobs_BT.to(device) - logprobs.detach()) * mask).sum())
+            totals["kl"] += float(
+                ((piece.sampled_logprobs_BT.to(device) - logprobs.detach()) * mask).sum()
+            )
             totals["tokens"] += float(mask.sum())
             if correction is not None:
-                *sums, largest = correction_sums(correction, logprobs, piece.sampled_logprobs_BT, mask)
+                *sums, largest = correction_sums(
+                    correction, logprobs, piece.sampled_logprobs_BT, mask
+                )
                 corrected = [a + b for a, b in zip(corrected, sums, strict=True)]
                 most_weight = max(most_weight, largest)
         max_norm = training.max_grad_norm if training.max_grad_norm is not None else math.inf

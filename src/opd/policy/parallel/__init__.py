@@ -18,7 +18,9 @@ def parallel_modes() -> dict[str, type[ParallelMode]]:
     """Name -> mode class for every registered mode, ``none`` first."""
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
-    return {name: REGISTRY[name] for name in sorted(REGISTRY, key=lambda name: (name != "none", name))}
+    return {
+        name: REGISTRY[name] for name in sorted(REGISTRY, key=lambda name: (name != "none", name))
+    }
 
 
 def parallel_mode(name: str) -> ParallelMode:

@@ -18,7 +18,8 @@ REGISTRY: dict[str, type[ParallelMode]] = {}
 """Every mode, by name, as each module of :mod:`opd.policy.parallel` declares it."""
 
 WeightsFn = Callable[[set[str] | None], Iterator[tuple[str, torch.Tensor]]]
-"""The sampler's weights (of the named parameters only, or all with None), as the policy gives them."""
+"""The sampler's weights (of the named parameters only, or all with None), as the policy gives
+them."""
 
 
 class ParallelMode:
@@ -45,7 +46,8 @@ class ParallelMode:
         return module
 
     def gradient_sync_off(self, module: nn.Module) -> AbstractContextManager:
-        """A context in which backward keeps its gradients unreduced (accumulating micro-batches)."""
+        """A context in which backward keeps its gradients unreduced (accumulating
+        micro-batches)."""
         return nullcontext()
 
     @contextmanager
@@ -57,11 +59,17 @@ class ParallelMode:
         """Free every gathered weight (after a forward with no backward)."""
 
     def streamed_weights(
-        self, module: nn.Module, weights: WeightsFn, names: dict[int, str], bucket_bytes: int, itemsize: int
+        self,
+        module: nn.Module,
+        weights: WeightsFn,
+        names: dict[int, str],
+        bucket_bytes: int,
+        itemsize: int,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The sampler's weights, no more than ``bucket_bytes`` of them gathered at a time."""
         yield from weights(None)
 
     def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """The trained parameters as whole tensors for saving, or None where they are whole already."""
+        """The trained parameters as whole tensors for saving, or None where they are whole
+        already."""
         return None

@@ -23,8 +23,8 @@ class DDP(ParallelMode):
         return "a replica in every process (DDP)"
 
     def wrap(self, module: nn.Module, model: nn.Module, device: torch.device) -> nn.Module:
-        """``module`` in DistributedDataParallel (buffers such as rotary tables are equal everywhere:
-        not broadcast at every forward)."""
+        """``module`` in DistributedDataParallel (buffers such as rotary tables are equal
+        everywhere: not broadcast at every forward)."""
         if device.type != "cuda":
             return DistributedDataParallel(module, broadcast_buffers=False)
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -46,12 +46,18 @@ class FSDP(ParallelMode):
 
     def reshard(self, module: nn.Module) -> None:
         """FSDP keeps the root's weights whole after a forward, expecting the backward; after a
-        forward with no backward the next forward and backward would otherwise start from that state."""
+        forward with no backward the next forward and backward would otherwise start from that
+        state."""
         for unit in fsdp_modules(module):
             unit.reshard()
 
     def streamed_weights(
-        self, module: nn.Module, weights: WeightsFn, names: dict[int, str], bucket_bytes: int, itemsize: int
+        self,
+        module: nn.Module,
+        weights: WeightsFn,
+        names: dict[int, str],
+        bucket_bytes: int,
+        itemsize: int,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The sharded units (each transformer block, then the rest) in buckets of consecutive units
         holding up to ``bucket_bytes`` of full weights (at least one unit): a bucket is gathered on
@@ -71,7 +77,8 @@ class FSDP(ParallelMode):
             yield from gathered
 
     def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The trained parameters' shards gathered (a collective: every process calls it together)."""
+        """The trained parameters' shards gathered (a collective: every process calls it
+        together)."""
         with torch.no_grad():
             return {
                 name: parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
@@ -86,14 +93,15 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
         raise TypeError(
-            f"{type(model).__name__} names no transformer block class in _no_split_modules, "
-            "so FSDP cannot shard it block by block; use training.parallel: ddp"
+            f"{type(model).__name__} names no transformer block class in _no_split_modules, so "
+            "FSDP cannot shard it block by block; use training.parallel: ddp"
         )
     return blocks
 
 
 def apply_fsdp(module: nn.Module, model: nn.Module) -> nn.Module:
-    """Shard each of ``model``'s transformer blocks, then ``module`` (the rest) with ``fully_shard``."""
+    """Shard each of ``model``'s transformer blocks, then ``module`` (the rest) with
+    ``fully_shard``."""
     for block in transformer_blocks(model):
         fully_shard(block)
     return fully_shard(module)
@@ -135,7 +143,8 @@ def buckets(units: list, bucket_bytes: int, itemsize: int) -> list[list]:
 
 @contextmanager
 def _sync_off(module: nn.Module) -> Iterator[None]:
-    """FSDP keeps this backward's gradients unreduced (accumulating micro-batches), then reduces again."""
+    """FSDP keeps this backward's gradients unreduced (accumulating micro-batches), then reduces
+    again."""
     module.set_requires_gradient_sync(False)
     try:
         yield
