@@ -49,4 +49,7 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as file:
             json.dump(found, file)
+    # both ranks leave together: a rank that tears gloo down while the other still writes its
+    # result was seen to abort at exit (std::terminate on a joinable gloo thread)
+    dist.barrier()
     dist.destroy_process_group()

@@ -45,6 +45,9 @@ def main(out: str, lora_rank: int) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as handle:
             json.dump(found, handle)
+    # both ranks leave together: a rank that tears gloo down while the other still writes its
+    # result was seen to abort at exit (std::terminate on a joinable gloo thread)
+    dist.barrier()
     dist.destroy_process_group()
 
 
