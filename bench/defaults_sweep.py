@@ -289,7 +289,9 @@ def health(results: list[dict], every: int = 5) -> str:
     return "\n".join(lines)
 
 
-def per_flop(results: list[dict], labels: list[str], task: str, batch: int = 16) -> str:
+def per_flop(
+    results: list[dict], labels: list[str], task: str, modes: list[str], batch: int = 16
+) -> str:
     """Each label's mean curve (share fully right, and partial credit) against training FLOPs,
     counted as the lab counts them (``bench/lab.py``'s ``step_flops``: the update 6N a token, the
     writer's forward 2N, the teacher's scores 2N where the objective reads them; evaluation not
@@ -313,7 +315,9 @@ def per_flop(results: list[dict], labels: list[str], task: str, batch: int = 16)
     )
     curves = {}
     for label in labels:
-        runs = [r for r in results if r["task"] == task and r["label"] == label]
+        runs = [
+            r for r in results if r["task"] == task and r["label"] == label and r["mode"] in modes
+        ]
         points = []
         for run in runs:
             recorded = run["config"]["training"]
@@ -415,7 +419,8 @@ def main() -> None:
         "--per-flop",
         nargs="+",
         metavar="LABEL",
-        help="with --report-only and one task: these labels' mean curves against training FLOPs",
+        help="with --report-only, one task and --modes: these labels' mean curves against training"
+        " FLOPs",
     )
     parser.add_argument(
         "--stopped",
@@ -497,7 +502,7 @@ def main() -> None:
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
     ours = [r for r in results if r.get("bench") == "bench/defaults_sweep.py"]
     if args.per_flop:
-        table = per_flop(ours, args.per_flop, args.tasks[0])
+        table = per_flop(ours, args.per_flop, args.tasks[0], args.modes)
         (args.out / f"per_flop_{args.tasks[0]}.md").write_text(table + "\n")
         print(table)
         return
