@@ -283,7 +283,7 @@ class VLLMServerEngine:
                 for future in stream.pending:
                     future.cancel()
         used = list({server.url: server for server in stream.used}.values())
-        if stale := self._verify(used):
+        if stale := self.pool.verify(used, self.tag(self.version)):
             raise RolloutServerError(
                 f"rollout server {', '.join(sorted(stale))} left the rotation while it played this "
                 "batch's episodes (they cannot be played again half way); run the same command "
