@@ -7,7 +7,6 @@ engine built on it, sampling from the student itself or from a :class:`SamplingC
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -61,11 +60,8 @@ class _SampledLogprobRecorder(LogitsProcessor):
         vocab_size: int | None,
         *,
         seeds_B: torch.Tensor | None,
-        between_steps: Callable[[], None] | None = None,
     ):
         self.temperature = temperature
-        self.between_steps = between_steps
-        """Called once per decode step, after its forward (a server hands its model over there)."""
         self.vocab_size = vocab_size
         self.seeds_B = seeds_B
         """Each row's seed (:func:`counter_uniform`); None: greedy, nothing is drawn."""
@@ -79,8 +75,6 @@ class _SampledLogprobRecorder(LogitsProcessor):
             )
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.between_steps is not None:
-            self.between_steps()
         self._gather_previous(
             input_ids[:, -1]
         )  # after it, len(recorded) is this decode step's index
@@ -117,11 +111,8 @@ class HFGenerateSampler:
         stop_token_ids: list[int],
         stop_strings: list[str] | None = None,
         batch_size: int | None = None,
-        between_steps: Callable[[], None] | None = None,
     ):
         self.model = model
-        self.between_steps = between_steps
-        """Called between decode steps (``opd serve`` lets waiting requests use the model there)."""
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.stop_strings = stop_strings or []
@@ -177,7 +168,6 @@ class HFGenerateSampler:
             1.0 if seeds is None else temperature,
             len(self.tokenizer),
             seeds_B=None if seeds is None else torch.tensor(seeds, dtype=torch.long, device=device),
-            between_steps=self.between_steps,
         )
         generation_config = self.generation_config(max_tokens)
         # generate() fills every unset field from the model's own generation_config

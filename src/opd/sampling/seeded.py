@@ -40,14 +40,18 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def counter_uniform(seeds_B: torch.Tensor, step: int) -> torch.Tensor:
-    """U[0, 1) per row at decode step ``step``: SplitMix64 output ``step`` of the row's seed.
+def counter_uniform(seeds_B: torch.Tensor, step: int | list[int]) -> torch.Tensor:
+    """U[0, 1) per row at decode step ``step`` (one for all rows, or each row's own): SplitMix64
+    output ``step`` of the row's seed.
 
     A row's draws depend on its own seed and the step only (not on which rows share its batch,
     nor on any generator's state), so a batch split across processes draws what one process
-    would. int64 arithmetic wraps, as SplitMix64's unsigned arithmetic does.
+    would, and a row that joins a running batch (``opd serve``) draws what it draws alone.
+    int64 arithmetic wraps, as SplitMix64's unsigned arithmetic does.
     """
-    z = seeds_B + _signed((step + 1) * _GOLDEN % (1 << 64))
+    steps = [step] * len(seeds_B) if isinstance(step, int) else step
+    offsets = [_signed((s + 1) * _GOLDEN % (1 << 64)) for s in steps]
+    z = seeds_B + torch.tensor(offsets, dtype=torch.long, device=seeds_B.device)
     z = (z ^ _shift_right(z, 30)) * _MIX_1
     z = (z ^ _shift_right(z, 27)) * _MIX_2
     z = z ^ _shift_right(z, 31)

@@ -1,10 +1,10 @@
 """The model behind ``opd serve``: prompt log-probs with a top-k, and sampling for a teacher that
-writes completions, one model forward at a time (a lock served in arrival order), requests that
-wait together sampled in one batch.
+writes completions, one model forward at a time (a lock served in arrival order).
 
-Sampling hands the model over between decode steps to any request waiting for it, so the longest
-completion a client may ask for delays a scoring request by one decode step, not by the whole
-completion (the model holds no state between forwards: the decode's KV cache is its own).
+Sampling requests join one running decode (:mod:`opd.serve.batching`), which takes the model for
+one step at a time, so the longest completion a client may ask for delays a scoring request by
+one decode step, not by the whole completion (the model holds no state between forwards: the
+decode's KV cache is its own).
 """
 
 from __future__ import annotations
@@ -14,23 +14,22 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
 from opd.data.sequences import Completion
 from opd.logprobs import chunk_logits, head_weights
-from opd.sampling.hf_generate import HFGenerateSampler
+from opd.serve.batching import ContinuousBatcher, RowSettings, SampleJob
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
 
 
 class TurnLock:
-    """A lock taken in the order it was asked for, whose holder can let those waiting go first.
+    """A lock taken in the order it was asked for.
 
-    ``threading.Lock`` lets a thread that releases and re-acquires it at once win again, so a
-    long decode would keep the model however often it let go; here the holder's
-    :meth:`yield_turn` queues it behind every waiting thread in one atomic step.
+    ``threading.Lock`` lets a thread that releases and re-acquires it at once win again, so the
+    decode loop, which takes the model back after every step, would keep it however often it let
+    go; here it queues behind every thread that asked before it.
     """
 
     def __init__(self):
@@ -52,17 +51,6 @@ class TurnLock:
             self._serving += 1
             self._turns.notify_all()
 
-    def yield_turn(self) -> None:
-        """Let every thread waiting now take its turn, then take the lock back (no-op when none
-        waits)."""
-        with self._turns:
-            if self._next_ticket == self._serving + 1:
-                return
-            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-            self._serving += 1
-            self._turns.notify_all()
-            self._wait_for(ticket)
-
 
 class ServerBusy(Exception):
     """The model's queue is full: the request is refused before any work, to be sent again."""
@@ -73,21 +61,6 @@ class ServerBusy(Exception):
             f"send it again after {retry_after_s} s"
         )
         self.retry_after_s = retry_after_s
-
-
-@dataclass
-class _SampleJob:
-    """One request's rows to sample, and what they became."""
-
-    settings: tuple
-    prompts: list[list[int]]
-    seeds: list[int]
-    completions: list[Completion] | None = None
-    taken: bool = False
-    """A holder of the model took it into its batch (read and set under ``pending_lock``)."""
-    error: BaseException | None = None
-    """What the batch that took it raised."""
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class ScoringModel:
@@ -114,9 +87,8 @@ class ScoringModel:
             model, vocab_size=self.vocab_size, pad_id=tokenizer.pad_token_id or 0
         )
         self.lock = TurnLock()
-        self.pending: list[_SampleJob] = []
-        """Sampling requests waiting for the model: the next to hold ``lock`` samples them all."""
-        self.pending_lock = threading.Lock()
+        """The model, one forward at a time: a scoring request's, or a decode step's."""
+        self.batcher = ContinuousBatcher(model, tokenizer, self.lock, self.teacher.pad_id)
         self.max_waiting = max_waiting
         """Requests held for the model at once (being served or waiting); more get 503."""
         self.waiting = 0
@@ -152,68 +124,24 @@ class ScoringModel:
         stop_token_ids: list[int],
         stop_strings: list[str],
     ) -> list[Completion]:
-        """One completion per prompt from ``softmax(logits / temperature)`` (greedy at 0), sampled
-        by the code that samples a local teacher, each row from its seed (None: a fresh one).
+        """One completion per prompt from ``softmax(logits / temperature)`` (greedy at 0), each row
+        drawn from its seed (None: a fresh one) as opd's own sampler draws it.
 
-        Requests with the same settings that wait while the model is busy are sampled together
-        in one batch (a client sends a request a row, as vLLM's per-request seed asks); each row
-        draws from its own seed, so its tokens do not depend on the rows it is batched with.
+        The rows join the running decode (:class:`ContinuousBatcher`) and leave it as each ends,
+        so requests that arrive while others decode share their forwards; a row's tokens do not
+        depend on the rows it shares them with.
         """
         if seeds is None:
             seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
-        job = _SampleJob(
-            (temperature, max_tokens, tuple(stop_token_ids), tuple(stop_strings)), prompts, seeds
+        settings = RowSettings(
+            temperature, max_tokens, frozenset(stop_token_ids), tuple(stop_strings)
         )
-        with self.pending_lock:
-            self.pending.append(job)
-        with self.lock:
-            with self.pending_lock:
-                batch = [] if job.taken else [j for j in self.pending if j.settings == job.settings]
-                for j in batch:
-                    j.taken = True
-                self.pending = [j for j in self.pending if not j.taken]
-            if batch:
-                self._sample_batch(batch, temperature, max_tokens, stop_token_ids, stop_strings)
-        # a job taken into another request's batch, which may still be decoding (it hands the model
-        # over between steps, and this request's turn came then): its rows come with that batch
+        job = SampleJob(settings, prompts, seeds)
+        self.batcher.submit(job)
         job.done.wait()
         if job.error is not None:
             raise job.error
         return job.completions
-
-    def _sample_batch(
-        self,
-        batch: list[_SampleJob],
-        temperature: float,
-        max_tokens: int,
-        stop_token_ids: list[int],
-        stop_strings: list[str],
-    ) -> None:
-        """Sample every row of ``batch`` in one go and hand each job its rows (or the error)."""
-        try:
-            sampler = HFGenerateSampler(
-                self.teacher.model,
-                self.tokenizer,
-                stop_token_ids=stop_token_ids,
-                stop_strings=stop_strings,
-                between_steps=self.lock.yield_turn,
-            )
-            sampled = sampler.sample(
-                [p for j in batch for p in j.prompts],
-                temperature=temperature or 1.0,
-                max_tokens=max_tokens,
-                greedy=temperature == 0,
-                seed=[s for j in batch for s in j.seeds],
-            )
-            for j in batch:
-                j.completions, sampled = sampled[: len(j.prompts)], sampled[len(j.prompts) :]
-        except BaseException as error:
-            for j in batch:
-                j.error = error
-            raise
-        finally:
-            for j in batch:
-                j.done.set()
 
     def score(
         self, prompts: list[list[int]], k: int
