@@ -298,15 +298,18 @@ def per_flop(
     counted), and each label's share at the smallest final budget among them."""
     import statistics
 
+    import torch
     from lab import step_flops
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from opd.config.parsing import build_objective
     from opd.config.training import TrainingConfig
     from opd.data.render import ChatRenderer
 
     base = converted_dir()
-    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters())
+    with torch.device("meta"):  # the parameter count, without reading the weights
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    params = sum(p.numel() for p in model.parameters())
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(base))
     source = cache_root() / "data" / f"{task}-train.jsonl"
     prompts = [json.loads(line)["prompt"] for line in source.read_text().splitlines()[:256]]
@@ -327,18 +330,17 @@ def per_flop(
                 kl_penalty_coef=recorded["kl_penalty_coef"],
             )
             config = SimpleNamespace(training=training)
-            trained = [r for r in run["metrics"] if "completion_len_mean" in r]
-            for point in run["curve"]:
-                flops = sum(
-                    step_flops(
-                        row | {"num_sequences": batch},
-                        config,
-                        prompt_tokens,
-                        {"student": params, "teacher": params},
-                    )
-                    for row in trained
-                    if row["step"] < point["step"]
+            sizes = {"student": params, "teacher": params}
+            step_costs = [
+                (
+                    row["step"],
+                    step_flops(row | {"num_sequences": batch}, config, prompt_tokens, sizes),
                 )
+                for row in run["metrics"]
+                if "completion_len_mean" in row
+            ]
+            for point in run["curve"]:
+                flops = sum(cost for step, cost in step_costs if step < point["step"])
                 if run.get("curve_counts") == "score":  # recorded before opd counted fully right
                     points.append((point["step"], flops, None, point["accuracy"]))
                 else:

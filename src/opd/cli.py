@@ -24,7 +24,11 @@ def _train(args: argparse.Namespace) -> None:
 
         # a bad config, or one that does not fit N processes, is refused once, before they start
         config = load_config(args.config, args.overrides)
-        flags = ["--no-progress"] * args.no_progress + ["--verbose"] * args.verbose
+        flags = [
+            flag
+            for flag, on in (("--no-progress", args.no_progress), ("--verbose", args.verbose))
+            if on
+        ]
         launch(config, args.nproc, [args.config, *args.overrides, *flags])
         return
     from opd.distributed import shutdown
