@@ -30,8 +30,10 @@ cross-tokenizer teacher is ``nll``).
     python bench/tool_use.py --teacher bpe --set "training.lmbda={start: 0, end: 0.5, steps: 300}"
     python bench/tool_use.py --teacher bpe --set training.data_source=teacher training.objective=nll
 
-``--compare-readings N`` (with ``--teacher bpe``) has each final student sample N held-out calls
-and answers and reads them with the BPE teacher and with its character-level twin;
+``--show-calls N`` records each final student's greedy first turns on N held-out questions and
+whether each is the right call. ``--compare-readings N`` (with ``--teacher bpe``) has each final
+student sample N held-out calls and answers and reads them with the BPE teacher and with its
+character-level twin;
 ``--compare-answer`` shows where the two part on one answer turn:
 
     python bench/tool_use.py --compare-answer 8703+8754-5435 12022 12202
@@ -136,6 +138,33 @@ def reading_rate(model_dir: Path, prompts: list[Prompt]) -> float:
         for completion, reading in zip(completions, readings, strict=True)
     ]
     return sum(copied) / len(copied)
+
+
+def first_turns(model, tokenizer_dir: Path, count: int) -> list[dict]:
+    """The greedy first turns of ``model`` on the first ``count`` held-out questions, each marked
+    with whether it is the call of the question's own expression."""
+    from opd.models import load_tokenizer
+    from opd.sampling.hf_generate import HFGenerateSampler
+
+    tokenizer = load_tokenizer(str(tokenizer_dir), "student")
+    renderer = ChatRenderer(tokenizer)
+    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
+    prompts = generate_task_prompts(f"{TASK.removeprefix('demo:')}@test", seed=0, count=count)
+    completions = sampler.sample(
+        [renderer.prompt_ids(prompt.messages) for prompt in prompts],
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        greedy=True,
+    )
+    turns = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        turn = tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip()
+        right = f"<calc>{expression(prompt)}</calc>"
+        turns.append(
+            {"question": prompt.messages[0]["content"], "turn": turn, "right": turn == right}
+        )
+    print(f"right calls: {sum(t['right'] for t in turns)} of {count}; e.g. {turns[0]}")
+    return turns
 
 
 def bpe_tokenizer():
@@ -259,6 +288,14 @@ def main() -> None:
         "prompts and the BPE teacher and its character-level twin read them (tool_use_readings.py)",
     )
     parser.add_argument(
+        "--show-calls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each seed, the final student's greedy first turns on N held-out prompts, and "
+        "whether each is the call of the question's own expression",
+    )
+    parser.add_argument(
         "--teacher-reads",
         nargs="+",
         metavar="TEXT",
@@ -342,6 +379,8 @@ def main() -> None:
                     "reward_last_step": run.metrics[-2].get("reward/mean"),
                 }
             )
+            if args.show_calls:
+                results[-1]["first_turns"] = first_turns(run.student, student, args.show_calls)
             if judges is not None:
                 from opd.runs.export import export_student
 
@@ -372,6 +411,7 @@ def main() -> None:
             "eval_prompts": args.eval_prompts,
             "set": args.set,
             "compare_readings": args.compare_readings,
+            "show_calls": args.show_calls,
         },
         results,
         teacher_success=teacher_success,
