@@ -13,6 +13,7 @@ it as the demo does (held-out greedy accuracy, sampled teacher KL).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -33,6 +34,25 @@ def with_overrides(overrides: list[str]):
         return apply_overrides(original(*args, **kwargs), overrides)
 
     return config
+
+
+def run_figures(run_dir: Path) -> dict:
+    """From the run's metrics: how far the sampler's log-probs were from the trainer's
+    (``kl_sample_train``, mean and largest over the steps) and the held-out teacher KL at each
+    evaluation."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    gaps = [abs(row["kl_sample_train"]) for row in rows if "kl_sample_train" in row]
+    curve = {
+        row["step"]: row[key]
+        for row in rows
+        for key in row
+        if key.startswith("test/") and key.endswith("/teacher_kl")
+    }
+    return {
+        "kl_sample_train_mean": sum(gaps) / len(gaps),
+        "kl_sample_train_max": max(gaps),
+        "test_teacher_kl": curve,
+    }
 
 
 def main() -> None:
@@ -78,7 +98,7 @@ def main() -> None:
             f"{before['teacher_kl'] / after['teacher_kl']:>5.1f}x",
             flush=True,
         )
-        rows.append({"seed": seed, "before": before, "after": after})
+        rows.append({"seed": seed, "before": before, "after": after} | run_figures(run_dir))
     write_result(args.out, "bench/demo_robustness.py", vars(args) | {"work_dir": str(work)}, rows)
 
 
