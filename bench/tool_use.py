@@ -115,27 +115,35 @@ def student_turns(prompts: list[Prompt]) -> list[Prompt]:
     return turns
 
 
-def reading_rate(model_dir: Path, prompts: list[Prompt]) -> float:
-    """The share of right-call histories (the call, the calculator's right result) after which a
-    model's greedy answer is that result: the skill a student must bring."""
-    from opd.models import load_causal_lm, load_tokenizer
+def greedy_turns(model, tokenizer, prompts: list[Prompt]) -> list[str]:
+    """``model``'s greedy next turn after each prompt's messages, as text."""
     from opd.sampling.hf_generate import HFGenerateSampler
 
-    tokenizer = load_tokenizer(str(model_dir), "student")
     renderer = ChatRenderer(tokenizer)
-    model = load_causal_lm(str(model_dir), "student", dtype="float32", device="cpu")
     sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
-    readings = [reading_turn(prompt, prompt.answer) for prompt in prompts]
     completions = sampler.sample(
-        [renderer.prompt_ids(reading.messages) for reading in readings],
+        [renderer.prompt_ids(prompt.messages) for prompt in prompts],
         temperature=1.0,
         max_tokens=MAX_TOKENS,
         greedy=True,
     )
-    copied = [
+    return [
         tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip()
-        == reading.completion
-        for completion, reading in zip(completions, readings, strict=True)
+        for completion in completions
+    ]
+
+
+def reading_rate(model_dir: Path, prompts: list[Prompt]) -> float:
+    """The share of right-call histories (the call, the calculator's right result) after which a
+    model's greedy answer is that result: the skill a student must bring."""
+    from opd.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir), "student")
+    model = load_causal_lm(str(model_dir), "student", dtype="float32", device="cpu")
+    readings = [reading_turn(prompt, prompt.answer) for prompt in prompts]
+    answers = greedy_turns(model, tokenizer, readings)
+    copied = [
+        answer == reading.completion for answer, reading in zip(answers, readings, strict=True)
     ]
     return sum(copied) / len(copied)
 
@@ -144,25 +152,17 @@ def first_turns(model, tokenizer_dir: Path, count: int) -> list[dict]:
     """The greedy first turns of ``model`` on the first ``count`` held-out questions, each marked
     with whether it is the call of the question's own expression."""
     from opd.models import load_tokenizer
-    from opd.sampling.hf_generate import HFGenerateSampler
 
     tokenizer = load_tokenizer(str(tokenizer_dir), "student")
-    renderer = ChatRenderer(tokenizer)
-    sampler = HFGenerateSampler(model, tokenizer, stop_token_ids=renderer.stop_token_ids)
     prompts = generate_task_prompts(f"{TASK.removeprefix('demo:')}@test", seed=0, count=count)
-    completions = sampler.sample(
-        [renderer.prompt_ids(prompt.messages) for prompt in prompts],
-        temperature=1.0,
-        max_tokens=MAX_TOKENS,
-        greedy=True,
-    )
-    turns = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        turn = tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip()
-        right = f"<calc>{expression(prompt)}</calc>"
-        turns.append(
-            {"question": prompt.messages[0]["content"], "turn": turn, "right": turn == right}
-        )
+    turns = [
+        {
+            "question": prompt.messages[0]["content"],
+            "turn": turn,
+            "right": turn == f"<calc>{expression(prompt)}</calc>",
+        }
+        for prompt, turn in zip(prompts, greedy_turns(model, tokenizer, prompts), strict=True)
+    ]
     print(f"right calls: {sum(t['right'] for t in turns)} of {count}; e.g. {turns[0]}")
     return turns
 
