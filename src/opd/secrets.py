@@ -15,7 +15,8 @@ from typing import Any
 MASK = "***"
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 _SECRET_QUERY = re.compile(
-    r"(?P<name>[?&](?:api[_-]?key|key|token|access[_-]?token|auth|password|secret|sig|signature)=)[^&#\s]+",
+    r"(?P<name>[?&](?:api[_-]?key|key|token|access[_-]?token|auth|password|secret|sig|signature)"
+    r"=)[^&#\s]+",
     re.IGNORECASE,
 )
 

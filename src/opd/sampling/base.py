@@ -9,7 +9,7 @@ version whose weights sampled it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -138,6 +138,21 @@ def neutral_sampling_body(
         "skip_special_tokens": False,
         "return_token_ids": True,
     }
+
+
+def ends_in_stop_string(tokenizer, token_ids: list[int], stop_strings: Sequence[str]) -> bool:
+    """Whether a stop string ends in the last of ``token_ids``, the check made after each token.
+
+    Only the tail that such a string can span is decoded (a character is at most 4 bytes, a token
+    at least one, and 4 tokens more keep a tokenizer's stripped first space out of the way), so
+    checking every step of a long completion costs the same each step, not its whole text again.
+    A stop string that ended earlier has already stopped the row.
+    """
+    if not stop_strings:
+        return False
+    span = 4 * max(len(stop) for stop in stop_strings) + 4
+    text = tokenizer.decode(token_ids[-span:])
+    return any(stop in text for stop in stop_strings)
 
 
 def pad_id_for(tokenizer, stop_token_ids: list[int]) -> int:

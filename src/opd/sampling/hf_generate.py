@@ -16,9 +16,9 @@ from opd.data.sequences import Completion
 from opd.logprobs import unwrap_peft
 from opd.models import module_device
 from opd.policy.policy import Policy
-from opd.sampling.base import SamplingParams, pad_id_for, row_seeds
+from opd.sampling.base import SamplingParams, ends_in_stop_string, pad_id_for, row_seeds
 from opd.sampling.precision import SamplingCopy
-from opd.sampling.seeded import counter_uniform, inverse_cdf_sample
+from opd.sampling.seeded import seeded_draw, tempered_scores
 
 
 def _contiguous_input(_module: torch.nn.Module, args: tuple) -> tuple:
@@ -78,14 +78,11 @@ class _SampledLogprobRecorder(LogitsProcessor):
         self._gather_previous(
             input_ids[:, -1]
         )  # after it, len(recorded) is this decode step's index
-        scores = scores.float() / self.temperature
-        if self.vocab_size is not None and self.vocab_size < scores.shape[-1]:
-            scores[:, self.vocab_size :] = float("-inf")
+        scores = tempered_scores(scores, self.temperature, self.vocab_size)
         self.previous_logprobs = torch.log_softmax(scores, dim=-1)
         if self.seeds_B is None:
             return scores
-        uniform_B = counter_uniform(self.seeds_B, len(self.recorded))
-        tokens_B = inverse_cdf_sample(self.previous_logprobs.exp(), uniform_B)
+        tokens_B = seeded_draw(self.previous_logprobs, self.seeds_B, len(self.recorded))
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens_B[:, None], 0.0)
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
@@ -199,13 +196,11 @@ class HFGenerateSampler:
         """Keep tokens up to and including the first stop token or completed stop string."""
         stops = set(self.stop_token_ids)
         for end, token in enumerate(token_ids, start=1):
-            if token in stops or (self.stop_strings and self._ends_stop_string(token_ids[:end])):
+            if token in stops or ends_in_stop_string(
+                self.tokenizer, token_ids[:end], self.stop_strings
+            ):
                 return Completion(token_ids[:end], logprobs[:end], finished=True)
         return Completion(token_ids, logprobs, finished=False)
-
-    def _ends_stop_string(self, token_ids: list[int]) -> bool:
-        text = self.tokenizer.decode(token_ids)
-        return any(stop in text for stop in self.stop_strings)
 
 
 class HFEngine:

@@ -56,3 +56,23 @@ def counter_uniform(seeds_B: torch.Tensor, step: int | list[int]) -> torch.Tenso
     z = (z ^ _shift_right(z, 27)) * _MIX_2
     z = z ^ _shift_right(z, 31)
     return _shift_right(z, 11).double() * 2.0**-53
+
+
+def tempered_scores(
+    logits_BV: torch.Tensor, temperature: float | torch.Tensor, vocab_size: int | None
+) -> torch.Tensor:
+    """``logits / temperature`` in float32 (``temperature`` one for all rows, or a (B, 1) column),
+    -inf past the tokenizer's ``vocab_size``: an embedding padded beyond the vocabulary never
+    gives a token the tokenizer cannot read."""
+    scores_BV = logits_BV.float() / temperature
+    if vocab_size is not None and vocab_size < scores_BV.shape[-1]:
+        scores_BV[:, vocab_size:] = float("-inf")
+    return scores_BV
+
+
+def seeded_draw(
+    logprobs_BV: torch.Tensor, seeds_B: torch.Tensor, step: int | list[int]
+) -> torch.Tensor:
+    """Each row's token drawn from ``exp(logprobs_BV)`` by its seed at its decode ``step``: the
+    draw of opd's own sampler and of ``opd serve``'s decode loop alike."""
+    return inverse_cdf_sample(logprobs_BV.exp(), counter_uniform(seeds_B, step))

@@ -26,7 +26,8 @@ from transformers.cache_utils import DynamicLayer
 
 from opd.data.sequences import Completion
 from opd.models import module_device
-from opd.sampling.seeded import counter_uniform, inverse_cdf_sample
+from opd.sampling.base import ends_in_stop_string
+from opd.sampling.seeded import seeded_draw, tempered_scores
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class ContinuousBatcher:
         self.arrived: list[SampleJob] = []
         self.wake = threading.Condition()
         self.thread: threading.Thread | None = None
+        self.closing = False
         self.rows: list[_Row] = []
         self.cache = None
         self.mask_BL: torch.Tensor | None = None
@@ -96,16 +98,33 @@ class ContinuousBatcher:
     def submit(self, job: SampleJob) -> None:
         """Queue ``job``'s rows for the loop; ``job.done`` is set when all are sampled or failed."""
         with self.wake:
+            if self.closing:
+                job.error = RuntimeError("the model is closed: no more sampling requests")
+                job.done.set()
+                return
             self.arrived.append(job)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name="opd-decode", daemon=True)
                 self.thread.start()
             self.wake.notify()
 
+    def close(self) -> None:
+        """End the decode loop once the rows it has are sampled; later requests fail at once.
+        Without it the loop's thread waits for work as long as the process lives, holding the
+        model (a server stopping, or a program done with its :class:`ScoringModel`)."""
+        with self.wake:
+            self.closing = True
+            self.wake.notify()
+            thread = self.thread
+        if thread is not None:
+            thread.join()
+
     def _loop(self) -> None:
         while True:
             with self.wake:
-                self.wake.wait_for(lambda: self.arrived or self.rows)
+                self.wake.wait_for(lambda: self.arrived or self.rows or self.closing)
+                if self.closing and not self.arrived and not self.rows:
+                    return
                 joining = []
                 if self.arrived and (not self.rows or self._mergeable()):
                     joining, self.arrived = self.arrived, []
@@ -183,13 +202,11 @@ class ContinuousBatcher:
         """Each row's next token from ``softmax(logits / temperature)`` (argmax at 0), drawn from
         its seed at its step, and its log-prob, as opd's own sampler draws them."""
         temperatures = [row.job.settings.temperature or 1.0 for row in rows]
-        scores_BV = logits_BV.float() / torch.tensor(temperatures, device=logits_BV.device)[:, None]
-        if self.vocab_size < scores_BV.shape[-1]:
-            scores_BV[:, self.vocab_size :] = float("-inf")
+        temperature_B1 = torch.tensor(temperatures, device=logits_BV.device)[:, None]
+        scores_BV = tempered_scores(logits_BV, temperature_B1, self.vocab_size)
         logprobs_BV = torch.log_softmax(scores_BV, dim=-1)
         seeds_B = torch.tensor([row.job.seeds[row.index] for row in rows], device=scores_BV.device)
-        uniform_B = counter_uniform(seeds_B, [len(row.tokens) for row in rows])
-        drawn_B = inverse_cdf_sample(logprobs_BV.exp(), uniform_B)
+        drawn_B = seeded_draw(logprobs_BV, seeds_B, [len(row.tokens) for row in rows])
         greedy_B = torch.tensor([row.job.settings.temperature == 0 for row in rows])
         tokens_B = torch.where(greedy_B.to(drawn_B.device), scores_BV.argmax(-1), drawn_B)
         chosen_B = logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
@@ -232,10 +249,7 @@ class ContinuousBatcher:
         settings = row.job.settings
         if row.tokens[-1] in settings.stop_token_ids:
             return True
-        if not settings.stop_strings:
-            return False
-        text = self.tokenizer.decode(row.tokens)
-        return any(stop in text for stop in settings.stop_strings)
+        return ends_in_stop_string(self.tokenizer, row.tokens, settings.stop_strings)
 
 
 def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:

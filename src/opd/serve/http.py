@@ -197,3 +197,4 @@ def serve(
         pass
     finally:
         server.server_close()
+        scorer.close()

@@ -143,6 +143,11 @@ class ScoringModel:
             raise job.error
         return job.completions
 
+    def close(self) -> None:
+        """Stop the sampling loop's thread (after the rows it has); sampling fails from then on,
+        scoring goes on. The server calls it when it stops."""
+        self.batcher.close()
+
     def score(
         self, prompts: list[list[int]], k: int
     ) -> list[list[tuple[float, int, list[tuple[int, float]]] | None]]:
