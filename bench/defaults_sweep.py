@@ -100,8 +100,8 @@ def train_stage(
     per-step training metrics; its final student merged into ``export`` when one is given. A run
     stopped halfway resumes from its last checkpoint there (the step it resumed from is kept)."""
     from opd.config import config_from_dict, config_to_dict
-    from opd.runs.export import export_student
     from opd.runs.metrics import read_jsonl
+    from opd.saved.export import export_student
     from opd.trainer.loop import train
 
     checkpoints = directory / "checkpoints.jsonl"

@@ -148,8 +148,8 @@ def main() -> None:
     prompts = prompts_file(work / "prompts.jsonl", args.prompts * (args.steps + 1))
     config = config_from_dict(run_config(args, prompts, work / "run"))
     trainer = Trainer(config, progress=False)
-    dataset = trainer.config.datasets[0]
-    engines = {"streamed": trainer.engine, "lockstep": InLockStep(trainer.engine)}
+    dataset = trainer.parts.config.datasets[0]
+    engines = {"streamed": trainer.parts.engine, "lockstep": InLockStep(trainer.parts.engine)}
     variants = {name: (engine, 1) for name, engine in engines.items()}
     if args.step_workers > 1:
         variants |= {
@@ -157,7 +157,7 @@ def main() -> None:
         }
 
     def timed(step: int, name: str) -> tuple[float, object]:
-        trainer.engine, workers = variants[name]
+        trainer.parts.engine, workers = variants[name]
         dataset.env = dataclasses.replace(dataset.env, step_workers=workers)
         started = time.perf_counter()
         sampled = trainer.collector.sample(step)

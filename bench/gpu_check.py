@@ -160,8 +160,8 @@ def check_packing(trainer, args) -> dict:
 
     from opd.logprobs.forward import backbone_and_head
 
-    teacher = trainer.teachers.per_dataset[0]
-    batch = rows_batch(8, 48 if args.tiny else 512, 16, len(trainer.tokenizer))
+    teacher = trainer.parts.teachers.per_dataset[0]
+    batch = rows_batch(8, 48 if args.tiny else 512, 16, len(trainer.parts.tokenizer))
     lengths = (
         [12, 48, 20, 33, 48, 5, 40, 27] if args.tiny else [64, 512, 200, 333, 480, 96, 410, 270]
     )
@@ -181,7 +181,7 @@ def check_packing(trainer, args) -> dict:
             tokens.clear()
             synchronize(teacher.device)
             started = time.perf_counter()
-            scored[packed] = trainer.teachers.score(batch).logprobs_BT
+            scored[packed] = trainer.parts.teachers.score(batch).logprobs_BT
             synchronize(teacher.device)
             seconds[packed], seen[packed] = time.perf_counter() - started, sum(tokens)
     finally:
@@ -218,7 +218,7 @@ def check_packing(trainer, args) -> dict:
 def check_update(trainer_for, args, flops_peak) -> list[dict]:
     import torch
 
-    from opd.trainer.micro_batching import activation_bytes_per_token
+    from opd.assemble.micro_batching import activation_bytes_per_token
     from opd.trainer.update import policy_gradient, policy_update
 
     results = []
@@ -226,26 +226,26 @@ def check_update(trainer_for, args, flops_peak) -> list[dict]:
     budgets = [96, 384] if args.tiny else [2048, 8192, 16384]
     for checkpointing in (False, True):
         trainer = trainer_for(checkpointing)
-        device = trainer.policy.device
-        parameters = sum(p.numel() for p in trainer.policy.model.parameters())
-        batch = rows_batch(rows, length, 16, len(trainer.tokenizer))
-        scores = trainer.teachers.score(batch)
-        advantages = trainer.objective.advantages(
+        device = trainer.parts.policy.device
+        parameters = sum(p.numel() for p in trainer.parts.policy.model.parameters())
+        batch = rows_batch(rows, length, 16, len(trainer.parts.tokenizer))
+        scores = trainer.parts.teachers.score(batch)
+        advantages = trainer.parts.objective.advantages(
             batch.sampled_logprobs_BT,
             scores,
             batch.mask_BT,
-            policy_gradient(trainer.config.training),
+            policy_gradient(trainer.parts.config.training),
         )
         advantages = torch.zeros_like(batch.mask_BT) if advantages is None else advantages
         static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         per_token = activation_bytes_per_token(
-            trainer.policy.base_model.config,
+            trainer.parts.policy.base_model.config,
             2 if args.dtype != "float32" else 4,
             False,
             checkpointing,
         )
         for budget in budgets:
-            batching = dataclasses.replace(trainer.batching, tokens=budget)
+            batching = dataclasses.replace(trainer.parts.batching, tokens=budget)
             timings = []
             for _ in range(3):  # the first warms up
                 if device.type == "cuda":
@@ -253,14 +253,14 @@ def check_update(trainer_for, args, flops_peak) -> list[dict]:
                 synchronize(device)
                 started = time.perf_counter()
                 policy_update(
-                    trainer.policy,
-                    trainer.objective,
-                    trainer.optimizer,
-                    trainer.scheduler,
+                    trainer.parts.policy,
+                    trainer.parts.objective,
+                    trainer.parts.optimizer,
+                    trainer.parts.scheduler,
                     batch,
                     scores,
                     advantages,
-                    trainer.config.training,
+                    trainer.parts.config.training,
                     batching,
                 )
                 synchronize(device)
@@ -289,22 +289,22 @@ def check_update(trainer_for, args, flops_peak) -> list[dict]:
 def check_sampler(trainer, args, bandwidth) -> list[dict]:
     from opd.sampling.hf_generate import HFGenerateSampler
 
-    model = trainer.policy.model
+    model = trainer.parts.policy.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     sampler = HFGenerateSampler(
-        model, trainer.tokenizer, stop_token_ids=[-1]
+        model, trainer.parts.tokenizer, stop_token_ids=[-1]
     )  # no stop: every row runs to the end
-    prompt = trainer.renderer.prompt_ids(({"role": "user", "content": "reverse abcdef"},))
+    prompt = trainer.parts.renderer.prompt_ids(({"role": "user", "content": "reverse abcdef"},))
     new_tokens = 16 if args.tiny else 128
     results = []
     for batch in (4, 8) if args.tiny else (64, 256):
         sampler.sample([prompt] * batch, temperature=1.0, max_tokens=4, seed=0)  # warm-up
-        synchronize(trainer.policy.device)
+        synchronize(trainer.parts.policy.device)
         started = time.perf_counter()
         completions = sampler.sample(
             [prompt] * batch, temperature=1.0, max_tokens=new_tokens, seed=0
         )
-        synchronize(trainer.policy.device)
+        synchronize(trainer.parts.policy.device)
         seconds = time.perf_counter() - started
         tokens = sum(len(c.token_ids) for c in completions)
         floor = batch * bandwidth / weight_bytes if bandwidth else None
@@ -321,12 +321,14 @@ def check_sampler(trainer, args, bandwidth) -> list[dict]:
 
 
 def check_teacher(trainer, args) -> dict:
-    batch = rows_batch(8 if args.tiny else 64, 48 if args.tiny else 512, 16, len(trainer.tokenizer))
-    trainer.teachers.score(batch)  # warm-up
-    synchronize(trainer.policy.device)
+    batch = rows_batch(
+        8 if args.tiny else 64, 48 if args.tiny else 512, 16, len(trainer.parts.tokenizer)
+    )
+    trainer.parts.teachers.score(batch)  # warm-up
+    synchronize(trainer.parts.policy.device)
     started = time.perf_counter()
-    trainer.teachers.score(batch)
-    synchronize(trainer.policy.device)
+    trainer.parts.teachers.score(batch)
+    synchronize(trainer.parts.policy.device)
     seconds = time.perf_counter() - started
     tokens = int(batch.attention_mask_BT.sum())
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}

@@ -163,15 +163,15 @@ def phase_run(phase: str, tokens: int, checkpointing: bool, model: Path, chunk: 
     )
     trainer = Trainer(config, progress=False)
     if phase != "sample":
-        (item,) = trainer.batches.batch(0)
-        prompt = trainer.renderer.prompt_ids(item.prompt.messages)
+        (item,) = trainer.parts.batches.batch(0)
+        prompt = trainer.parts.renderer.prompt_ids(item.prompt.messages)
         ids = torch.randint(len(SPECIAL_TOKENS), VOCAB, (tokens,)).tolist()
         completion = Completion(ids, [0.0] * tokens, finished=False, policy_version=0)
-        rollouts = build_rollout_batch([prompt], [completion], [0], trainer.engine.pad_id)
+        rollouts = build_rollout_batch([prompt], [completion], [0], trainer.parts.engine.pad_id)
         request = config.training.objective_for("student").teacher_request(
             config.training.temperature
         )
-        teacher = trainer.teachers.score(rollouts, request) if phase == "update" else None
+        teacher = trainer.parts.teachers.score(rollouts, request) if phase == "update" else None
     gc.collect()
     resident, _ = memory_now()
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
@@ -179,7 +179,7 @@ def phase_run(phase: str, tokens: int, checkpointing: bool, model: Path, chunk: 
     if phase == "sample":
         drawn = int(trainer.collector.sample(0).rollouts.mask_BT.sum())
     elif phase == "score":
-        trainer.teachers.score(rollouts, request)
+        trainer.parts.teachers.score(rollouts, request)
         drawn = tokens
     else:
         batch = Batch(
@@ -246,7 +246,7 @@ def formula_per_token(shape: dict, element_bytes: int, lora: bool, checkpointing
     """opd's own estimate of the update's activations a token (the one that sizes micro-batches)."""
     from transformers import PretrainedConfig
 
-    from opd.trainer.micro_batching import activation_bytes_per_token
+    from opd.assemble.micro_batching import activation_bytes_per_token
 
     return activation_bytes_per_token(PretrainedConfig(**shape), element_bytes, lora, checkpointing)
 

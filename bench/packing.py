@@ -95,7 +95,7 @@ def make_rows(args, directory: str) -> None:
         batch.attention_mask_BT[row, end:] = 0
         batch.mask_BT[row, end:] = 0
         batch.sampled_logprobs_BT[row, end:] = 0
-        batch.input_ids_BT[row, end:] = trainer.engine.pad_id
+        batch.input_ids_BT[row, end:] = trainer.parts.engine.pad_id
     tensors = {
         "input_ids": batch.input_ids_BT,
         "attention": batch.attention_mask_BT,
@@ -133,38 +133,38 @@ def run_mode(args, directory: str, mode: str) -> dict:
         [],
         torch.zeros(rows, dtype=torch.long),
     )
-    training = trainer.config.training
+    training = trainer.parts.config.training
     teacher_seconds, update_seconds = [], []
     for _ in range(args.repeats + 1):
         started = time.perf_counter()
-        scores = trainer.teachers.score(batch)
+        scores = trainer.parts.teachers.score(batch)
         scored = time.perf_counter()
-        advantages = trainer.objective.advantages(
+        advantages = trainer.parts.objective.advantages(
             batch.sampled_logprobs_BT, scores, batch.mask_BT, policy_gradient(training)
         )
         policy_update(
-            trainer.policy,
-            trainer.objective,
-            trainer.optimizer,
-            trainer.scheduler,
+            trainer.parts.policy,
+            trainer.parts.objective,
+            trainer.parts.optimizer,
+            trainer.parts.scheduler,
             batch,
             scores,
             torch.zeros_like(batch.mask_BT) if advantages is None else advantages,
             training,
-            trainer.batching,
+            trainer.parts.batching,
         )
         update_seconds.append(time.perf_counter() - scored)
         teacher_seconds.append(scored - started)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     lengths = batch.attention_mask_BT.sum(-1)
-    micro_batches = trainer.batching.split(batch)
+    micro_batches = trainer.parts.batching.split(batch)
     return {
         "teacher_seconds": teacher_seconds[1:],
         "update_seconds": update_seconds[1:],
         "peak_mib": peak_mib,
-        "token_budget": trainer.batching.tokens,
+        "token_budget": trainer.parts.batching.tokens,
         "micro_batches": len(micro_batches),
-        "packed": trainer.batching.packed,
+        "packed": trainer.parts.batching.packed,
         "tokens": int(lengths.sum()),
         "padded_tokens": rows * int(lengths.max()),
         "completion_lengths": batch.mask_BT.sum(-1).int().tolist(),

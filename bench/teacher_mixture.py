@@ -113,7 +113,7 @@ def curve(metrics: list[dict]) -> list[dict]:
 def teacher_accuracies(student: Path, teachers: dict[str, Path], args) -> dict:
     """Each teacher's held-out accuracy on both families (the same evaluation as the runs')."""
     from opd.config import config_from_dict, config_to_dict
-    from opd.runs.evaluate_run import evaluate_run
+    from opd.saved.evaluate import evaluate_run
 
     found = {}
     for name, model in teachers.items():

@@ -382,7 +382,7 @@ def main() -> None:
             if args.show_calls:
                 results[-1]["first_turns"] = first_turns(run.student, student, args.show_calls)
             if judges is not None:
-                from opd.runs.export import export_student
+                from opd.saved.export import export_student
 
                 final = export_student(log_path, log_path / "final-student")
                 results[-1]["readings"] = readings.disagreement(final, *judges, compared, seed)

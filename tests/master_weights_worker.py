@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from opd.trainer.optimizer import adamw
+from opd.assemble.optimizer import adamw
 
 
 def model() -> torch.nn.Module:

@@ -114,7 +114,7 @@ def bpe_model(tmp_path_factory):
 def rollout_and_scores(config):
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.collector.sample_batch(0)
-    return trainer, batch, trainer.teachers.score(batch).logprobs_BT
+    return trainer, batch, trainer.parts.teachers.score(batch).logprobs_BT
 
 
 def test_same_tokenizer_through_the_cross_tokenizer_path_is_exact(demo_models, tmp_path):
@@ -265,7 +265,7 @@ def test_a_bpe_teacher_writes_its_own_text_in_the_students_tokens(demo_models, b
     assert source == "teacher"
     teacher_tokenizer = PreTrainedTokenizerFast.from_pretrained(bpe_model)
     student_tokenizer = build_char_tokenizer()
-    model = trainer.teachers.per_dataset[0].model
+    model = trainer.parts.teachers.per_dataset[0].model
     stop = teacher_tokenizer.convert_tokens_to_ids("<|im_end|>")
     sampler = HFGenerateSampler(model, teacher_tokenizer, stop_token_ids=[stop])
     seeds = [row_seed(step_seed(0, 0), row) for row in range(len(batch.sequences))]
@@ -349,7 +349,9 @@ def test_a_bpe_teacher_trains_a_character_student_with_the_top_k_forward_kl(
     config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 6}
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.collector.sample_batch(0)
-    scores = trainer.teachers.score(batch, trainer.config.training.objective.teacher_request(1.0))
+    scores = trainer.parts.teachers.score(
+        batch, trainer.parts.config.training.objective.teacher_request(1.0)
+    )
     mask = batch.mask_BT.bool()
     ids_NK, logprobs_NK = scores.topk_ids_BTK[mask], scores.topk_logprobs_BTK[mask]
     assert ids_NK.shape[1] == 6 and (logprobs_NK.exp().sum(-1) <= 1 + 1e-5).all()
@@ -371,12 +373,12 @@ def test_a_same_tokenizer_teacher_read_as_another_gives_its_own_top_k(demo_model
     config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 6}
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.collector.sample_batch(0)
-    crossed = trainer.teachers.score(batch, TeacherRequest(topk=6))
+    crossed = trainer.parts.teachers.score(batch, TeacherRequest(topk=6))
     mask = batch.mask_BT.bool()
     inputs = TeacherInput(batch.input_ids_BT, batch.attention_mask_BT, mask)
-    direct = trainer.teachers.per_dataset[0].score(inputs, TeacherRequest(topk=8))
-    tokenizer = trainer.tokenizer
-    unwritten = set(tokenizer.all_special_ids) - set(trainer.renderer.stop_token_ids)
+    direct = trainer.parts.teachers.per_dataset[0].score(inputs, TeacherRequest(topk=8))
+    tokenizer = trainer.parts.tokenizer
+    unwritten = set(tokenizer.all_special_ids) - set(trainer.parts.renderer.stop_token_ids)
     checked = 0
     for row, position in mask.nonzero().tolist():
         ids, logprobs = direct.topk_ids_BTK[row, position], direct.topk_logprobs_BTK[row, position]

@@ -20,8 +20,8 @@ def test_learn_takes_a_finished_batch_and_fetches_nothing(base_config, monkeypat
     def refuse(*_, **__):
         raise AssertionError("learn() must not sample or score")
 
-    monkeypatch.setattr(trainer.engine, "rollout", refuse)
-    monkeypatch.setattr(trainer.teachers, "score", refuse)
+    monkeypatch.setattr(trainer.parts.engine, "rollout", refuse)
+    monkeypatch.setattr(trainer.parts.teachers, "score", refuse)
     learned = trainer.learn(batch)
     expected = twin.train_step(0)
     for key in expected:
@@ -34,7 +34,10 @@ def test_a_batch_collected_earlier_is_learned_as_it_was_collected(base_config):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     first, second = trainer.collect(0), trainer.collect(1)
     trainer.learn(first)
-    assert second.rollouts.policy_version_B.unique().tolist() == [0] and trainer.policy.version == 1
+    assert (
+        second.rollouts.policy_version_B.unique().tolist() == [0]
+        and trainer.parts.policy.version == 1
+    )
     metrics = trainer.learn(second)
     assert metrics["kl_sample_train"] != 0  # the student moved since it sampled this batch
     assert metrics["step"] == 1
@@ -46,7 +49,7 @@ def test_a_batch_collected_earlier_is_learned_as_it_was_collected(base_config):
 def test_teacher_scores_of_a_padded_batch_equal_each_row_scored_alone(base_config, request_):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     rollouts, _ = trainer.collector.sample_batch(0)
-    teacher = trainer.teachers.per_dataset[0]
+    teacher = trainer.parts.teachers.per_dataset[0]
     inputs = TeacherInput(
         rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool()
     )
@@ -93,11 +96,11 @@ def test_two_teachers_answer_into_one_batch_as_each_would_alone(
     base_config["training"]["objective"] = {"name": "topk_forward_kl", "topk": 3}
     trainer = Trainer(config_from_dict(base_config), progress=False)
     rollouts, _ = trainer.collector.sample_batch(0)
-    scores = trainer.teachers.score(rollouts)
+    scores = trainer.parts.teachers.score(rollouts)
     inputs = TeacherInput(
         rollouts.input_ids_BT, rollouts.attention_mask_BT, rollouts.mask_BT.bool()
     )
-    for dataset_index, teacher in enumerate(trainer.teachers.per_dataset):
+    for dataset_index, teacher in enumerate(trainer.parts.teachers.per_dataset):
         rows = (rollouts.dataset_index_B == dataset_index).nonzero().flatten()
         alone = teacher.score(inputs.select(rows), TeacherRequest(topk=3))
         width = alone.logprobs_BT.shape[1]

@@ -497,8 +497,8 @@ def test_settings_that_do_not_fit_the_processes_are_refused_before_any_start(
 def test_the_local_teacher_is_sharded_with_the_student_where_every_process_calls_it_alike(
     models, tmp_path, change, sharded
 ):
+    from opd.assemble.processes import shards_its_teacher
     from opd.config import config_from_dict
-    from opd.trainer.processes import shards_its_teacher
 
     config = run_config(models, tmp_path / "run")
     for section, values in change.items():

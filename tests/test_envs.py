@@ -294,12 +294,12 @@ def test_the_teachers_scores_of_environment_tokens_never_move_the_update(
         config_from_dict(episode_config(episode_models, prompts_file, tmp_path, objective)),
         progress=False,
     )
-    start = copy.deepcopy(trainer.policy.model.state_dict())
+    start = copy.deepcopy(trainer.parts.policy.model.state_dict())
     batch = trainer.collect(0)
     replies = replies_mask(batch)
     assert replies.any() and sum(len(t.turns) == 2 for t in batch.rollouts.trajectories) >= 2
     trainer.learn(copy.deepcopy(batch))
-    updated = copy.deepcopy(trainer.policy.model.state_dict())
+    updated = copy.deepcopy(trainer.parts.policy.model.state_dict())
     teacher = batch.teacher
     teacher.logprobs_BT[replies] = -30.0
     if teacher.topk_logprobs_BTK is not None:
@@ -309,11 +309,11 @@ def test_the_teachers_scores_of_environment_tokens_never_move_the_update(
         teacher.hidden_BTD[replies] = 100.0
     for share in teacher.shares or []:  # a batch composed from several teachers' answers
         share.hidden_BTD[replies] = 100.0
-    trainer.policy.model.load_state_dict(start)
-    trainer.optimizer.state.clear()
-    trainer.scheduler.last_epoch -= 1  # the same learning rate for the second update
+    trainer.parts.policy.model.load_state_dict(start)
+    trainer.parts.optimizer.state.clear()
+    trainer.parts.scheduler.last_epoch -= 1  # the same learning rate for the second update
     trainer.learn(batch)
-    for name, value in trainer.policy.model.state_dict().items():
+    for name, value in trainer.parts.policy.model.state_dict().items():
         assert torch.equal(value, updated[name]), name
     assert any(not torch.equal(updated[name], start[name]) for name in start)
 
@@ -365,9 +365,9 @@ def test_episodes_streamed_turn_by_turn_are_the_episodes_played_in_lock_step(
     config = config_from_dict(config)
     lockstep = Trainer(config, progress=False)
     streamed = Trainer(config, progress=False)
-    streamed.engine = Streaming(streamed.engine)
+    streamed.parts.engine = Streaming(streamed.parts.engine)
     expected, got = lockstep.collect(0).rollouts, streamed.collect(0).rollouts
-    assert streamed.engine.streams == 1
+    assert streamed.parts.engine.streams == 1
     assert got.trajectories == expected.trajectories
     assert torch.equal(got.input_ids_BT, expected.input_ids_BT)
     assert torch.equal(got.mask_BT, expected.mask_BT)
@@ -528,7 +528,7 @@ def test_an_environment_with_step_workers_answers_episodes_at_once_and_plays_the
         )
         trainer = Trainer(config_from_dict(config), progress=False)
         if streamed:
-            trainer.engine = Streaming(trainer.engine)
+            trainer.parts.engine = Streaming(trainer.parts.engine)
         OVERLAP.most = 0
         played[workers] = trainer.collect(0).rollouts
         most[workers] = OVERLAP.most

@@ -137,7 +137,9 @@ def test_eval_needs_held_out_prompts(base_config, tmp_path, capsys):
     assert "no held-out prompts" in capsys.readouterr().err
     base_config["datasets"][0]["eval_source"] = base_config["datasets"][0]["source"]
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.eval_sets[0].grader is None  # some prompts carry no answer: teacher KL only
+    assert (
+        trainer.parts.eval_sets[0].grader is None
+    )  # some prompts carry no answer: teacher KL only
     assert set(trainer.evaluate()) == {"test/rev/teacher_kl", "test/rev/num_prompts", "time/eval"}
 
 
@@ -147,7 +149,7 @@ def test_accuracy_counts_answers_fully_right_and_score_the_partial_credit(base_c
     the mean grade."""
     base_config["datasets"][0]["eval_source"] = base_config["datasets"][0]["source"]
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    eval_set = trainer.eval_sets[0]
+    eval_set = trainer.parts.eval_sets[0]
     for grade, accuracy in ((0.5, 0.0), (1.0, 1.0)):
         eval_set.grader = lambda completion, prompt, grade=grade: grade
         metrics = trainer.evaluate()

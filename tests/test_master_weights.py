@@ -1,4 +1,4 @@
-"""Half-precision students train through float32 master weights (opd.trainer.optimizer): the
+"""Half-precision students train through float32 master weights (opd.assemble.optimizer): the
 float32 copy follows torch's AdamW exactly, the weights are its rounding, resume is exact, and
 FSDP2's shards update as one process does."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from opd.assemble.optimizer import MasterWeightAdamW, adamw
 from opd.config import config_from_dict
 from opd.trainer.loop import Trainer
-from opd.trainer.optimizer import MasterWeightAdamW, adamw
 from tests.master_weights_worker import model, train
 
 WORKER = Path(__file__).with_name("master_weights_worker.py")
@@ -126,10 +126,10 @@ def test_a_bfloat16_student_trains_through_master_weights_and_resumes_exactly(
         for steps_ in max_steps:
             config["training"] = dict(config["training"], max_steps=steps_)
             trainer = Trainer(config_from_dict(config), progress=False)
-            assert isinstance(trainer.optimizer, MasterWeightAdamW)
+            assert isinstance(trainer.parts.optimizer, MasterWeightAdamW)
             rows += trainer.run().metrics
         return rows, {
-            name: p.detach().clone() for name, p in trainer.policy.model.named_parameters()
+            name: p.detach().clone() for name, p in trainer.parts.policy.model.named_parameters()
         }
 
     whole_rows, whole = run("whole", 4)

@@ -20,14 +20,21 @@ def fixed_batch_divergence(trainer: Trainer, name: str, **options) -> float:
     """A divergence per token, computed exactly, on fixed seeded batches (teacher samples repeat
     exactly)."""
     objective = objectives()[name](**options)
-    training = trainer.config.training
+    training = trainer.parts.config.training
     total = tokens = 0.0
     for step in EVAL_STEPS:
         batch, _ = trainer.collector.sample_batch(step)
-        teacher = trainer.teachers.score(batch, objective.teacher_request(training.temperature))
+        teacher = trainer.parts.teachers.score(
+            batch, objective.teacher_request(training.temperature)
+        )
         with torch.no_grad():
             per_token, _, _ = token_losses(
-                trainer.policy, objective, batch, teacher, torch.zeros_like(batch.mask_BT), training
+                trainer.parts.policy,
+                objective,
+                batch,
+                teacher,
+                torch.zeros_like(batch.mask_BT),
+                training,
             )
         total += float((per_token * batch.mask_BT).sum())
         tokens += float(batch.mask_BT.sum())
@@ -91,10 +98,10 @@ def test_dataset_source_trains_on_the_given_answers(demo_models, tmp_path):
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, source = trainer.collector.sample_batch(0)
     assert source == "dataset" and len(batch.sequences) == 16  # one completion per prompt
-    items = trainer.batches.batch(0)
+    items = trainer.parts.batches.batch(0)
     for sequence, mask, item in zip(batch.sequences, batch.mask_BT, items, strict=True):
         completion = [t for t, m in zip(sequence, mask.tolist(), strict=False) if m]
-        assert trainer.tokenizer.decode(completion) == item.prompt.answer + "<|im_end|>"
+        assert trainer.parts.tokenizer.decode(completion) == item.prompt.answer + "<|im_end|>"
 
 
 def test_sft_pays_for_no_teacher_forward(demo_models, tmp_path, monkeypatch):
@@ -135,19 +142,19 @@ def test_jsd_per_token_matches_both_models_full_logits(demo_models, tmp_path, be
     config["teacher"]["dtype"] = teacher_dtype
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.collector.sample_batch(0)
-    teacher = trainer.teachers.score(batch)
-    vocab = trainer.vocab_size
+    teacher = trainer.parts.teachers.score(batch)
+    vocab = len(trainer.parts.tokenizer)
     with torch.no_grad():
         per_token, _, _ = token_losses(
-            trainer.policy,
-            trainer.objective,
+            trainer.parts.policy,
+            trainer.parts.objective,
             batch,
             teacher,
             torch.zeros_like(batch.mask_BT),
-            trainer.config.training,
+            trainer.parts.config.training,
         )
         full = []
-        for model in (trainer.student, trainer.teachers.per_dataset[0].model):
+        for model in (trainer.parts.student, trainer.parts.teachers.per_dataset[0].model):
             logits = model(batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits[
                 ..., :vocab
             ]
@@ -179,14 +186,14 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
     config["student"]["lora_rank"] = lora_rank
     trainer = Trainer(config_from_dict(config), progress=False)
     batch, _ = trainer.collector.sample_batch(0)
-    teacher = trainer.teachers.score(batch)
-    parameters = [p for p in trainer.student.parameters() if p.requires_grad]
+    teacher = trainer.parts.teachers.score(batch)
+    parameters = [p for p in trainer.parts.student.parameters() if p.requires_grad]
     gradients = {}
     for autocast in (None, "bfloat16"):
-        training = dataclasses.replace(trainer.config.training, autocast=autocast)
+        training = dataclasses.replace(trainer.parts.config.training, autocast=autocast)
         per_token, _, _ = token_losses(
-            trainer.policy,
-            trainer.objective,
+            trainer.parts.policy,
+            trainer.parts.objective,
             batch,
             teacher,
             torch.zeros_like(batch.mask_BT),
@@ -194,7 +201,7 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
         )
         (per_token * batch.mask_BT).sum().backward()
         gradients[autocast] = torch.cat([p.grad.flatten() for p in parameters])
-        trainer.student.zero_grad(set_to_none=True)
+        trainer.parts.student.zero_grad(set_to_none=True)
     # in float64: a float32 cosine of two long, nearly parallel vectors can round above 1
     cosine = torch.nn.functional.cosine_similarity(
         gradients[None].double(), gradients["bfloat16"].double(), dim=0
@@ -206,7 +213,10 @@ def test_autocast_update_follows_the_float32_gradient_and_keeps_float32_state(
     row = trainer.train_step(0)
     assert math.isfinite(row["loss"])
     state = [
-        tensor for p in parameters for tensor in trainer.optimizer.state[p].values() if tensor.dim()
+        tensor
+        for p in parameters
+        for tensor in trainer.parts.optimizer.state[p].values()
+        if tensor.dim()
     ]
     assert state and {t.dtype for t in state} == {torch.float32}
     assert {p.dtype for p in parameters} == {torch.float32}

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from opd.assemble.micro_batching import MicroBatching
 from opd.cli import main
 from opd.config import TrainingConfig
 from opd.data.batching import split_to, token_bins
@@ -27,7 +28,6 @@ from opd.policy.lora import apply_lora
 from opd.policy.policy import Policy
 from opd.teachers.base import TeacherInput, TeacherRequest
 from opd.teachers.local import LocalTeacher
-from opd.trainer.micro_batching import MicroBatching
 from opd.trainer.update import policy_gradient, policy_update
 
 VOCAB = 40

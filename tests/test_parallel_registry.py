@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from opd.assemble.processes import resolve_parallel
 from opd.config import ConfigError, config_from_dict
 from opd.policy.parallel import parallel_modes
 from opd.policy.parallel.base import REGISTRY, ParallelMode
 from opd.trainer.loop import Trainer
 from opd.trainer.plan import describe_plan
-from opd.trainer.processes import resolve_parallel
 
 
 class CountingForward(nn.Module):
@@ -63,11 +63,11 @@ def test_the_built_in_modes_are_registered_none_first():
 def test_a_new_mode_is_one_class_the_trainer_runs_by_its_name(new_modes, base_config):
     base_config["training"].update(parallel="counting_test", max_steps=1)
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert isinstance(trainer.policy.module, CountingForward)
-    before = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
+    assert isinstance(trainer.parts.policy.module, CountingForward)
+    before = [p.detach().clone() for p in trainer.parts.policy.trainable_parameters()]
     trainer.learn(trainer.collect(0))
-    assert trainer.policy.module.calls > 0  # the update ran through the mode's wrapper
-    after = list(trainer.policy.trainable_parameters())
+    assert trainer.parts.policy.module.calls > 0  # the update ran through the mode's wrapper
+    after = list(trainer.parts.policy.trainable_parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 

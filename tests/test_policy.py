@@ -34,10 +34,10 @@ def guard_head(trainer: Trainer) -> list[str]:
     """
     refused: list[str] = []
     inside = {"now": False}
-    module = trainer.policy.module
+    module = trainer.parts.policy.module
     module.register_forward_pre_hook(lambda *_: inside.update(now=True))
     module.register_forward_hook(lambda *_: inside.update(now=False))
-    head = trainer.student.get_output_embeddings()
+    head = trainer.parts.student.get_output_embeddings()
     original = type(head)
 
     class GuardedHead(original):
@@ -59,11 +59,11 @@ def test_the_update_reads_the_lm_head_only_inside_the_policys_module_call(base_c
     trainer = Trainer(config_from_dict(base_config), progress=False)
     batch = trainer.collect(0)  # sampling reads the head through generate, outside the update
     refused = guard_head(trainer)
-    trainer.policy.module = CountingWrapper(trainer.policy.module)
+    trainer.parts.policy.module = CountingWrapper(trainer.parts.policy.module)
     metrics = trainer.learn(batch)
     assert metrics["skipped"] == 0 and metrics["grad_norm"] > 0
     assert refused == []
-    assert trainer.policy.module.calls == len(
+    assert trainer.parts.policy.module.calls == len(
         batch.rollouts.prompt_lengths
     )  # one call per micro-batch
 
@@ -74,18 +74,22 @@ def test_an_update_through_a_real_ddp_wrapper_equals_the_plain_one(base_config, 
     changes = []
     for wrapped in (False, True):
         trainer = Trainer(config_from_dict(base_config), progress=False)
-        before = {k: v.detach().clone() for k, v in trainer.student.named_parameters()}
+        before = {k: v.detach().clone() for k, v in trainer.parts.student.named_parameters()}
         batch = trainer.collect(0)
         if wrapped:
             store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
             torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-            trainer.policy.module = nn.parallel.DistributedDataParallel(trainer.policy.module)
+            trainer.parts.policy.module = nn.parallel.DistributedDataParallel(
+                trainer.parts.policy.module
+            )
         try:
             trainer.learn(batch)
         finally:
             if wrapped:
                 torch.distributed.destroy_process_group()
-        changes.append({k: v.detach() - before[k] for k, v in trainer.student.named_parameters()})
+        changes.append(
+            {k: v.detach() - before[k] for k, v in trainer.parts.student.named_parameters()}
+        )
     assert any(change.abs().max() > 1e-5 for change in changes[0].values())
     for name, change in changes[0].items():
         torch.testing.assert_close(changes[1][name], change, atol=1e-6, rtol=1e-5, msg=name)
@@ -95,9 +99,9 @@ def test_every_optimizer_step_advances_the_version_and_resume_restores_it(base_c
     base_config["training"].update(num_substeps=2, max_steps=2)
     base_config["save_every"] = 1
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.policy.version == 0
+    assert trainer.parts.policy.version == 0
     trainer.run()
-    assert trainer.policy.version == 4  # 2 steps x 2 substeps
+    assert trainer.parts.policy.version == 4  # 2 steps x 2 substeps
     base_config["training"]["max_steps"] = 3
     resumed = Trainer(config_from_dict(base_config), progress=False)
     batches = []
@@ -105,7 +109,7 @@ def test_every_optimizer_step_advances_the_version_and_resume_restores_it(base_c
     resumed.collect = lambda step: batches.append(original(step)) or batches[-1]
     resumed.run()
     assert [b.rollouts.policy_version_B.unique().tolist() for b in batches] == [[4]]
-    assert resumed.policy.version == 6
+    assert resumed.parts.policy.version == 6
 
 
 def lora_policy(char_tokenizer, rank: int = 4) -> Policy:

@@ -67,7 +67,7 @@ def test_the_teacher_scores_the_student_tokens_after_the_context_it_alone_reads(
     answered["teacher"]["context"] = "The answer is {answer}."
     trainer = Trainer(config_from_dict(answered), progress=False)
     batch = trainer.collect(0)
-    renderer, model = trainer.renderer, trainer.teachers.per_dataset[0].model
+    renderer, model = trainer.parts.renderer, trainer.parts.teachers.per_dataset[0].model
     for row in range(batch.rollouts.input_ids_BT.shape[0]):
         record = batch.rollouts.prompt_records[row]
         length = batch.rollouts.prompt_lengths[row]
@@ -75,7 +75,7 @@ def test_the_teacher_scores_the_student_tokens_after_the_context_it_alone_reads(
         assert ids[:length] == renderer.prompt_ids(
             record.messages
         )  # the student's prompt: no context
-        assert "The answer is" not in trainer.tokenizer.decode(ids)
+        assert "The answer is" not in trainer.parts.tokenizer.decode(ids)
         shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
         assert_scored_as_shown(batch, row, renderer, model, shown)
 
@@ -155,9 +155,9 @@ def test_datasets_sharing_a_teacher_model_are_each_read_with_their_own_context(a
     )
     answered["datasets"] = [plain, shown]
     trainer = Trainer(config_from_dict(answered), progress=False)
-    assert trainer.teachers.per_dataset[0] is trainer.teachers.per_dataset[1]
+    assert trainer.parts.teachers.per_dataset[0] is trainer.parts.teachers.per_dataset[1]
     batch = trainer.collect(0)
-    renderer, model = trainer.renderer, trainer.teachers.per_dataset[0].model
+    renderer, model = trainer.parts.renderer, trainer.parts.teachers.per_dataset[0].model
     datasets = batch.rollouts.dataset_index_B.tolist()
     assert set(datasets) == {0, 1}
     for row, dataset in enumerate(datasets):
@@ -217,17 +217,17 @@ def test_a_lora_student_is_its_own_teacher_with_its_adapters_off_and_no_second_c
     answered["training"] |= {"max_steps": 3, "learning_rate": 0.05}
     answered["teacher"] = {"model": "student", "context": "The answer is {answer}."}
     trainer = Trainer(config_from_dict(answered), progress=False)
-    assert trainer.teachers.per_dataset[0].model is trainer.policy.model
-    trainer.policy.model.train()
+    assert trainer.parts.teachers.per_dataset[0].model is trainer.parts.policy.model
+    trainer.parts.policy.model.train()
     trainer.collect(0)
-    assert trainer.policy.model.training
+    assert trainer.parts.policy.model.training
     shared = train(
         config_from_dict(answered | {"log_path": answered["log_path"] + "-shared"}), progress=False
     )
     copied_config = answered | {"log_path": answered["log_path"] + "-copy"}
     copied_config["teacher"] = dict(answered["teacher"], dtype="float32")
     copy_trainer = Trainer(config_from_dict(copied_config), progress=False)
-    assert copy_trainer.teachers.per_dataset[0].model is not copy_trainer.policy.model
+    assert copy_trainer.parts.teachers.per_dataset[0].model is not copy_trainer.parts.policy.model
     copied = train(config_from_dict(copied_config), progress=False)
     assert shared.metrics[-1]["step"] == 2
     for a, b in zip(shared.metrics, copied.metrics, strict=True):
@@ -258,7 +258,7 @@ def test_where_the_students_model_is_busy_or_trained_whole_the_teacher_is_a_froz
     assert copy not in describe_plan(config, 1)
     assert copy in describe_plan(config_from_dict(answered), 1)
     trainer = Trainer(config, progress=False)
-    assert trainer.teachers.per_dataset[0].model is not trainer.policy.model
+    assert trainer.parts.teachers.per_dataset[0].model is not trainer.parts.policy.model
 
 
 def test_a_teacher_shown_the_context_writes_after_it_when_it_writes_the_completions(answered):
@@ -267,7 +267,7 @@ def test_a_teacher_shown_the_context_writes_after_it_when_it_writes_the_completi
     answered["teacher"]["context"] = "The answer is {answer}."
     answered["training"] |= {"data_source": "teacher", "objective": "nll"}
     trainer = Trainer(config_from_dict(answered), progress=False)
-    (writer,) = {id(w): w for w in trainer.teacher_writers}.values()
+    (writer,) = {id(w): w for w in trainer.parts.teacher_writers}.values()
     asked = []
     sample = writer.sample
     writer.sample = lambda prompts, *rest: asked.extend(prompts) or sample(prompts, *rest)
@@ -277,9 +277,11 @@ def test_a_teacher_shown_the_context_writes_after_it_when_it_writes_the_completi
     for row, prompt_ids in enumerate(asked):
         record = rollouts.prompt_records[row]
         shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
-        assert prompt_ids == trainer.renderer.prompt_ids(shown)
+        assert prompt_ids == trainer.parts.renderer.prompt_ids(shown)
         length = rollouts.prompt_lengths[row]
-        assert rollouts.sequences[row][:length] == trainer.renderer.prompt_ids(record.messages)
+        assert rollouts.sequences[row][:length] == trainer.parts.renderer.prompt_ids(
+            record.messages
+        )
 
 
 def test_a_teacher_shown_a_context_renders_with_the_students_template_and_its_variables(answered):
@@ -304,5 +306,7 @@ def test_a_teacher_shown_a_context_renders_with_the_students_template_and_its_va
     batch = trainer.collect(0)
     record = batch.rollouts.prompt_records[0]
     shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
-    assert trainer.renderer.render_text(shown).endswith("<think>assistant:")
-    assert_scored_as_shown(batch, 0, trainer.renderer, trainer.teachers.per_dataset[0].model, shown)
+    assert trainer.parts.renderer.render_text(shown).endswith("<think>assistant:")
+    assert_scored_as_shown(
+        batch, 0, trainer.parts.renderer, trainer.parts.teachers.per_dataset[0].model, shown
+    )

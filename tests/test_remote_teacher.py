@@ -221,10 +221,10 @@ def test_no_step_is_applied_when_the_server_fails(base_config, model_dirs, char_
             Trainer(config_from_dict(config), progress=False)
         config["teacher"]["replica_probes"] = 0
         trainer = Trainer(config_from_dict(config), progress=False)
-        before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
+        before = {k: v.clone() for k, v in trainer.parts.student.state_dict().items()}
         with pytest.raises(RemoteTeacherError):
             trainer.train_step(0)
-        assert all(torch.equal(v, before[k]) for k, v in trainer.student.state_dict().items())
+        assert all(torch.equal(v, before[k]) for k, v in trainer.parts.student.state_dict().items())
     finally:
         process.kill()
         process.wait()

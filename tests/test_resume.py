@@ -210,13 +210,13 @@ def test_load_checkpoint_path_takes_weights_with_a_fresh_optimizer(base_config, 
     first, second = trained_and_loading(base_config, tmp_path)
     trainer = Trainer(config_from_dict(second), progress=False)
     original = AutoModelForCausalLM.from_pretrained(base_config["student"]["model"]).state_dict()
-    trainer.config.training.max_steps = trainer.num_steps = 0
+    trainer.parts.config.training.max_steps = trainer.parts.num_steps = 0
     trainer.run()
-    loaded = trainer.student.state_dict()
+    loaded = trainer.parts.student.state_dict()
     for name, value in first.student.state_dict().items():
         torch.testing.assert_close(loaded[name], value)
     assert any(not torch.equal(original[k], loaded[k]) for k in loaded)
-    assert trainer.optimizer.state_dict()["state"] == {}
+    assert trainer.parts.optimizer.state_dict()["state"] == {}
     assert (
         json.loads((tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()[-1])["step"]
         == 2

@@ -103,10 +103,10 @@ def test_a_two_group_batch_advantage_is_the_kl_term_plus_the_centred_reward(
 
 def test_the_rewards_are_the_graders_grades_of_the_decoded_samples(graded_config):
     trainer = Trainer(config_from_dict(graded_config), progress=False)
-    trainer.graders[0] = length_parity
+    trainer.parts.graders[0] = length_parity
     batch = trainer.collect(0)
     texts = [
-        trainer.tokenizer.decode(row[start:][mask.bool()[start:]], skip_special_tokens=True)
+        trainer.parts.tokenizer.decode(row[start:][mask.bool()[start:]], skip_special_tokens=True)
         for row, mask, start in zip(
             batch.rollouts.input_ids_BT,
             batch.rollouts.mask_BT,
@@ -147,7 +147,7 @@ def test_constant_groups_are_left_out_of_the_update(graded_config, monkeypatch):
     )
     sent = received[0]["rollouts"].mask_BT
     assert not sent[:2].any() and torch.equal(sent[2:], batch.rollouts.mask_BT[2:])
-    before = copy.deepcopy(trainer.policy.model.state_dict())
+    before = copy.deepcopy(trainer.parts.policy.model.state_dict())
     batch.rewards_B = torch.tensor(
         [0.0, 0.0, 1.0, 1.0], dtype=torch.float64
     )  # every group constant
@@ -156,24 +156,24 @@ def test_constant_groups_are_left_out_of_the_update(graded_config, monkeypatch):
         metrics["skipped"] == 1 and metrics["reward/constant_groups"] == 1.0 and len(received) == 1
     )
     assert metrics["reward/kept_rows"] == 0.0 and metrics["num_tokens_kept"] == 0
-    for name, value in trainer.policy.model.state_dict().items():
+    for name, value in trainer.parts.policy.model.state_dict().items():
         assert torch.equal(value, before[name]), name
 
 
 def gradients_of_learning(trainer: Trainer, batch) -> list[torch.Tensor]:
     """The gradient the update steps with (one substep), taken as the optimizer is called."""
     seen = []
-    step = trainer.optimizer.step
+    step = trainer.parts.optimizer.step
 
     def spy(*args, **kwargs):
-        seen.append([p.grad.detach().clone() for p in trainer.policy.trainable_parameters()])
+        seen.append([p.grad.detach().clone() for p in trainer.parts.policy.trainable_parameters()])
         return step(*args, **kwargs)
 
-    trainer.optimizer.step = spy
-    state = copy.deepcopy(trainer.policy.model.state_dict())
+    trainer.parts.optimizer.step = spy
+    state = copy.deepcopy(trainer.parts.policy.model.state_dict())
     trainer.learn(batch)
-    trainer.policy.model.load_state_dict(state)
-    trainer.optimizer.step = step
+    trainer.parts.policy.model.load_state_dict(state)
+    trainer.parts.optimizer.step = step
     return seen[0]
 
 
@@ -196,12 +196,12 @@ def test_objectives_without_advantages_add_the_reward_as_a_policy_gradient(
     torch.testing.assert_close(advantages, torch.tensor([1.0, -1.0, 0.0, 0.0])[:, None] * mask)
     batch.rewards_B = torch.zeros(4, dtype=torch.float64)
     without = gradients_of_learning(trainer, batch)
-    trainer.policy.model.zero_grad()
-    logprobs, _ = trainer.policy.sequence_logprobs(
+    trainer.parts.policy.model.zero_grad()
+    logprobs, _ = trainer.parts.policy.sequence_logprobs(
         rollouts.input_ids_BT, rollouts.attention_mask_BT, mask, temperature=1.0
     )
     (-(advantages * logprobs * mask).sum() / mask.sum()).backward()
-    expected = [p.grad for p in trainer.policy.trainable_parameters()]
+    expected = [p.grad for p in trainer.parts.policy.trainable_parameters()]
     assert max(float(e.abs().max()) for e in expected) > 1e-3  # the term is not trivially zero
     for got, base, term in zip(with_reward, without, expected, strict=True):
         torch.testing.assert_close(got - base, term, rtol=1e-4, atol=1e-6)

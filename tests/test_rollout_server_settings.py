@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from opd.assemble.processes import check_processes
 from opd.cli import main
 from opd.config import ConfigError, config_from_dict, load_config
 from opd.sampling.rollout_server import rollout_server_command
-from opd.trainer.processes import check_processes
 
 RECIPE = Path(__file__).parents[1] / "examples" / "rollout_servers_8gpu.yaml"
 

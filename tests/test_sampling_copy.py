@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from opd.assemble.optimizer import adamw
 from opd.config import config_from_dict
 from opd.logprobs import sequence_logprobs
 from opd.sampling.precision import SamplingCopy
 from opd.trainer.loop import Trainer
-from opd.trainer.optimizer import adamw
 from tests.conftest import tiny_llama, trained_and_loading
 
 
@@ -54,12 +54,12 @@ def test_frozen_and_trainable_weights_are_cast_at_each_rollout(char_tokenizer):
 
 
 def copy_and_student_logprobs(trainer, batch):
-    with torch.no_grad(), trainer.engine.copy.rollout() as copied:
+    with torch.no_grad(), trainer.parts.engine.copy.rollout() as copied:
         from_copy, _ = sequence_logprobs(
             copied, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
         )
         from_student, _ = sequence_logprobs(
-            trainer.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
+            trainer.parts.student, batch.input_ids_BT, batch.attention_mask_BT, batch.mask_BT
         )
     return from_copy, from_student
 
@@ -67,15 +67,15 @@ def copy_and_student_logprobs(trainer, batch):
 def test_rollouts_come_from_the_copy_and_evaluation_from_the_student(base_config):
     base_config["student"]["sampling_dtype"] = "bfloat16"
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.sampler.model is trainer.student
-    assert trainer.engine.model is trainer.engine.copy.model
+    assert trainer.parts.sampler.model is trainer.parts.student
+    assert trainer.parts.engine.model is trainer.parts.engine.copy.model
     trainer.train_step(0)
     batch, _ = trainer.collector.sample_batch(1)
-    assert released(trainer.engine.copy.model)
+    assert released(trainer.parts.engine.copy.model)
     mask = batch.mask_BT.bool()
     # the weights it sampled with: the student has not moved since
-    with trainer.engine.copy.rollout() as copied:
-        assert_copy_holds(trainer.student, copied)
+    with trainer.parts.engine.copy.rollout() as copied:
+        assert_copy_holds(trainer.parts.student, copied)
     from_copy, from_student = copy_and_student_logprobs(trainer, batch)
     # bfloat16 keeps 8 bits of mantissa: a logit near 10 rounds by up to 0.04, and a decode step
     # (KV cache) and a whole-sequence forward round differently
@@ -100,13 +100,13 @@ def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_betwee
 ):
     trainer = lora_trained_a_step(base_config, sampling_dtype="bfloat16")
     batch, _ = trainer.collector.sample_batch(1)
-    assert released(trainer.engine.copy.model)
-    student = trainer.student.get_base_model()
+    assert released(trainer.parts.engine.copy.model)
+    student = trainer.parts.student.get_base_model()
     q_proj = student.model.layers[0].self_attn.q_proj
     # W + (alpha / r) * B @ A, written out from the adapter's own matrices
     delta = (q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight) * (8 / 4)
     assert delta.abs().max() > 1e-3  # the step moved the adapter off its zero start
-    with trainer.engine.copy.rollout() as copied:
+    with trainer.parts.engine.copy.rollout() as copied:
         assert not any("lora_" in name for name, _ in copied.named_parameters())
         assert type(copied.model.layers[0].self_attn.q_proj) is torch.nn.Linear
         expected = (q_proj.base_layer.weight + delta).to(torch.bfloat16)
@@ -122,11 +122,14 @@ def test_copy_of_a_lora_student_has_its_adapters_merged_and_holds_nothing_betwee
 
 def test_a_lora_student_gets_a_merged_copy_in_its_own_dtype_that_scores_as_it_does(base_config):
     trainer = lora_trained_a_step(base_config, dtype="float32", sampling_dtype="float32")
-    assert trainer.engine.copy is not None and trainer.engine.model is trainer.engine.copy.model
+    assert (
+        trainer.parts.engine.copy is not None
+        and trainer.parts.engine.model is trainer.parts.engine.copy.model
+    )
     batch, _ = trainer.collector.sample_batch(1)
-    embedding = trainer.student.get_base_model().model.embed_tokens.weight
+    embedding = trainer.parts.student.get_base_model().model.embed_tokens.weight
     with (
-        trainer.engine.copy.rollout() as copied
+        trainer.parts.engine.copy.rollout() as copied
     ):  # what needs no merge or cast is shared, not copied
         assert copied.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()
     assert embedding.numel() > 0
@@ -147,7 +150,7 @@ def test_a_lora_embedding_tied_to_the_head_stays_unmerged_in_the_copy(base_confi
         lora_target_modules=["embed_tokens", "q_proj"],
     )
     batch, _ = trainer.collector.sample_batch(1)
-    with trainer.engine.copy.rollout() as copied:
+    with trainer.parts.engine.copy.rollout() as copied:
         lora_names = [name for name, _ in copied.named_parameters() if "lora_" in name]
         assert lora_names and all(name.startswith("model.embed_tokens.") for name in lora_names)
         assert type(copied.model.layers[0].self_attn.q_proj) is torch.nn.Linear
@@ -161,9 +164,9 @@ def test_weights_loaded_at_start_reach_the_copy(base_config, tmp_path):
     first, second = trained_and_loading(base_config, tmp_path)
     second["student"] = dict(base_config["student"], sampling_dtype="bfloat16")
     trainer = Trainer(config_from_dict(second), progress=False)
-    trainer.config.training.max_steps = trainer.num_steps = 0
+    trainer.parts.config.training.max_steps = trainer.parts.num_steps = 0
     trainer.run()
-    with trainer.engine.copy.rollout() as copied:
+    with trainer.parts.engine.copy.rollout() as copied:
         assert_copy_holds(first.student, copied)
 
 
@@ -172,12 +175,12 @@ def test_an_adapter_loaded_at_start_is_merged_into_the_copy(base_config, tmp_pat
     first, second = trained_and_loading(base_config, tmp_path)
     second["student"] = dict(base_config["student"], sampling_dtype="float32")
     trainer = Trainer(config_from_dict(second), progress=False)
-    trainer.config.training.max_steps = trainer.num_steps = 0
+    trainer.parts.config.training.max_steps = trainer.parts.num_steps = 0
     trainer.run()
     trained = first.student.get_base_model().model.layers[1].mlp.down_proj
     delta = (trained.lora_B["default"].weight @ trained.lora_A["default"].weight) * (8 / 4)
     assert delta.abs().max() > 0
-    with trainer.engine.copy.rollout() as copied:
+    with trainer.parts.engine.copy.rollout() as copied:
         merged = copied.model.layers[1].mlp.down_proj.weight
         torch.testing.assert_close(merged, trained.base_layer.weight + delta, atol=1e-6, rtol=0)
 
@@ -185,7 +188,10 @@ def test_an_adapter_loaded_at_start_is_merged_into_the_copy(base_config, tmp_pat
 def test_sampling_dtype_equal_to_a_full_fine_tuned_students_makes_no_copy(base_config):
     base_config["student"] |= {"dtype": "float32", "sampling_dtype": "float32"}
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.engine.copy is None and trainer.engine.model is trainer.sampler.model
+    assert (
+        trainer.parts.engine.copy is None
+        and trainer.parts.engine.model is trainer.parts.sampler.model
+    )
 
 
 def test_adamw_is_fused_on_cpu_and_takes_a_decoupled_decay_step():

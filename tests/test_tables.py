@@ -48,12 +48,12 @@ def test_a_saved_dataset_with_its_columns_mapped_trains_and_evaluates_on_its_tes
     }
     config = config_from_dict(base_config)
     trainer = Trainer(config, progress=False)
-    train_prompts = trainer._load_dataset(0)
+    train_prompts = trainer.parts.datasets[0]
     assert [p.messages for p in train_prompts] == [
         ({"role": "user", "content": f"reverse {w}"},) for w in WORDS["train"]
     ]
     assert [p.answer for p in train_prompts] == [w[::-1] for w in WORDS["train"]]
-    (eval_set,) = trainer.eval_sets
+    (eval_set,) = trainer.parts.eval_sets
     assert [p.answer for p in eval_set.prompts] == ["hag", "def"]
     rows = train(config, progress=False).metrics
     assert rows[-1]["test/rev/num_prompts"] == 2 and "test/rev/accuracy" in rows[-1]
@@ -69,7 +69,7 @@ def test_a_parquet_file_of_chat_messages(base_config, tmp_path):
         {"messages": messages, "answer": [w[::-1] for w in WORDS["train"]]}
     ).to_parquet(str(path))
     base_config["datasets"][0] |= {"source": str(path), "num_prompts": 3}
-    prompts = Trainer(config_from_dict(base_config), progress=False)._load_dataset(0)
+    prompts = Trainer(config_from_dict(base_config), progress=False).parts.datasets[0]
     assert [p.messages[-1]["content"] for p in prompts] == [
         "reverse abc",
         "reverse hgf",

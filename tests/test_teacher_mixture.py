@@ -77,9 +77,9 @@ def test_each_sampled_token_is_scored_by_the_mixture_of_naive_forwards_and_each_
     answered["teacher"] = mixture(answered)
     trainer = Trainer(config_from_dict(answered), progress=False)
     batch = trainer.collect(0)
-    renderer = trainer.renderer
-    teacher = trainer.teachers.readings[0][0][0].teacher.model
-    student = trainer.teachers.readings[0][1][0].teacher.model
+    renderer = trainer.parts.renderer
+    teacher = trainer.parts.teachers.readings[0][0][0].teacher.model
+    student = trainer.parts.teachers.readings[0][1][0].teacher.model
     gaps = [[], []]
     rollouts = batch.rollouts
     for row in range(rollouts.input_ids_BT.shape[0]):
@@ -118,9 +118,9 @@ def test_the_mixture_top_k_of_a_run_is_the_union_of_each_teachers_top_k(answered
     answered["training"]["objective"] = {"name": "topk_forward_kl", "topk": 4}
     trainer = Trainer(config_from_dict(answered), progress=False)
     batch = trainer.collect(0)
-    renderer, rollouts = trainer.renderer, batch.rollouts
-    teacher = trainer.teachers.readings[0][0][0].teacher.model
-    student = trainer.teachers.readings[0][1][0].teacher.model
+    renderer, rollouts = trainer.parts.renderer, batch.rollouts
+    teacher = trainer.parts.teachers.readings[0][0][0].teacher.model
+    student = trainer.parts.teachers.readings[0][1][0].teacher.model
     for row in range(rollouts.input_ids_BT.shape[0]):
         record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
         completion = rollouts.sequences[row][length:]
@@ -134,7 +134,7 @@ def test_the_mixture_top_k_of_a_run_is_the_union_of_each_teachers_top_k(answered
             torch.stack([t.values for t in tops]),
             torch.tensor([0.5, 0.5]),
             4,
-            len(trainer.tokenizer),
+            len(trainer.parts.tokenizer),
         )
         mask = rollouts.mask_BT[row].bool()
         scored = int(mask.sum())
@@ -173,10 +173,10 @@ def test_jsd_reads_each_datasets_own_teacher_and_a_mixture_of_local_teachers(ans
     assert sorted(set(rollouts.dataset_index_B.tolist())) == [0, 1]
     for row in range(rollouts.input_ids_BT.shape[0]):
         dataset = int(rollouts.dataset_index_B[row])
-        model = trainer.teachers.readings[dataset][0][0].teacher.model
+        model = trainer.parts.teachers.readings[dataset][0][0].teacher.model
         record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
         naive = naive_logprobs(
-            model, trainer.renderer, record.messages, rollouts.sequences[row][length:]
+            model, trainer.parts.renderer, record.messages, rollouts.sequences[row][length:]
         )
         got = full_distributions(batch, row)
         torch.testing.assert_close(got, naive[: got.shape[0]], atol=1e-5, rtol=0)
@@ -187,15 +187,15 @@ def test_jsd_reads_each_datasets_own_teacher_and_a_mixture_of_local_teachers(ans
     trainer = Trainer(config_from_dict(answered), progress=False)
     batch = trainer.collect(0)
     rollouts = batch.rollouts
-    teacher = trainer.teachers.readings[0][0][0].teacher.model
-    student = trainer.teachers.readings[0][1][0].teacher.model
+    teacher = trainer.parts.teachers.readings[0][0][0].teacher.model
+    student = trainer.parts.teachers.readings[0][1][0].teacher.model
     for row in range(rollouts.input_ids_BT.shape[0]):
         record, length = rollouts.prompt_records[row], rollouts.prompt_lengths[row]
         completion = rollouts.sequences[row][length:]
         shown = ({"role": "system", "content": f"The answer is {record.answer}."}, *record.messages)
         mixed = (
-            0.3 * naive_logprobs(teacher, trainer.renderer, record.messages, completion).exp()
-            + 0.7 * naive_logprobs(student, trainer.renderer, shown, completion).exp()
+            0.3 * naive_logprobs(teacher, trainer.parts.renderer, record.messages, completion).exp()
+            + 0.7 * naive_logprobs(student, trainer.parts.renderer, shown, completion).exp()
         ).log()
         got = full_distributions(batch, row)
         torch.testing.assert_close(got, mixed[: got.shape[0]], atol=1e-5, rtol=0)
@@ -342,7 +342,7 @@ def test_one_teacher_model_with_thinking_on_and_off_is_read_in_two_formats(answe
     off = dict(on, chat_template_kwargs={"think": False})
     answered["teacher"] = {"mixture": [on, off]}
     trainer = Trainer(config_from_dict(answered), progress=False)
-    (first, _), (second, _) = trainer.teachers.readings[0]
+    (first, _), (second, _) = trainer.parts.teachers.readings[0]
     assert first.teacher is second.teacher  # one model loaded
     assert first.format.renderer.render_text([{"role": "user", "content": "q"}]) == "<think>q: "
     assert second.format.renderer.render_text([{"role": "user", "content": "q"}]) == "q: "

@@ -11,6 +11,7 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from opd.assemble.optimizer import lr_factor
 from opd.cli import main
 from opd.config import ConfigError, config_from_dict
 from opd.demo.char_tokenizer import build_char_tokenizer
@@ -19,7 +20,6 @@ from opd.runs.checkpoints import latest_model_dir
 from opd.runs.metrics import read_jsonl
 from opd.teachers.base import TeacherScores
 from opd.trainer.loop import Trainer, train
-from opd.trainer.optimizer import lr_factor
 from tests.conftest import tiny_llama
 
 REQUIRED_METRICS = {
@@ -45,7 +45,7 @@ def test_teacher_equal_to_student_gives_zero_kl_and_unit_ratio(base_config, mode
     trainer = Trainer(config_from_dict(base_config), progress=False)
     batch, source = trainer.collector.sample_batch(0)
     assert source == "student"
-    teacher_logprobs = trainer.teachers.score(batch).logprobs_BT
+    teacher_logprobs = trainer.parts.teachers.score(batch).logprobs_BT
     mask = batch.mask_BT.bool()
     torch.testing.assert_close(
         teacher_logprobs[mask], batch.sampled_logprobs_BT[mask], atol=1e-5, rtol=0
@@ -73,14 +73,14 @@ def test_run_writes_every_metric_and_the_student(base_config):
 def test_one_pass_over_the_shortest_dataset_without_max_steps(base_config):
     base_config["training"]["max_steps"] = None
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.num_steps == 4  # 8 prompts, 2 per batch
+    assert trainer.parts.num_steps == 4  # 8 prompts, 2 per batch
 
 
 def test_substeps_take_one_optimizer_step_each(base_config):
     base_config["training"].update(num_substeps=2, micro_batch_size=1, max_steps=1)
     trainer = Trainer(config_from_dict(base_config), progress=False)
     trainer.train_step(0)
-    states = [s["step"] for s in trainer.optimizer.state.values()]
+    states = [s["step"] for s in trainer.parts.optimizer.state.values()]
     assert states and all(int(s) == 2 for s in states)
 
 
@@ -116,11 +116,15 @@ def test_micro_batches_give_the_same_gradient_as_one_batch(base_config):
     for micro in (None, 1):
         base_config["training"].update(micro_batch_size=micro, max_steps=1, max_grad_norm=None)
         trainer = Trainer(config_from_dict(base_config), progress=False)
-        trainer.optimizer = torch.optim.SGD(trainer.student.parameters(), lr=1.0)
-        trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
-        before = {k: v.detach().clone() for k, v in trainer.student.named_parameters()}
+        trainer.parts.optimizer = torch.optim.SGD(trainer.parts.student.parameters(), lr=1.0)
+        trainer.parts.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            trainer.parts.optimizer, lambda _: 1.0
+        )
+        before = {k: v.detach().clone() for k, v in trainer.parts.student.named_parameters()}
         trainer.train_step(0)
-        changes.append({k: v.detach() - before[k] for k, v in trainer.student.named_parameters()})
+        changes.append(
+            {k: v.detach() - before[k] for k, v in trainer.parts.student.named_parameters()}
+        )
     assert any(change.abs().max() > 1e-4 for change in changes[0].values())
     for name, change in changes[0].items():
         torch.testing.assert_close(change, changes[1][name], atol=1e-6, rtol=1e-4, msg=name)
@@ -130,15 +134,15 @@ def test_gradients_are_freed_after_every_substep(base_config):
     base_config["training"]["num_substeps"] = 2
     trainer = Trainer(config_from_dict(base_config), progress=False)
     metrics = trainer.train_step(0)
-    assert metrics["skipped"] == 0 and trainer.optimizer.state
-    assert all(p.grad is None for p in trainer.student.parameters())
+    assert metrics["skipped"] == 0 and trainer.parts.optimizer.state
+    assert all(p.grad is None for p in trainer.parts.student.parameters())
 
 
 def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.parts.student.state_dict().items()}
     monkeypatch.setattr(
-        trainer.teachers,
+        trainer.parts.teachers,
         "score",
         lambda batch, request=None: TeacherScores(
             torch.full_like(batch.sampled_logprobs_BT, float("nan"))
@@ -147,19 +151,19 @@ def test_non_finite_teacher_logprobs_skip_the_step(base_config, monkeypatch):
     with pytest.warns(UserWarning, match="non-finite log-probs"):
         metrics = trainer.train_step(0)
     assert metrics["skipped"] == 1
-    for name, value in trainer.student.state_dict().items():
+    for name, value in trainer.parts.student.state_dict().items():
         assert torch.equal(value, before[name])
 
 
 def test_a_student_with_nan_logits_has_its_step_skipped(base_config):
     trainer = Trainer(config_from_dict(base_config), progress=False)
     with torch.no_grad():
-        trainer.student.model.norm.weight[0] = float("nan")
-    before = {k: v.clone() for k, v in trainer.student.state_dict().items()}
+        trainer.parts.student.model.norm.weight[0] = float("nan")
+    before = {k: v.clone() for k, v in trainer.parts.student.state_dict().items()}
     with pytest.warns(UserWarning, match="non-finite log-probs"):
         metrics = trainer.train_step(0)
     assert metrics["skipped"] == 1
-    for name, value in trainer.student.state_dict().items():
+    for name, value in trainer.parts.student.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True)
 
 
@@ -280,7 +284,7 @@ def test_per_dataset_teachers_and_metrics(base_config, model_dirs, prompts_file)
         }
     )
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    assert trainer.teachers.per_dataset[0] is not trainer.teachers.per_dataset[1]
+    assert trainer.parts.teachers.per_dataset[0] is not trainer.parts.teachers.per_dataset[1]
     metrics = trainer.train_step(0)
     assert abs(metrics["teacher_kl/self"]) < 1e-5  # scored by the student itself
     assert metrics["teacher_kl/rev"] > 0.1
@@ -307,7 +311,10 @@ def test_datasets_sharing_a_teacher_share_its_loaded_tokenizer_and_format(
     second = dict(base_config["datasets"][0], name="again", source=str(prompts_file))
     base_config["datasets"].append(second)
     trainer = Trainer(config_from_dict(base_config), progress=False)
-    (first, _), (second, _) = trainer.teachers.readings[0][0], trainer.teachers.readings[1][0]
+    (first, _), (second, _) = (
+        trainer.parts.teachers.readings[0][0],
+        trainer.parts.teachers.readings[1][0],
+    )
     assert first.format is second.format is not None
     assert first.teacher is second.teacher
     # one load for the teacher's template format, one for the vocabulary check
@@ -363,7 +370,7 @@ def test_cli_reports_config_errors_without_writing(base_config, tmp_path, capsys
 def test_the_progress_bar_fits_80_columns_with_its_metrics():
     from tqdm import tqdm
 
-    from opd.trainer.loop import PROGRESS_FORMAT, progress_postfix
+    from opd.runs.display import PROGRESS_FORMAT, progress_postfix
 
     metrics = {
         "teacher_kl": 0.0512345,

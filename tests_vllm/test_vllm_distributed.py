@@ -324,12 +324,12 @@ def test_a_batch_collected_ahead_is_sampled_by_the_weights_published_before_it(
     config = copy.deepcopy(run_config(vllm_models, prompts, tmp_path / "run"))
     config["training"] |= {"max_staleness": 1}
     trainer = Trainer(config_from_dict(config), progress=False)
-    assert trainer.ahead_engine is trainer.engine
-    before = {name: value.clone() for name, value in trainer.student.state_dict().items()}
+    assert trainer.parts.ahead_engine is trainer.parts.engine
+    before = {name: value.clone() for name, value in trainer.parts.student.state_dict().items()}
     ahead = AheadCollector(
         trainer.collect,
-        trainer.policy,
-        trainer.ahead_engine,
+        trainer.parts.policy,
+        trainer.parts.ahead_engine,
         max_staleness=1,
         start_step=0,
         end_step=3,
@@ -346,7 +346,7 @@ def test_a_batch_collected_ahead_is_sampled_by_the_weights_published_before_it(
 
     def gap() -> float:
         with torch.no_grad():
-            logprobs, _ = trainer.policy.sequence_logprobs(
+            logprobs, _ = trainer.parts.policy.sequence_logprobs(
                 batch.rollouts.input_ids_BT,
                 batch.rollouts.attention_mask_BT,
                 batch.rollouts.mask_BT,
@@ -354,5 +354,5 @@ def test_a_batch_collected_ahead_is_sampled_by_the_weights_published_before_it(
         return float((batch.rollouts.sampled_logprobs_BT - logprobs)[mask].abs().max())
 
     after_update = gap()
-    trainer.student.load_state_dict(before)
+    trainer.parts.student.load_state_dict(before)
     assert gap() < 1e-4 < after_update

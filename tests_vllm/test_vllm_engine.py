@@ -33,11 +33,11 @@ def trainer_logprobs(trainer: Trainer, batch) -> torch.Tensor:
     """The trainer's own log-probs of the batch's sampled tokens, at the run's temperature."""
     rollouts = batch.rollouts
     with torch.no_grad():
-        logprobs, _ = trainer.policy.sequence_logprobs(
+        logprobs, _ = trainer.parts.policy.sequence_logprobs(
             rollouts.input_ids_BT,
             rollouts.attention_mask_BT,
             rollouts.mask_BT,
-            temperature=trainer.config.training.temperature,
+            temperature=trainer.parts.config.training.temperature,
         )
     return logprobs
 
@@ -60,7 +60,10 @@ def test_engine_samples_from_the_weights_being_trained(vllm_config, vllm_models,
         learning_rate=2e-2 if "lora" in student else 5e-3,
     )
     trainer = Trainer(config_from_dict(config), progress=False)
-    assert isinstance(trainer.engine, VLLMEngine) and trainer.sampler is trainer.engine
+    assert (
+        isinstance(trainer.parts.engine, VLLMEngine)
+        and trainer.parts.sampler is trainer.parts.engine
+    )
     first = trainer.collect(0)
     assert first.rollouts.mask_BT.sum() > 0
     assert gap(trainer, first) < 1e-4
@@ -68,7 +71,7 @@ def test_engine_samples_from_the_weights_being_trained(vllm_config, vllm_models,
 
     before = trainer_logprobs(trainer, first)
     trainer.learn(first)
-    assert trainer.policy.version == 1
+    assert trainer.parts.policy.version == 1
     mask = first.rollouts.mask_BT.bool()
     moved = float((trainer_logprobs(trainer, first) - before)[mask].abs().max())
     assert moved > 1e-2, "the update must move the log-probs enough that a stale engine would show"
@@ -82,9 +85,9 @@ def test_rollouts_follow_their_seed_stop_at_the_stop_id_and_record_truncation(
     vllm_config, vllm_models
 ):
     trainer = Trainer(config_from_dict(vllm_config), progress=False)
-    engine = trainer.engine
-    engine.sync(trainer.policy)
-    prompts = [trainer.renderer.prompt_ids([{"role": "user", "content": "reverse abc"}])] * 6
+    engine = trainer.parts.engine
+    engine.sync(trainer.parts.policy)
+    prompts = [trainer.parts.renderer.prompt_ids([{"role": "user", "content": "reverse abc"}])] * 6
     params = SamplingParams(temperature=1.0, max_tokens=12)
     once = engine.rollout(prompts, params, seeds=row_seeds(7, len(prompts)))
     again = engine.rollout(prompts, params, seeds=row_seeds(7, len(prompts)))
@@ -95,7 +98,7 @@ def test_rollouts_follow_their_seed_stop_at_the_stop_id_and_record_truncation(
     assert len({tuple(c.token_ids) for c in once}) > 1, (
         "rows of one prompt draw from seeds of their own"
     )
-    stops = set(trainer.renderer.stop_token_ids)
+    stops = set(trainer.parts.renderer.stop_token_ids)
     for completion in once + other:
         ends_at_stop = completion.token_ids[-1] in stops
         assert completion.finished == ends_at_stop
@@ -157,12 +160,12 @@ def test_multi_turn_episodes_keep_kl_sample_train_below_1e_3(
     first = trainer.collect(0)  # each episode's next turn joins vLLM's running batch when ready
     assert max(len(t.turns) for t in first.rollouts.trajectories) > 1
     assert gap(trainer, first) < 1e-4
-    streamed = trainer.engine
-    trainer.engine = InLockStep(streamed)
+    streamed = trainer.parts.engine
+    trainer.parts.engine = InLockStep(streamed)
     again = trainer.collect(0)  # every row waiting for the batch's longest turn, as before
     assert again.rollouts.trajectories == first.rollouts.trajectories
     assert torch.equal(again.rollouts.input_ids_BT, first.rollouts.input_ids_BT)
-    trainer.engine = streamed
+    trainer.parts.engine = streamed
     metrics = train(config_from_dict(config), progress=False).metrics
     assert max(abs(m["kl_sample_train"]) for m in metrics) < 1e-3, metrics
     assert max(m["episode/turns"] for m in metrics) > 1
@@ -259,7 +262,7 @@ def test_an_embedding_wider_than_the_tokenizer_is_never_sampled_past_it(
     vllm_config["student"]["model"] = str(padded)
     vllm_config["training"] |= {"max_tokens": 16}
     trainer = Trainer(config_from_dict(vllm_config), progress=False)
-    assert trainer.engine.allowed_token_ids == list(range(len(char_tokenizer)))
+    assert trainer.parts.engine.allowed_token_ids == list(range(len(char_tokenizer)))
     batch = trainer.collect(0)
     sampled = batch.rollouts.input_ids_BT[batch.rollouts.mask_BT.bool()]
     assert sampled.max() < len(char_tokenizer)
@@ -297,8 +300,8 @@ def test_the_eight_gpu_recipe_resolves_for_8_processes_and_its_tensor_parallel_v
     tokens)."""
     from pathlib import Path
 
+    from opd.assemble.processes import check_processes
     from opd.config import load_config
-    from opd.trainer.processes import check_processes
 
     recipe = str(Path(__file__).parents[1] / "examples" / "vllm_fsdp_8gpu.yaml")
     local = [

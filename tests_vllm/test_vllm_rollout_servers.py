@@ -328,7 +328,7 @@ def test_a_slow_server_stops_the_run_naming_it_and_the_timeout(
     url = servers[0].url
     config = on_servers(vllm_models, prompts, tmp_path / "run", servers[:1], rollout_timeout_s=3)
     trainer = Trainer(config_from_dict(config), progress=False)
-    trainer.engine.sync(trainer.policy)
+    trainer.parts.engine.sync(trainer.parts.policy)
     post(url + "/pause?mode=keep", {})
     try:
         with pytest.raises(
@@ -383,15 +383,15 @@ def test_a_push_failing_half_way_is_never_sampled_and_the_next_push_completes(
     ):
         trainer.collect(1)
     assert len(written) > 3  # the update had more files to come
-    tag = trainer.engine.tag(1)
-    assert [s.served_version() for s in trainer.engine.servers] == [
+    tag = trainer.parts.engine.tag(1)
+    assert [s.served_version() for s in trainer.parts.engine.servers] == [
         f"{tag}-loading",
-        trainer.engine.tag(0),
+        trainer.parts.engine.tag(0),
     ]
     monkeypatch.undo()
     metrics = trainer.learn(trainer.collect(1))
     assert abs(metrics["kl_sample_train"]) < 1e-3
-    assert {s.served_version() for s in trainer.engine.servers} == {tag}
+    assert {s.served_version() for s in trainer.parts.engine.servers} == {tag}
 
 
 def test_a_server_killed_mid_run_leaves_the_rotation_and_rejoins_in_sync_once_restarted(
@@ -410,13 +410,13 @@ def test_a_server_killed_mid_run_leaves_the_rotation_and_rejoins_in_sync_once_re
     rows += [trainer.train_step(step) for step in range(2, 4)]
     servers[1].start().wait()
     rows += [trainer.train_step(step) for step in range(4, 6)]
-    trainer.engine.sync(trainer.policy)
+    trainer.parts.engine.sync(trainer.parts.policy)
     post(servers[0].url + "/update_weight_version", {"new_version": "someone-else"})
     rows += [trainer.train_step(step) for step in range(6, 8)]
     assert [r["rollout/servers_live"] for r in rows] == [2, 2, 1, 1, 2, 2, 1, 2]
     assert_on_policy(rows, steps=8)
-    tag = trainer.engine.tag(trainer.engine.version)
-    assert {s.served_version() for s in trainer.engine.servers} == {tag}
+    tag = trainer.parts.engine.tag(trainer.parts.engine.version)
+    assert {s.served_version() for s in trainer.parts.engine.servers} == {tag}
     err = capsys.readouterr().err
     assert err.count(f"rollout server {servers[1].url} taken out of rotation (rollout server") == 1
     assert err.count(f"rollout server {servers[1].url} is back in rotation") == 1

@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> None:
         _dry_run(args)
         return
     if args.nproc:
-        from opd.trainer.processes import launch
+        from opd.assemble.processes import launch
 
         # a bad config, or one that does not fit N processes, is refused once, before they start
         config = load_config(args.config, args.overrides)
@@ -82,7 +82,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from opd.runs.evaluate_run import evaluate_run
+    from opd.saved.evaluate import evaluate_run
 
     record = evaluate_run(args.run_dir, checkpoint=args.checkpoint, base=args.base)
     print(f"model: {record.pop('model')}")
@@ -139,7 +139,7 @@ def _rollout_server(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from opd.runs.export import export_student
+    from opd.saved.export import export_student
 
     out = export_student(args.run_dir, args.out, merge_lora=args.merge_lora)
     print(f"exported the student of {args.run_dir} to {out}")

@@ -4,55 +4,17 @@ how its teacher scores them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from opd.config import Config, DatasetConfig
-from opd.data.graders import Grader, grader_of
-from opd.data.prompts import Prompt
+from opd.data.graders import grader_of
 from opd.data.sequences import RolloutBatch
 from opd.data.sources import load_prompts
 from opd.data.tables import TableOptions, is_table_source
 from opd.envs.base import Environment
-from opd.envs.registry import EnvConfig, make_environment
-from opd.sampling.episodes import EpisodeSpec
+from opd.envs.registry import make_environment
+from opd.runs.evaluation import EvalSet, TeacherScorer
 from opd.teachers.base import Teacher, TeacherInput, TeacherRequest
-
-TeacherScorer = Callable[[RolloutBatch], torch.Tensor]
-"""Teacher log-probs (B, T) of a batch's completion tokens, laid out like the batch."""
-
-
-@dataclass
-class EvalSet:
-    """Held-out prompts of one dataset, how to grade them, and how its teacher scores them."""
-
-    name: str
-    dataset_index: int
-    prompts: list[Prompt]
-    grader: Grader | None
-    score: TeacherScorer | None
-    env: EnvConfig | None = None
-    """Its environment: each prompt is an episode, graded by the episode's reward (the sum of its
-    steps')."""
-    environment: Environment | None = None
-
-    def episodes(self, prompts: list[Prompt], max_tokens: int) -> list[EpisodeSpec] | None:
-        """Fresh episodes of ``prompts`` (None: the set is single-turn)."""
-        if self.environment is None:
-            return None
-        return [
-            EpisodeSpec(
-                self.environment.start(prompt, self.grader),
-                prompt.messages,
-                self.env.max_turns,
-                self.env.episode_tokens(max_tokens),
-                f"{self.name} (evaluation)",
-                self.env.step_workers,
-            )
-            for prompt in prompts
-        ]
 
 
 def direct_scorer(teacher: Teacher) -> TeacherScorer:

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from opd.assemble.eval_sets import EvalSet, direct_scorer
+from opd.assemble.eval_sets import direct_scorer
 from opd.config import config_from_dict
 from opd.data.builtin_tasks import generate_task_prompts
 from opd.data.graders import exact_match
@@ -27,7 +27,7 @@ from opd.data.render import ChatRenderer
 from opd.demo.char_tokenizer import build_char_tokenizer
 from opd.models import load_causal_lm
 from opd.runs.checkpoints import latest_model_dir
-from opd.runs.evaluation import accuracy, evaluate
+from opd.runs.evaluation import EvalSet, accuracy, evaluate
 from opd.sampling.hf_generate import HFGenerateSampler
 from opd.teachers.local import LocalTeacher
 from opd.trainer.loop import train

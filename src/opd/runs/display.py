@@ -1,5 +1,6 @@
-"""A coloured view of one sample: what was prompt, what was trained on, where the teacher disagreed;
-and the per-step sample records a run keeps."""
+"""What a run shows while it trains: its progress bar, a coloured view of one sample (what was
+prompt, what was trained on, where the teacher disagreed), and the per-step sample records it
+keeps."""
 
 from __future__ import annotations
 
@@ -91,3 +92,26 @@ def examples(
         )
         shown.append(f"--- {dataset_names[dataset_index]}\n{text}")
     return "\n".join(shown)
+
+
+PROGRESS_KEYS = {"teacher_kl": "kl", "entropy": "H", "completion_len_mean": "len"}
+"""The metrics the progress bar shows, by the short names that keep it within 80 columns."""
+PROGRESS_FORMAT = (
+    "{desc} |{bar:6}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+)
+"""A bar of fixed width, so a narrow terminal shortens nothing (tqdm's own shrinks the bar to a
+character and cuts the metrics)."""
+
+
+def show_phase(bar, phase: str) -> None:
+    """Name on the bar what the run is doing between steps (an evaluation or a checkpoint can
+    take minutes on a real model); the next step's metrics replace it."""
+    bar.postfix = phase
+    bar.refresh()
+
+
+def progress_postfix(metrics: dict) -> str:
+    """``kl 0.123 H 0.456 len 4.5``: the step's main metrics for the bar."""
+    return " ".join(
+        f"{short} {metrics[key]:.3g}" for key, short in PROGRESS_KEYS.items() if key in metrics
+    )

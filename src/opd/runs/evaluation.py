@@ -3,16 +3,56 @@ score (partial credit where it gives any), pass@1 at the sampling temperature, a
 
 from __future__ import annotations
 
-from opd.assemble.eval_sets import EvalSet
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
 from opd.data.graders import Grader
 from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.data.rewards import completion_reward
-from opd.data.sequences import Completion, build_rollout_batch
+from opd.data.sequences import Completion, RolloutBatch, build_rollout_batch
 from opd.distributed import all_reduce, world
+from opd.envs.base import Environment
+from opd.envs.registry import EnvConfig
 from opd.objectives.advantages import reverse_kl_per_token
 from opd.sampling.base import Sampler, row_seed
-from opd.sampling.episodes import play_episodes
+from opd.sampling.episodes import EpisodeSpec, play_episodes
+
+TeacherScorer = Callable[[RolloutBatch], torch.Tensor]
+"""Teacher log-probs (B, T) of a batch's completion tokens, laid out like the batch."""
+
+
+@dataclass
+class EvalSet:
+    """Held-out prompts of one dataset, how to grade them, and how its teacher scores them."""
+
+    name: str
+    dataset_index: int
+    prompts: list[Prompt]
+    grader: Grader | None
+    score: TeacherScorer | None
+    env: EnvConfig | None = None
+    """Its environment: each prompt is an episode, graded by the episode's reward (the sum of its
+    steps')."""
+    environment: Environment | None = None
+
+    def episodes(self, prompts: list[Prompt], max_tokens: int) -> list[EpisodeSpec] | None:
+        """Fresh episodes of ``prompts`` (None: the set is single-turn)."""
+        if self.environment is None:
+            return None
+        return [
+            EpisodeSpec(
+                self.environment.start(prompt, self.grader),
+                prompt.messages,
+                self.env.max_turns,
+                self.env.episode_tokens(max_tokens),
+                f"{self.name} (evaluation)",
+                self.env.step_workers,
+            )
+            for prompt in prompts
+        ]
 
 
 def grades(

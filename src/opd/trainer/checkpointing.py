@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from opd.assemble.run import RunComponents
 from opd.runs.checkpoints import restore_rng_states, save_checkpoint
 from opd.runs.resume import StartPoint
 from opd.runs.sharded_state import (
@@ -15,7 +16,6 @@ from opd.runs.sharded_state import (
     save_sharded_state,
 )
 from opd.trainer.ahead import AheadCollector, PublishedWeights, load_in_flight, save_in_flight
-from opd.trainer.components import RunComponents
 
 
 class Checkpointer:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from opd.assemble.run import RunComponents
 from opd.config import TrainingConfig
 from opd.data.prompts import Prompt
 from opd.data.rewards import completion_reward
@@ -24,7 +25,6 @@ from opd.sampling.base import RolloutEngine, SamplingParams, row_seed
 from opd.sampling.episodes import EpisodeSpec, TurnSampler, play_episodes, play_episodes_streamed
 from opd.teachers.writer import write_rows
 from opd.trainer.batch import Batch
-from opd.trainer.components import RunComponents
 from opd.trainer.sft import completion_tokens
 
 

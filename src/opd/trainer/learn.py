@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from opd.assemble.run import RunComponents
 from opd.data.batching import contiguous_slices
 from opd.data.sequences import RolloutBatch
 from opd.distributed import all_reduce
@@ -19,7 +20,6 @@ from opd.objectives.advantages import group_centred_rewards, standardized
 from opd.runs.timing import SpanRecorder
 from opd.sampling.vllm_server import VLLMServerEngine
 from opd.trainer.batch import Batch
-from opd.trainer.components import RunComponents
 from opd.trainer.diagnostics import diagnostic_metrics
 from opd.trainer.episode_metrics import episode_metrics
 from opd.trainer.update import policy_gradient, policy_update

@@ -2,7 +2,7 @@
 from the worker collecting ahead), learn from it, log, checkpoint when due, as the reference's
 synchronous loop does. The step's two halves live in their own rooms: collection
 (:mod:`opd.trainer.collect`: sample, play episodes, score) and learning (:mod:`opd.trainer.learn`:
-advantages, the update); what a run is built from is set up in :mod:`opd.trainer.components`,
+advantages, the update); what a run is built from is assembled by :mod:`opd.assemble.run`,
 and its checkpoints are saved and restored by :mod:`opd.trainer.checkpointing`.
 """
 
@@ -19,6 +19,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from opd.assemble.run import assemble_run
 from opd.config import Config, recorded_config
 from opd.data.render import ChatRenderer
 from opd.distributed import barrier
@@ -29,7 +30,13 @@ from opd.errors import (
     RolloutServerError,
     RunInterrupted,
 )
-from opd.runs.display import examples, sample_records
+from opd.runs.display import (
+    PROGRESS_FORMAT,
+    examples,
+    progress_postfix,
+    sample_records,
+    show_phase,
+)
 from opd.runs.evaluation import evaluate
 from opd.runs.loggers import build_loggers
 from opd.runs.metrics import JsonlWriter, MetricsWriter, read_jsonl
@@ -49,31 +56,8 @@ from opd.trainer.ahead import AheadCollector
 from opd.trainer.batch import Batch
 from opd.trainer.checkpointing import Checkpointer
 from opd.trainer.collect import Collector
-from opd.trainer.components import RunComponents
 from opd.trainer.learn import Learner
 from opd.trainer.stopping import StopOnSignal
-
-PROGRESS_KEYS = {"teacher_kl": "kl", "entropy": "H", "completion_len_mean": "len"}
-"""The metrics the progress bar shows, by the short names that keep it within 80 columns."""
-PROGRESS_FORMAT = (
-    "{desc} |{bar:6}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
-)
-"""A bar of fixed width, so a narrow terminal shortens nothing (tqdm's own shrinks the bar to a
-character and cuts the metrics)."""
-
-
-def show_phase(bar, phase: str) -> None:
-    """Name on the bar what the run is doing between steps (an evaluation or a checkpoint can
-    take minutes on a real model); the next step's metrics replace it."""
-    bar.postfix = phase
-    bar.refresh()
-
-
-def progress_postfix(metrics: dict) -> str:
-    """``kl 0.123 H 0.456 len 4.5``: the step's main metrics for the bar."""
-    return " ".join(
-        f"{short} {metrics[key]:.3g}" for key, short in PROGRESS_KEYS.items() if key in metrics
-    )
 
 
 @dataclass
@@ -101,17 +85,17 @@ class TrainResult:
         return values[-1]
 
 
-class Trainer(RunComponents):
-    """One run: its parts (:class:`RunComponents`), the three that act on them (a
-    :class:`Collector` makes a step's batch, a :class:`Learner` learns from it, a
+class Trainer:
+    """One run: its parts (:class:`RunComponents`, built by :func:`assemble_run`), the three that
+    act on them (a :class:`Collector` makes a step's batch, a :class:`Learner` learns from it, a
     :class:`Checkpointer` saves and restores), and the loop."""
 
     def __init__(self, config: Config, *, progress: bool = True):
-        super().__init__(config)
+        self.parts = assemble_run(config)
         self.progress = progress
-        self.collector = Collector(self)
-        self.learner = Learner(self)
-        self.checkpointer = Checkpointer(self)
+        self.collector = Collector(self.parts)
+        self.learner = Learner(self.parts)
+        self.checkpointer = Checkpointer(self.parts)
         self.spans = SpanRecorder(None)
         self.ahead: AheadCollector | None = None
         """The worker collecting ahead, while :meth:`run` runs with ``max_staleness`` > 0."""
@@ -149,25 +133,25 @@ class Trainer(RunComponents):
         """
         started = time.perf_counter()
         with self.spans.span(step if step is not None else -1, "eval"):
-            if self.ahead is not None and self.sampler is self.ahead.engine:
+            if self.ahead is not None and self.parts.sampler is self.ahead.engine:
                 metrics = self.ahead.on_worker(self._evaluate_synced)
             else:
-                metrics = self._evaluate_synced(self.policy)
+                metrics = self._evaluate_synced(self.parts.policy)
         return metrics | {"time/eval": time.perf_counter() - started}
 
     def _evaluate_synced(self, weights) -> dict[str, float]:
         """:func:`opd.runs.evaluation.evaluate` with the sampler, an engine synced to ``weights``
         first."""
-        if self.sampler is self.engine:
-            self.engine.sync(weights)
+        if self.parts.sampler is self.parts.engine:
+            self.parts.engine.sync(weights)
         return evaluate(
-            self.sampler,
-            self.renderer,
-            self.eval_sets,
-            temperature=self.config.training.temperature,
-            max_tokens=self.config.training.max_tokens,
-            seed=self.config.seed,
-            pad_id=self.sampler.pad_id,
+            self.parts.sampler,
+            self.parts.renderer,
+            self.parts.eval_sets,
+            temperature=self.parts.config.training.temperature,
+            max_tokens=self.parts.config.training.max_tokens,
+            seed=self.parts.config.seed,
+            pad_id=self.parts.sampler.pad_id,
         )
 
     def run(self) -> TrainResult:
@@ -177,23 +161,25 @@ class Trainer(RunComponents):
         Every process runs this loop on its share of each batch; rank 0 alone writes the run's
         files, logs and shows progress.
         """
-        log_path, main = Path(self.config.log_path), self.world.is_main
-        start = resume_point(self.config)
-        if start.model_dir != self.resumed_model_dir:
+        log_path, main = Path(self.parts.config.log_path), self.parts.world.is_main
+        start = resume_point(self.parts.config)
+        if start.model_dir != self.parts.resumed_model_dir:
             raise CheckpointError(
                 f"{log_path}: its checkpoints changed while the run was being set up; start it "
                 "again"
             )
         if main:
-            prepare_log_path(self.config)
+            prepare_log_path(self.parts.config)
         barrier()
         self.checkpointer.restore(start)
         if main:
             (log_path / CONFIG_NAME).write_text(
-                yaml.safe_dump(recorded_config(self.config), sort_keys=False)
+                yaml.safe_dump(recorded_config(self.parts.config), sort_keys=False)
             )
-        result = TrainResult(self.student, self.tokenizer, self.renderer, log_path=log_path)
-        if start.step >= self.num_steps:
+        result = TrainResult(
+            self.parts.student, self.parts.tokenizer, self.parts.renderer, log_path=log_path
+        )
+        if start.step >= self.parts.num_steps:
             if main:
                 tqdm.write(
                     f"{log_path}: training already complete ({start.step} steps); nothing to do",
@@ -203,22 +189,22 @@ class Trainer(RunComponents):
         if main:
             for name in (METRICS_NAME, SAMPLES_NAME):
                 keep_metrics_before(log_path / name, start.step)
-        eval_every = self.config.eval_every if self.eval_sets else 0
-        names = [d.name for d in self.config.datasets]
+        eval_every = self.parts.config.eval_every if self.parts.eval_sets else 0
+        names = [d.name for d in self.parts.config.datasets]
         writer = MetricsWriter(log_path / METRICS_NAME) if main else None
-        loggers = build_loggers(self.config) if main else []
+        loggers = build_loggers(self.parts.config) if main else []
         samples = JsonlWriter(log_path / SAMPLES_NAME) if main else None
         self.spans = SpanRecorder(log_path / TIMING_NAME if main else None)
-        staleness = self.config.training.max_staleness
+        staleness = self.parts.config.training.max_staleness
         ahead = (
             AheadCollector(
                 self.collect,
-                self.policy,
-                self.ahead_engine,
+                self.parts.policy,
+                self.parts.ahead_engine,
                 max_staleness=staleness,
                 start_step=start.step,
-                end_step=self.num_steps,
-                bucket_bytes=int(self.config.student.sync_bucket_mb * 2**20),
+                end_step=self.parts.num_steps,
+                bucket_bytes=int(self.parts.config.student.sync_bucket_mb * 2**20),
                 in_flight=self.checkpointer.in_flight,
             )
             if staleness
@@ -227,14 +213,14 @@ class Trainer(RunComponents):
         self.ahead = ahead
         checkpoint_seconds = None
         bar = tqdm(
-            total=self.num_steps,
+            total=self.parts.num_steps,
             initial=start.step,
             desc="opd",
             disable=not (self.progress and main),
             bar_format=PROGRESS_FORMAT,
         )
 
-        watchdog = Watchdog(self.config)
+        watchdog = Watchdog(self.parts.config)
         last_saved = start.step
         stop = StopOnSignal(
             lambda: (
@@ -251,7 +237,7 @@ class Trainer(RunComponents):
                     logger.log(metrics, step)
             result.metrics.append(metrics)
             for symptom in watchdog.check(metrics):
-                if self.config.training.stop_on_divergence:
+                if self.parts.config.training.stop_on_divergence:
                     raise DivergenceError(
                         f"step {step}: {symptom.message}. Stopped (training.stop_on_divergence); "
                         "the last checkpoint is kept: change the setting and run again to resume "
@@ -263,7 +249,7 @@ class Trainer(RunComponents):
         stop.install()
         failing = False
         try:
-            for step in range(start.step, self.num_steps):
+            for step in range(start.step, self.parts.num_steps):
                 evaluation = {}
                 if eval_every and step % eval_every == 0:
                     show_phase(bar, "evaluating")
@@ -272,32 +258,34 @@ class Trainer(RunComponents):
                 if main:
                     samples.write(
                         sample_records(
-                            self.tokenizer, names, step, batch.rollouts, batch.reverse_kl_BT
+                            self.parts.tokenizer, names, step, batch.rollouts, batch.reverse_kl_BT
                         )
                     )
-                    if self.config.training.show_examples:
+                    if self.parts.config.training.show_examples:
                         tqdm.write(
-                            examples(self.tokenizer, names, batch.rollouts, batch.reverse_kl_BT)
+                            examples(
+                                self.parts.tokenizer, names, batch.rollouts, batch.reverse_kl_BT
+                            )
                         )
                 metrics = self.learn(batch) | evaluation
                 if ahead:
                     metrics["time/weight_sync"] = ahead.publish(step + 1)
                 if checkpoint_seconds is not None:
                     metrics["time/checkpoint"], checkpoint_seconds = checkpoint_seconds, None
-                metrics["progress/done_frac"] = (step + 1) / self.num_steps
+                metrics["progress/done_frac"] = (step + 1) / self.parts.num_steps
                 record(metrics, step)
                 bar.postfix = progress_postfix(metrics)
                 bar.update(1)
                 done = step + 1
-                if done == self.num_steps and eval_every:
+                if done == self.parts.num_steps and eval_every:
                     show_phase(bar, "evaluating")
                     record({"step": done} | self.evaluate(done), done)
                 if main:
                     check_log_path(log_path, done)
-                signal_number = stop.requested() if done < self.num_steps else None
+                signal_number = stop.requested() if done < self.parts.num_steps else None
                 if (
-                    done == self.num_steps
-                    or (self.config.save_every and done % self.config.save_every == 0)
+                    done == self.parts.num_steps
+                    or (self.parts.config.save_every and done % self.parts.config.save_every == 0)
                     or signal_number
                 ):
                     saving = time.perf_counter()
@@ -309,7 +297,7 @@ class Trainer(RunComponents):
                 if signal_number:
                     raise RunInterrupted(
                         f"stopped by {signal.Signals(signal_number).name} after step {done} of "
-                        f"{self.num_steps}; checkpoint step_{done:06d} saved in "
+                        f"{self.parts.num_steps}; checkpoint step_{done:06d} saved in "
                         f"{log_path / 'checkpoints'}. Run the same command again to resume from "
                         f"step {done}",
                         signal_number,
@@ -339,7 +327,7 @@ class Trainer(RunComponents):
                     with contextlib.suppress(OSError) if failing else contextlib.nullcontext():
                         handle.close()
             self.spans = SpanRecorder(None)
-        if self.config.trace and main:
+        if self.parts.config.trace and main:
             write_chrome_trace(log_path / TIMING_NAME, log_path / "trace.json")
         return result
 

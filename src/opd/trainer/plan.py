@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from opd.assemble.micro_batching import activation_bytes_per_token, device_memory, sized_budget
+from opd.assemble.processes import check_processes, shards_its_teacher, step_group_sizes
 from opd.assemble.teachers import run_teachers, teacher_is_the_students_base
 from opd.config import Config, StudentSection, TrainingConfig
 from opd.errors import ModelLoadError
@@ -19,8 +21,6 @@ from opd.models import model_source
 from opd.policy.parallel import parallel_mode
 from opd.sampling.vllm_settings import GPU_MEMORY_UTILIZATION
 from opd.teachers.config import TeacherConfig
-from opd.trainer.micro_batching import activation_bytes_per_token, device_memory, sized_budget
-from opd.trainer.processes import check_processes, shards_its_teacher, step_group_sizes
 
 GB = 1e9
 ADAM_STATES = 2

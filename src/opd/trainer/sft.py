@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import torch
 
+from opd.assemble.optimizer import lr_factor
 from opd.data.prompts import Prompt
 from opd.data.render import ChatRenderer
 from opd.data.sequences import pad_right
 from opd.logprobs import sequence_logprobs
 from opd.models import module_device
-from opd.trainer.optimizer import lr_factor
 
 
 def completion_tokens(renderer: ChatRenderer, prompt: Prompt) -> tuple[list[int], list[int]]:

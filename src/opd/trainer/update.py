@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opd.assemble.micro_batching import MicroBatching
 from opd.config import TrainingConfig
 from opd.data.batching import contiguous_slices
 from opd.data.sequences import RolloutBatch
@@ -19,7 +20,6 @@ from opd.objectives.policy_losses import PolicyGradient, aggregate
 from opd.objectives.rollout_correction import correction_sums
 from opd.policy.policy import Policy
 from opd.teachers.base import TeacherScores
-from opd.trainer.micro_batching import MicroBatching
 
 
 @dataclass
