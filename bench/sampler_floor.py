@@ -16,10 +16,14 @@ written around the same model in the same precision has little left to win.
 ``--update-tokens T`` also times the update's floor: each linear layer's three matmuls of a
 forward and backward pass (``x @ W.T``, ``dy @ W``, ``dy.T @ x``) over T tokens (a step's
 prompt and completion tokens), lm head included, without attention, norms or the optimizer;
-6 x linear parameters x T flops, at the rate this machine's matmuls reach.
+6 x linear parameters x T flops, at the rate this machine's matmuls reach. With
+``--update-objective`` it times opd's own update at those tokens in the same run, and profiles
+one to say what lies outside the matmuls.
 
     python bench/sampler_floor.py --model ~/.cache/opd/smollm2-135m-instruct
     python bench/sampler_floor.py --model ~/.cache/opd/smollm2-135m-instruct --update-tokens 1924
+    python bench/sampler_floor.py --model ~/.cache/opd/smollm2-135m-instruct --update-tokens 1924 \
+        --update-objective jsd
 """
 
 from __future__ import annotations
@@ -77,6 +81,79 @@ def update_floor(linears: list[nn.Linear], tokens: int, repeats: int) -> dict:
     return {"tokens": tokens, "seconds": seconds, "flop": flop, "gflop_per_s": flop / seconds / 1e9}
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
+"""The ops that do the floor's work (and the fused heads' own projections); the rest of the
+update's profile lies outside it."""
+
+
+def opd_update(model_dir: str, tokens: int, rows: int, objective: str, repeats: int) -> dict:
+    """opd's update (forward, backward, optimizer step) of ``rows`` rows over ``tokens`` tokens,
+    a seventh of each row its prompt as in the long step, the model its own teacher (full
+    fine-tuning, float32, the micro-batches opd sizes); its median seconds, and where one
+    profiled update spends them, by torch op (self time, so the ops add up to the whole)."""
+    import json
+    import tempfile
+
+    from gpu_check import rows_batch
+    from torch.profiler import ProfilerActivity, profile
+
+    from opd.assemble.run import assemble_run
+    from opd.config import config_from_dict
+    from opd.trainer.update import policy_gradient, policy_update
+
+    with tempfile.TemporaryDirectory() as directory:
+        prompts = Path(directory) / "prompts.jsonl"
+        prompts.write_text((json.dumps({"prompt": "Say hello."}) + "\n") * rows)
+        options = {"beta": 1.0} if objective == "jsd" else {}  # TRL's objective, as step_time's
+        config = {
+            "log_path": str(Path(directory) / "run"),
+            "student": {"model": model_dir, "lora_rank": 0, "device": "cpu"},
+            "teacher": {"model": model_dir, "device": "cpu"},
+            "datasets": [
+                {
+                    "name": "update",
+                    "source": str(prompts),
+                    "groups_per_batch": rows,
+                    "group_size": 1,
+                }
+            ],
+            "training": {"objective": {"name": objective, **options}, "learning_rate": 1e-5},
+        }
+        parts = assemble_run(config_from_dict(config))
+    length = tokens // rows
+    batch = rows_batch(rows, length, length // 7, len(parts.tokenizer))
+    scores = parts.teachers.score(batch)
+    training = parts.config.training
+    advantages = parts.objective.advantages(
+        batch.sampled_logprobs_BT, scores, batch.mask_BT, policy_gradient(training)
+    )
+    advantages = torch.zeros_like(batch.mask_BT) if advantages is None else advantages
+
+    def update() -> None:
+        policy_update(
+            parts.policy, parts.objective, parts.optimizer, parts.scheduler, batch, scores,
+            advantages, training, parts.batching,
+        )  # fmt: skip
+
+    seconds = per_token_seconds(update, 1, repeats)
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        update()
+    ops = {e.key: e.self_cpu_time_total / 1e6 for e in profiled.key_averages()}
+    total = sum(ops.values())
+    top = sorted(ops.items(), key=lambda op: -op[1])[:12]
+    return {
+        "tokens": rows * length,
+        "rows": rows,
+        "micro_batch_tokens": parts.batching.tokens,
+        "seconds": seconds,
+        "profiled_seconds": total,
+        "matmul_share": sum(ops.get(name, 0.0) for name in MATMULS) / total,
+        "attention_share": sum(t for name, t in ops.items() if "scaled_dot_product" in name)
+        / total,
+        "top_ops_share": {name: t / total for name, t in top},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,6 +168,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--update-tokens", type=int, help="also time the update's matmuls at T tokens"
+    )
+    parser.add_argument(
+        "--update-objective",
+        help="with --update-tokens: also time opd's own update at those tokens beside its floor "
+        "(8 rows), with this objective, and profile it",
     )
     parser.add_argument(
         "--out", type=Path, help="also write the results here as JSON, with their provenance"
@@ -182,6 +264,20 @@ def main() -> None:
             f"the update's matmuls at {args.update_tokens} tokens: {floor['seconds']:.2f} s "
             f"({floor['flop'] / 1e12:.2f} Tflop at {floor['gflop_per_s']:.0f} Gflop/s)"
         )
+    if args.update_tokens and args.update_objective:
+        update = opd_update(
+            args.model, args.update_tokens, args.batch, args.update_objective, args.repeats
+        )
+        update["vs_floor"] = update["seconds"] / floor["seconds"]
+        results["update"] = update
+        print(
+            f"opd's update ({args.update_objective}) at {update['tokens']} tokens: "
+            f"{update['seconds']:.2f} s, {update['vs_floor']:.2f}x the floor; in one profiled "
+            f"update the matmuls take {update['matmul_share']:.1%}, attention "
+            f"{update['attention_share']:.1%}; the ops taking most:"
+        )
+        for name, share in update["top_ops_share"].items():
+            print(f"{name:>48} {share:6.1%}")
     write_result(args.out, "bench/sampler_floor.py", vars(args), results)
 
 
