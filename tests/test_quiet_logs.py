@@ -79,3 +79,11 @@ def test_a_run_on_a_terminal_shows_opd_s_bar_and_no_third_party_bars(config_path
     shown = to_a_terminal(command(config_path))
     assert "opd |" in shown and "2/2" in shown  # opd's own bar, to its end
     assert [text for text in THIRD_PARTY if text in shown] == []
+
+
+def test_a_lora_run_prints_no_third_party_warning(config_path, tmp_path):
+    """peft reads a transformers property that transformers 5.2x deprecates: a FutureWarning on
+    every LoRA run, which opd keeps off the console (the run's own warnings still show)."""
+    text = to_a_file(command(config_path, "--no-progress", "student.lora_rank=4"), tmp_path)
+    assert "opd: loading the student" in text
+    assert "Warning" not in text, text[-2000:]

@@ -7,6 +7,7 @@ of three and none of PEFT's per-layer Python.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -33,7 +34,19 @@ def apply_lora(model: nn.Module, student: StudentConfig) -> nn.Module:
         target_modules=student.lora_target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    return quietly_peft(get_peft_model, model, lora)
+
+
+def quietly_peft(call, *args, **kwargs):
+    """``call(*args, **kwargs)`` without the FutureWarning peft raises on every LoRA model with
+    transformers >= 5.2x (it reads ``is_gradient_checkpointing``, which transformers renamed): a
+    word between two libraries' versions that no setting of the user's can change, printed on
+    every run. Any other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", r".*is_gradient_checkpointing.* is deprecated", FutureWarning
+        )
+        return call(*args, **kwargs)
 
 
 def adapter_delta(layer: nn.Module) -> torch.Tensor:

@@ -12,6 +12,7 @@ from peft import PeftModel
 from opd.assemble.student import load_student
 from opd.config import config_from_dict
 from opd.models import load_causal_lm, load_tokenizer
+from opd.policy.lora import quietly_peft
 from opd.runs.checkpoints import CheckpointError, latest_model_dir
 from opd.runs.resume import CONFIG_NAME
 from opd.runs.sharded_state import has_sharded_state, load_sharded_state
@@ -61,7 +62,7 @@ def _export_model_dir(model_dir: Path, config: dict, out: Path, merge_lora: bool
         device="cpu",
         trust_remote_code=student["trust_remote_code"],
     )
-    merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    merged = quietly_peft(PeftModel.from_pretrained, base, model_dir).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     load_tokenizer(str(model_dir), "student.tokenizer").save_pretrained(out)
     return out
