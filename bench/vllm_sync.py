@@ -11,6 +11,8 @@ reasoning-gym ``chain_sum``.
 
     python bench/smollm2.py      # once: the converted model
     python bench/vllm_sync.py --out docs/results/vllm_sync.json
+    # the sampler in bfloat16 against a float32 trainer: the mismatch rollout_correction bounds
+    python bench/vllm_sync.py --runs full --sampling-dtype bfloat16 --objective sampled_reverse_kl
     # on a GPU: colocated, bfloat16, the engine asleep during the update
     python bench/vllm_sync.py --device cuda --dtype bfloat16 --sampler-options
     '{"enable_sleep_mode": true}'
@@ -76,6 +78,7 @@ def run(name: str, student: Path, teacher: Path, args) -> tuple[list[dict], dict
                 "dtype": args.dtype,
                 "device": args.device,
                 "sampler": "vllm",
+                "sampling_dtype": args.sampling_dtype,
                 "sampler_options": args.sampler_options,
                 **settings,
             },
@@ -98,6 +101,7 @@ def run(name: str, student: Path, teacher: Path, args) -> tuple[list[dict], dict
                 "learning_rate": learning_rate,
                 "max_tokens": args.max_tokens,
                 "max_steps": args.steps,
+                **({"objective": args.objective} if args.objective else {}),
             },
         }
         resolved = config_from_dict(config)
@@ -110,9 +114,11 @@ def run(name: str, student: Path, teacher: Path, args) -> tuple[list[dict], dict
         "time/sample",
         "time/total",
     )
-    return [{"step": m["step"], **{k: m[k] for k in keys}} for m in metrics], config_to_dict(
-        resolved
-    )
+    return [
+        {"step": m["step"], **{k: m[k] for k in keys}}
+        | {k: v for k, v in m.items() if k.startswith("rollout_correction/")}
+        for m in metrics
+    ], config_to_dict(resolved)
 
 
 def main() -> None:
@@ -130,6 +136,12 @@ def main() -> None:
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--sampling-dtype",
+        choices=["float32", "bfloat16"],
+        help="student.sampling_dtype: vLLM samples in it while the trainer keeps --dtype",
+    )
+    parser.add_argument("--objective", help="training.objective (default: opd's)")
     parser.add_argument(
         "--sampler-options", type=json.loads, default={}, help="student.sampler_options as JSON"
     )
