@@ -40,6 +40,7 @@ from opd.distributed import all_gather_objects, announce, consecutive_groups, ra
 from opd.errors import ConfigError
 from opd.models import DTYPES
 from opd.sampling.base import SamplingParams, TurnStream, pad_id_for, row_seeds
+from opd.sampling.vllm_reload import quiet_expected_reload_warnings, refresh_shared_weight_layers
 from opd.sampling.vllm_settings import (
     GPU_MEMORY_UTILIZATION,
     VLLMSettings,
@@ -86,6 +87,7 @@ class VLLMEngine:
         self.tensor_parallel_size = int(student.sampler_options.get("tensor_parallel_size", 1))
         self.group = consecutive_groups(self.tensor_parallel_size) if world().size > 1 else None
         self.llm = self._build(student, seed)
+        quiet_expected_reload_warnings()
         self.sleep_mode = bool(student.sampler_options.get("enable_sleep_mode"))
         model_vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.allowed_token_ids = (
@@ -301,27 +303,6 @@ class _EngineTurns:
                 done.append((self.pending.pop(output.request_id), completion))
         version = self.engine.version
         return [(key, dataclasses.replace(c, policy_version=version)) for key, c in done]
-
-
-def refresh_shared_weight_layers(model) -> None:
-    """Re-run the post-load processing of layers whose weight another layer owns (a tied lm head).
-
-    ``reload_weights`` processes the layers it loaded; a head tied to the embedding loads nothing
-    of its own, so on a CPU its packed copy of the weight (made when the engine was built) would
-    keep the old values: a 0.34-nat log-prob error on a tiny tied model after one update.
-    """
-    from collections import Counter
-
-    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        method = getattr(module, "quant_method", None)
-        if (
-            weight is not None
-            and uses[id(weight)] > 1
-            and hasattr(method, "process_weights_after_loading")
-        ):
-            method.process_weights_after_loading(module)
 
 
 CPU_KV_CACHE_BYTES = 2**30

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from opd.sampling.rollout_guard import WEIGHTS_DIR_ENV, files_outside, weights_root
-from opd.sampling.vllm_engine import refresh_shared_weight_layers
+from opd.sampling.vllm_reload import quiet_expected_reload_warnings, refresh_shared_weight_layers
 
 logger = logging.getLogger("vllm.opd_safetensors")  # vLLM's handler prints it in the server's log
 
@@ -108,6 +108,7 @@ class SafetensorsWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesU
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
+        quiet_expected_reload_warnings()
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_shared_weight_layers(self.model)
 
