@@ -1,1 +1,2 @@
-"""Everything a run leaves behind: metrics, examples, evaluations, saved students."""
+"""Everything a run leaves behind and reads back: checkpoints, metrics, examples, evaluations,
+the report."""
