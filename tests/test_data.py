@@ -140,7 +140,9 @@ def test_chat_template_kwargs_reach_the_template(base_config):
 
     hello = [{"role": "user", "content": "hi"}]
     base_config["student"] |= {"chat_template": THINKING_TEMPLATE}
-    thinking = Trainer(config_from_dict(base_config), progress=False).parts.renderer.render_text(hello)
+    thinking = Trainer(config_from_dict(base_config), progress=False).parts.renderer.render_text(
+        hello
+    )
     assert thinking == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     base_config["student"] |= {"chat_template_kwargs": {"enable_thinking": False}}
     quiet = Trainer(config_from_dict(base_config), progress=False).parts.renderer.render_text(hello)
