@@ -196,8 +196,9 @@ class HFGenerateSampler:
         """Keep tokens up to and including the first stop token or completed stop string."""
         stops = set(self.stop_token_ids)
         for end, token in enumerate(token_ids, start=1):
-            if token in stops or ends_in_stop_string(
-                self.tokenizer, token_ids[:end], self.stop_strings
+            if token in stops or (
+                self.stop_strings
+                and ends_in_stop_string(self.tokenizer, token_ids[:end], self.stop_strings)
             ):
                 return Completion(token_ids[:end], logprobs[:end], finished=True)
         return Completion(token_ids, logprobs, finished=False)
